@@ -1,0 +1,138 @@
+"""The embedded demo model: a tiny Qwen3-architecture checkpoint built offline on first use.
+
+No weights can be downloaded, so the app, its tests and its first run use a model it makes itself:
+a byte-level BPE tokenizer trained on a few paragraphs, a Qwen3 config a few MB in size with a
+fixed seed, and Qwen3's own ChatML chat template with the thinking switch. It is written with
+save_pretrained and then loaded through exactly the same from_pretrained path as a real
+checkpoint. Its weights are random, so its replies are noise.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+DEMO_NAME = "demo"
+DEMO_LABEL = "demo model (random weights)"
+# Bump when the recipe changes so an old cached build is not reused.
+DEMO_VERSION = 1
+SEED = 1234
+
+log = logging.getLogger(__name__)
+
+_TEMPLATE = Path(__file__).with_name("templates") / "qwen3.jinja"
+
+# Plain text for the tokenizer's merges; what it says does not matter, only that common English
+# pieces become single tokens so that prompts are a realistic number of tokens long.
+_CORPUS = """
+The quick brown fox jumps over the lazy dog. Hello, how are you today? I am fine, thank you.
+A language model predicts the next token from the tokens before it. Large models are slow when
+memory bandwidth is the limit: every generated token reads every weight once. Quantization to
+eight or four bits makes the weights smaller, so more of them fit and each token reads less.
+Please write a short poem about the sea. Explain why the sky is blue. What is the capital of
+France? Paris is the capital of France. Summarize this text in one sentence. Translate to German.
+def main():\n    print("hello world")\n    return 0\nfor i in range(10):\n    total += i * 2
+Numbers: 0 1 2 3 4 5 6 7 8 9 10 100 1000 3.14 2.71 42. Dates: 2026-11-29, Monday, January.
+Let me think step by step. First, we consider the question. Then we answer it clearly.
+"""
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+# Qwen3 keeps these as added but not "special" tokens, so they survive skip_special_tokens and
+# the reasoning can be split from the answer in the decoded text.
+THINK_TOKENS = ["<think>", "</think>"]
+
+
+def default_cache_dir() -> Path:
+    root = os.environ.get("QWEN_CHAT_CACHE") or Path.home() / ".cache" / "qwen-chat"
+    return Path(root)
+
+
+def demo_model_path(cache_dir: Path | None = None) -> Path:
+    """Path of the demo checkpoint, building it first if it is not there yet."""
+    target = (cache_dir or default_cache_dir()) / f"demo-qwen3-v{DEMO_VERSION}"
+    if (target / "config.json").exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Build beside the target and rename into place: two processes starting at once both
+    # build, the first rename wins, and nobody ever sees a half-written folder.
+    tmp = Path(tempfile.mkdtemp(prefix=".demo-build-", dir=target.parent))
+    try:
+        _build(tmp)
+        try:
+            tmp.rename(target)
+        except OSError:
+            if not (target / "config.json").exists():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    log.info("built the demo model at %s", target)
+    return target
+
+
+def _build(folder: Path) -> None:
+    tokenizer = _build_tokenizer()
+    tokenizer.save_pretrained(folder)
+    model = _build_model(tokenizer)
+    model.save_pretrained(folder, safe_serialization=True)
+
+
+def _build_tokenizer():
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import AddedToken, PreTrainedTokenizerFast
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=1024,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),  # every byte encodes: no <unk>
+        show_progress=False,
+    )
+    bpe.train_from_iterator([_CORPUS] * 4, trainer=trainer)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=bpe,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        clean_up_tokenization_spaces=False,
+        model_max_length=4096,
+    )
+    tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t in THINK_TOKENS])
+    tokenizer.add_special_tokens({"additional_special_tokens": SPECIAL_TOKENS[1:]})
+    tokenizer.chat_template = _TEMPLATE.read_text()
+    return tokenizer
+
+
+def _build_model(tokenizer):
+    import torch
+    from transformers import AutoModelForCausalLM, GenerationConfig, Qwen3Config
+
+    eos_ids = [tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")]
+    config = Qwen3Config(
+        vocab_size=len(tokenizer),
+        hidden_size=128,
+        intermediate_size=384,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+        bos_token_id=eos_ids[1],
+        eos_token_id=eos_ids[0],
+        pad_token_id=eos_ids[1],
+        dtype="bfloat16",
+    )
+    torch.manual_seed(SEED)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    # Qwen3's published sampling defaults, so "defaults come from generation_config" is shown
+    # by the demo model exactly as by a real one.
+    model.generation_config = GenerationConfig(
+        do_sample=True, temperature=0.6, top_p=0.95, top_k=20, repetition_penalty=1.0,
+        eos_token_id=eos_ids, pad_token_id=eos_ids[1], bos_token_id=eos_ids[1],
+        max_new_tokens=512,
+    )
+    return model

@@ -1,0 +1,208 @@
+"""Streaming generation: settings, sampling, the decode loop, and per-reply stats.
+
+The loop is gpt-fast's pipeline: prefill -> decode_one_token -> ... with a check of the stop
+signal between steps, so Stop takes effect within one decode step. Which cache and which compiled
+step it runs on is the Decoder's business (decoders.py); this module does not care.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, replace
+
+import torch
+
+
+class InvalidParameter(ValueError):
+    """A generation setting out of range; .name is the parameter."""
+
+    def __init__(self, name: str, message: str):
+        super().__init__(f"{name}: {message}")
+        self.name = name
+
+
+@dataclass(frozen=True)
+class GenerationSettings:
+    """None means "the model's generation_config default"."""
+
+    max_new_tokens: int | None = None
+    temperature: float | None = None  # 0 = greedy
+    top_p: float | None = None
+    top_k: int | None = None  # 0 = off
+    repetition_penalty: float | None = None
+    seed: int | None = None
+    min_new_tokens: int = 0  # benchmarks: random weights emit EOS at random
+
+    def resolved(self, generation_config, *, context_tokens: int) -> GenerationSettings:
+        """Fill unset values from the model's generation_config, then validate."""
+        gc = generation_config
+        sampling = bool(getattr(gc, "do_sample", False))
+        defaults = {
+            "max_new_tokens": min(getattr(gc, "max_new_tokens", None) or 512, context_tokens),
+            "temperature": (getattr(gc, "temperature", None) or 1.0) if sampling else 0.0,
+            "top_p": getattr(gc, "top_p", None) or 1.0,
+            "top_k": getattr(gc, "top_k", None) or 0,
+            "repetition_penalty": getattr(gc, "repetition_penalty", None) or 1.0,
+        }
+        filled = replace(self, **{k: v for k, v in defaults.items() if getattr(self, k) is None})
+        filled.validate(context_tokens=context_tokens)
+        return filled
+
+    def validate(self, *, context_tokens: int) -> None:
+        def number(name, value):
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or \
+                    not math.isfinite(value):
+                raise InvalidParameter(name, f"must be a finite number, got {value!r}")
+
+        for name in ("temperature", "top_p", "repetition_penalty"):
+            number(name, getattr(self, name))
+        if self.temperature < 0:
+            raise InvalidParameter("temperature", f"must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise InvalidParameter("top_p", f"must be in (0, 1], got {self.top_p}")
+        if self.repetition_penalty <= 0:
+            raise InvalidParameter("repetition_penalty",
+                                   f"must be > 0, got {self.repetition_penalty}")
+        for name in ("top_k", "max_new_tokens", "min_new_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise InvalidParameter(name, f"must be an integer, got {value!r}")
+        if self.top_k < 0:
+            raise InvalidParameter("top_k", f"must be >= 0, got {self.top_k}")
+        if not 1 <= self.max_new_tokens <= context_tokens:
+            raise InvalidParameter("max_new_tokens", f"must be between 1 and the context "
+                                   f"window ({context_tokens}), got {self.max_new_tokens}")
+        if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
+            raise InvalidParameter("seed", f"must be a non-negative integer, got {self.seed!r}")
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+# -- sampling -----------------------------------------------------------------------------------
+def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: float):
+    # logits: [V] float32; seen: [n] ids already in prompt or reply (CTRL paper's penalty,
+    # as transformers applies it: divide positive scores, multiply negative ones).
+    scores = logits.gather(0, seen)
+    scores = torch.where(scores < 0, scores * penalty, scores / penalty)
+    return logits.scatter(0, seen, scores)
+
+
+def sample_next(logits: torch.Tensor, settings: GenerationSettings, seen: torch.Tensor,
+                generator: torch.Generator | None) -> int:
+    """logits [V] -> the next token id, in transformers' order: penalty, temperature, top-k,
+    top-p. Temperature 0 is greedy (argmax), which is what the equality tests compare."""
+    logits = logits.float()
+    if settings.repetition_penalty != 1.0:
+        logits = apply_repetition_penalty(logits, seen, settings.repetition_penalty)
+    if settings.temperature == 0:
+        return int(logits.argmax())
+    logits = logits / settings.temperature
+    if settings.top_k:
+        kth = torch.topk(logits, min(settings.top_k, logits.numel())).values[-1]
+        logits = logits.masked_fill(logits < kth, -math.inf)
+    if settings.top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True)
+        cumulative = sorted_logits.softmax(-1).cumsum(-1)
+        # Drop tokens once the mass before them already reaches top_p; the first always stays.
+        drop = (cumulative - sorted_logits.softmax(-1)) >= settings.top_p
+        logits = logits.scatter(0, order, sorted_logits.masked_fill(drop, -math.inf))
+    probs = logits.softmax(-1)
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+# -- streaming text -----------------------------------------------------------------------------
+class IncrementalDetokenizer:
+    """Token ids in, new text out, without splitting a multi-byte character.
+
+    Decodes a short window (from the last emitted boundary) rather than the whole reply each
+    step, so a long reply costs O(n) and not O(n^2).
+    """
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self._prefix = 0
+        self._read = 0
+
+    def push(self, token_id: int) -> str:
+        self.ids.append(token_id)
+        decode = self.tokenizer.decode
+        before = decode(self.ids[self._prefix:self._read], skip_special_tokens=True)
+        now = decode(self.ids[self._prefix:], skip_special_tokens=True)
+        if len(now) > len(before) and not now.endswith("\ufffd"):
+            self._prefix, self._read = self._read, len(self.ids)
+            return now[len(before):]
+        return ""
+
+
+# -- the loop -----------------------------------------------------------------------------------
+@dataclass
+class ReplyStats:
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    ttft_ms: float = 0.0
+    tok_s: float = 0.0  # decode speed: tokens after the first / time after the first
+    total_s: float = 0.0
+    stopped: bool = False  # by the user's Stop
+    finish_reason: str = ""  # "eos" | "length" | "stop"
+    decode_path: str = ""
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+    def line(self) -> str:
+        return (f"{self.ttft_ms:.0f} ms to first token · {self.tok_s:.1f} tok/s · "
+                f"{self.prompt_tokens} in / {self.new_tokens} out")
+
+
+def decode_tokens(decoder, input_ids: list[int], settings: GenerationSettings, *,
+                  eos_ids: set[int], stop: threading.Event | None = None,
+                  stats: ReplyStats | None = None) -> Iterator[int]:
+    """Yield new token ids until EOS, max_new_tokens, or the stop signal.
+
+    `decoder` owns the model and the cache: prefill(ids) -> logits[V], step(token) -> logits[V].
+    """
+    stats = stats if stats is not None else ReplyStats()
+    stop = stop or threading.Event()
+    generator = None
+    if settings.seed is not None and settings.temperature > 0:
+        generator = torch.Generator(device=decoder.sample_device).manual_seed(settings.seed)
+    seen = torch.tensor(input_ids, dtype=torch.long, device=decoder.sample_device)
+    stats.prompt_tokens = len(input_ids)
+    stats.decode_path = decoder.name
+    start = time.perf_counter()
+    first = start
+    logits = decoder.prefill(input_ids, max_new_tokens=settings.max_new_tokens)
+    finish = "length"
+    for n in range(settings.max_new_tokens):
+        if stop.is_set():
+            finish = "stop"
+            break
+        if n < settings.min_new_tokens and eos_ids:
+            logits = logits.clone()
+            logits[list(eos_ids)] = -math.inf
+        token = sample_next(logits, settings, seen, generator)
+        now = time.perf_counter()
+        if n == 0:
+            first = now
+            stats.ttft_ms = (now - start) * 1000
+        stats.new_tokens = n + 1
+        if n:
+            stats.tok_s = n / (now - first)
+        stats.total_s = now - start
+        if token in eos_ids:
+            stats.new_tokens = n  # EOS is not part of the reply
+            finish = "eos"
+            break
+        yield token
+        if settings.repetition_penalty != 1.0:
+            seen = torch.cat([seen, seen.new_tensor([token])])
+        if n + 1 < settings.max_new_tokens and not stop.is_set():
+            logits = decoder.step(token)
+    stats.finish_reason = finish
+    stats.stopped = finish == "stop"
+    stats.total_s = time.perf_counter() - start

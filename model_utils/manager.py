@@ -1,0 +1,346 @@
+"""The one object that owns the loaded model: load, unload, switch, under one lock.
+
+A switch is transactional: the old model is unloaded first (two 7B models rarely fit at once),
+and if the new one fails to load for any reason the old one is loaded again, same mode and same
+placement, before the error reaches the caller. Unload checks that memory came back.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import gc
+import logging
+import threading
+import time
+import warnings
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import psutil
+import torch
+
+from .memory import GB
+from .modes import Mode, get_mode, quantization_config
+from .modes import unavailable_reason as mode_unavailable
+from .placement import FitEstimate, Placement, device_map_kwargs, estimate_fit, may_offload_to_cpu
+from .placement import unavailable_reason as placement_unavailable
+from .registry import ModelRegistry, ModelSource
+
+log = logging.getLogger(__name__)
+
+# bitsandbytes warns on every int8 matmul whose input is not fp16; the app picks the dtypes.
+warnings.filterwarnings("ignore", message="MatMul8bitLt: inputs will be cast")
+
+Progress = Callable[[float, str], None]
+
+
+class LoadError(RuntimeError):
+    """A load that did not happen; the message is meant for the user."""
+
+
+class ModelBusy(RuntimeError):
+    """A switch refused because replies are still streaming."""
+
+
+@dataclass(frozen=True)
+class LoadRequest:
+    model: str = "demo"
+    mode: str = "bf16"
+    placement: Placement = field(default_factory=Placement)
+    compute_dtype: str = "bf16"  # 4-bit modes only
+    context_tokens: int | None = None  # default: the model's own, capped at 8192
+
+
+@dataclass
+class LoadedModel:
+    source: ModelSource
+    request: LoadRequest
+    mode: Mode
+    model: torch.nn.Module
+    tokenizer: object
+    context_tokens: int
+    load_s: float
+    footprint_gb: float
+    device_map: dict[str, dict]  # device -> {"layers": "0-13", "gb": 7.1}
+    estimate: FitEstimate
+    from_pretrained_kwargs: dict
+    decode_path: str = "eager"
+    decode_path_reason: str = ""
+
+    @property
+    def display_name(self) -> str:
+        return self.source.label
+
+
+@dataclass(frozen=True)
+class UnloadReport:
+    model: str
+    before: dict[str, float]
+    after: dict[str, float]
+    leftover: dict[str, float]  # what did not come back, per counter (GB)
+
+
+def memory_counters() -> dict[str, float]:
+    counters = {"rss_gb": psutil.Process().memory_info().rss / GB}
+    for i in range(torch.cuda.device_count()):
+        counters[f"cuda:{i}_allocated_gb"] = torch.cuda.memory_allocated(i) / GB
+        counters[f"cuda:{i}_reserved_gb"] = torch.cuda.memory_reserved(i) / GB
+    return counters
+
+
+def _release_freed_memory() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+    # glibc keeps freed heap pages mapped; malloc_trim hands them back to the OS so that
+    # process RSS (what the memory panel shows) really drops after an unload.
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
+def summarize_device_map(model: torch.nn.Module) -> dict[str, dict]:
+    """Per device: which decoder layers live there and how many GB of weights."""
+    per_device: dict[str, dict] = {}
+    hf_map = getattr(model, "hf_device_map", None) or {}
+    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+        device = str(tensor.device)
+        if device == "meta":  # offloaded: accelerate's map knows where it really lives
+            owner = max((k for k in hf_map if name.startswith(k)), key=len, default="")
+            device = str(hf_map.get(owner, "disk"))
+        elif device.isdigit():
+            device = f"cuda:{device}"
+        entry = per_device.setdefault(device, {"layers": set(), "gb": 0.0})
+        entry["gb"] += tensor.numel() * tensor.element_size() / GB
+        parts = name.split(".")
+        if "layers" in parts and parts.index("layers") + 1 < len(parts):
+            index = parts[parts.index("layers") + 1]
+            if index.isdigit():
+                entry["layers"].add(int(index))
+    return {d: {"layers": _ranges(e["layers"]), "gb": round(e["gb"], 4)}
+            for d, e in per_device.items()}
+
+
+def _ranges(indices: set[int]) -> str:
+    """{0,1,2,5,6} -> "0-2, 5-6"."""
+    out, run = [], []
+    for i in sorted(indices):
+        if run and i != run[-1] + 1:
+            out.append(run)
+            run = []
+        run.append(i)
+    if run:
+        out.append(run)
+    return ", ".join(f"{r[0]}-{r[-1]}" if len(r) > 1 else str(r[0]) for r in out) or "-"
+
+
+class ModelManager:
+    def __init__(self, registry: ModelRegistry, *, trust_remote_code: bool = False,
+                 busy_timeout_s: float = 30.0):
+        self.registry = registry
+        self.trust_remote_code = trust_remote_code
+        self.busy_timeout_s = busy_timeout_s
+        self._lock = threading.RLock()  # one load/unload/switch at a time
+        self._users = 0  # replies streaming from the current model
+        self._users_changed = threading.Condition()
+        self._loaded: LoadedModel | None = None
+        self.last_unload: UnloadReport | None = None
+        # Called with each freshly loaded model; the engine attaches its fast path here.
+        self.on_loaded: Callable[[LoadedModel, Progress], None] | None = None
+
+    # -- using the model ---------------------------------------------------------------------
+    @property
+    def loaded(self) -> LoadedModel | None:
+        return self._loaded
+
+    @contextlib.contextmanager
+    def use(self) -> Iterator[LoadedModel]:
+        """Hold the current model for one reply; a switch waits until every holder is done."""
+        with self._users_changed:
+            loaded = self._loaded
+            if loaded is None:
+                raise LoadError("no model is loaded: load one in the model panel first")
+            self._users += 1
+        try:
+            yield loaded
+        finally:
+            with self._users_changed:
+                self._users -= 1
+                self._users_changed.notify_all()
+
+    def _wait_until_idle(self) -> None:
+        with self._users_changed:
+            if not self._users_changed.wait_for(lambda: self._users == 0,
+                                                timeout=self.busy_timeout_s):
+                raise ModelBusy(f"{self._users} reply(s) still streaming after "
+                                f"{self.busy_timeout_s:.0f} s: try the switch again when they end")
+
+    # -- load / unload / switch --------------------------------------------------------------
+    def load(self, request: LoadRequest, progress: Progress | None = None) -> LoadedModel:
+        """Load `request`, replacing the current model; on failure the previous one is back."""
+        progress = progress or (lambda _f, _m: None)
+        with self._lock:
+            # Plainly wrong input (no such folder, unknown mode) is refused before the current
+            # model is touched; only a failure of the load itself costs a reload.
+            try:
+                self._check(request)
+            except Exception as error:
+                raise LoadError(_user_message(error)) from error
+            self._wait_until_idle()
+            previous = self._loaded.request if self._loaded else None
+            if previous is not None:
+                progress(0.05, f"unloading {self._loaded.display_name}")
+                self._unload_locked()
+            try:
+                return self._load_locked(request, progress)
+            except Exception as error:
+                reason = _user_message(error)
+                log.error("load of %s (%s, %s) failed: %s", request.model, request.mode,
+                          request.placement.describe(), reason,
+                          exc_info=not isinstance(error, LoadError))
+                _release_freed_memory()
+                if previous is None:
+                    raise LoadError(reason) from error
+                progress(0.9, "load failed: restoring the previous model")
+                try:
+                    restored = self._load_locked(previous, progress)
+                except Exception as restore_error:  # noqa: BLE001 - reported, not hidden
+                    log.exception("could not restore the previous model")
+                    raise LoadError(f"{reason}; restoring the previous model failed too: "
+                                    f"{_user_message(restore_error)}") from error
+                raise LoadError(f"{reason}. The previous model ({restored.display_name}, "
+                                f"{previous.mode}, {previous.placement.describe()}) "
+                                "is serving again.") from error
+
+    def unload(self) -> UnloadReport | None:
+        with self._lock:
+            self._wait_until_idle()
+            return self._unload_locked()
+
+    def estimate(self, request: LoadRequest) -> FitEstimate:
+        source = self.registry.resolve(request.model)
+        config = self._config(source)
+        return estimate_fit(config, get_mode(request.mode), request.placement,
+                            context_tokens=self._context_tokens(config, request))
+
+    def _config(self, source: ModelSource):
+        from transformers import AutoConfig
+
+        return AutoConfig.from_pretrained(source.path, trust_remote_code=self.trust_remote_code)
+
+    @staticmethod
+    def _context_tokens(config, request: LoadRequest) -> int:
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        native = getattr(text, "max_position_embeddings", None) or 4096
+        return request.context_tokens or min(native, 8192)
+
+    def _check(self, request: LoadRequest):
+        """Resolve and validate a request without loading anything."""
+        source = self.registry.resolve(request.model)
+        mode = get_mode(request.mode)
+        target = request.placement.target
+        device_kind = "cpu" if target == "cpu" else "cuda"
+        if reason := placement_unavailable(target) or mode_unavailable(mode, device=device_kind):
+            raise LoadError(reason)
+        return source, mode, self._config(source)
+
+    def _load_locked(self, request: LoadRequest, progress: Progress) -> LoadedModel:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        progress(0.1, f"resolving {request.model}")
+        source, mode, config = self._check(request)
+        context = self._context_tokens(config, request)
+        estimate = estimate_fit(config, mode, request.placement, context_tokens=context)
+        if not estimate.fits:
+            raise LoadError(f"{source.label} in {mode.name} does not fit: {estimate.message()}")
+        kwargs = device_map_kwargs(request.placement, estimate)
+        quant = quantization_config(mode, compute_dtype=request.compute_dtype,
+                                    cpu_offload=may_offload_to_cpu(kwargs))
+        kwargs["dtype"] = mode.dtype
+        if quant is not None:
+            kwargs["quantization_config"] = quant
+        logged_kwargs = {k: (v.to_dict() if hasattr(v, "to_dict") else str(v))
+                         for k, v in kwargs.items()}
+        before = memory_counters()
+        start = time.perf_counter()
+        progress(0.2, f"loading tokenizer of {source.label}")
+        tokenizer = AutoTokenizer.from_pretrained(source.path,
+                                                  trust_remote_code=self.trust_remote_code)
+        progress(0.3, f"loading weights in {mode.name} ({estimate.plan})")
+        model = AutoModelForCausalLM.from_pretrained(
+            source.path, use_safetensors=True, trust_remote_code=self.trust_remote_code,
+            **kwargs)
+        model.eval()
+        load_s = time.perf_counter() - start
+        loaded = LoadedModel(
+            source=source, request=request, mode=mode, model=model, tokenizer=tokenizer,
+            context_tokens=context, load_s=load_s,
+            footprint_gb=model.get_memory_footprint() / GB,
+            device_map=summarize_device_map(model), estimate=estimate,
+            from_pretrained_kwargs=logged_kwargs,
+        )
+        self._loaded = loaded
+        if self.on_loaded is not None:
+            self.on_loaded(loaded, progress)
+        after = memory_counters()
+        log.info("loaded %s mode=%s placement=%s in %.2f s; from_pretrained(%s, %s); "
+                 "footprint %.3f GB; device map %s; memory before %s after %s",
+                 source.label, mode.name, request.placement.describe(), load_s, source.path,
+                 logged_kwargs, loaded.footprint_gb, loaded.device_map, _fmt(before), _fmt(after))
+        progress(1.0, f"loaded {source.label} in {mode.name} ({load_s:.1f} s)")
+        return loaded
+
+    def _unload_locked(self) -> UnloadReport | None:
+        if self._loaded is None:
+            return None
+        name = f"{self._loaded.display_name} ({self._loaded.mode.name})"
+        before = memory_counters()
+        self._loaded = None  # the only strong reference to the model and its caches
+        _release_freed_memory()
+        after = memory_counters()
+        leftover = {k: round(after[k] - before.get(k, 0.0), 4) for k in after
+                    if k != "rss_gb" and after[k] > 0.001}
+        report = UnloadReport(name, before, after, leftover)
+        self.last_unload = report
+        log.info("unloaded %s; memory before %s after %s", name, _fmt(before), _fmt(after))
+        if leftover:
+            log.warning("after unloading %s, memory still held: %s", name, _fmt(leftover))
+        return report
+
+    # -- status -------------------------------------------------------------------------------
+    def status(self) -> dict:
+        loaded = self._loaded
+        if loaded is None:
+            return {"loaded": False}
+        return {
+            "loaded": True,
+            "model": loaded.display_name,
+            "path": str(loaded.source.path),
+            "is_demo": loaded.source.is_demo,
+            "mode": loaded.mode.name,
+            "placement": loaded.request.placement.describe(),
+            "device_map": loaded.device_map,
+            "load_s": round(loaded.load_s, 3),
+            "footprint_gb": round(loaded.footprint_gb, 4),
+            "context_tokens": loaded.context_tokens,
+            "decode_path": loaded.decode_path,
+            "decode_path_reason": loaded.decode_path_reason,
+            "estimate": loaded.estimate.message(),
+        }
+
+
+def _fmt(counters: dict[str, float]) -> str:
+    return ", ".join(f"{k}={v:.3f}" for k, v in counters.items())
+
+
+def _user_message(error: BaseException) -> str:
+    """One line a user can act on, from whatever from_pretrained raised."""
+    if isinstance(error, torch.cuda.OutOfMemoryError):
+        return "out of GPU memory while loading: pick a smaller mode or allow CPU offload"
+    text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    if "safetensors" in text.lower() and "no file named" in text.lower():
+        text += " (this app loads safetensors weights only)"
+    if isinstance(error, (LoadError, ValueError, OSError)):
+        return text
+    return f"{type(error).__name__}: {text}"

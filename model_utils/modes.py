@@ -1,0 +1,99 @@
+"""Precision modes: one table from a mode name to what loading in that mode means.
+
+A dispatch table rather than an if-chain: the loader, the fit estimate, the UI dropdown and the
+benchmark all read the same frozen rows, so adding a mode is adding one line here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+Quantization = Literal["int8", "nf4", "fp4"] | None
+COMPUTE_DTYPES: dict[str, torch.dtype] = {
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+    "fp32": torch.float32,
+}
+
+
+@dataclass(frozen=True)
+class Mode:
+    name: str
+    label: str
+    dtype: torch.dtype  # dtype of the weights that stay unquantized (norms, embeddings, lm_head)
+    quantization: Quantization = None
+    double_quant: bool = False
+    # Bytes a parameter costs in memory. 4-bit packs two weights a byte and adds one absmax
+    # scale per 64-weight block (fp32, or 8-bit plus a second-level scale with double quant).
+    bytes_per_param: float = 2.0
+    # Devices it runs on. bitsandbytes 0.49+ has CPU kernels for int8, nf4 and fp4, so every
+    # mode runs on a CPU (slowly); the tuple is still per mode so a GPU-only one can be added.
+    runs_on: tuple[str, ...] = ("cpu", "cuda")
+
+    @property
+    def is_quantized(self) -> bool:
+        return self.quantization is not None
+
+
+MODES: dict[str, Mode] = {
+    m.name: m
+    for m in (
+        Mode("fp32", "fp32 (full precision, 4 B/param)", torch.float32, bytes_per_param=4.0),
+        Mode("bf16", "bf16 (2 B/param)", torch.bfloat16, bytes_per_param=2.0),
+        Mode("fp16", "fp16 (2 B/param)", torch.float16, bytes_per_param=2.0),
+        Mode("int8", "int8 LLM.int8 (bitsandbytes, ~1 B/param)", torch.float16, "int8",
+             bytes_per_param=1.0 + 4 / 4096),  # + one fp32 row scale per output row
+        Mode("nf4", "nf4 4-bit (bitsandbytes)", torch.bfloat16, "nf4",
+             bytes_per_param=0.5 + 4 / 64),
+        Mode("nf4-dq", "nf4 4-bit + double quant", torch.bfloat16, "nf4", double_quant=True,
+             bytes_per_param=0.5 + 1 / 64 + 4 / (64 * 256)),
+        Mode("fp4", "fp4 4-bit (bitsandbytes)", torch.bfloat16, "fp4",
+             bytes_per_param=0.5 + 4 / 64),
+        Mode("fp4-dq", "fp4 4-bit + double quant", torch.bfloat16, "fp4", double_quant=True,
+             bytes_per_param=0.5 + 1 / 64 + 4 / (64 * 256)),
+    )
+}
+
+
+def get_mode(name: str) -> Mode:
+    try:
+        return MODES[name]
+    except KeyError:
+        raise ValueError(f"unknown mode {name!r}; choose one of: {', '.join(MODES)}") from None
+
+
+def unavailable_reason(mode: Mode, *, device: str) -> str | None:
+    """Why this mode cannot run on this kind of device ("cpu" or "cuda"), or None."""
+    if device not in mode.runs_on:
+        return f"{mode.name} does not run on {device} (runs on: {', '.join(mode.runs_on)})"
+    if mode.is_quantized:
+        try:
+            import bitsandbytes  # noqa: F401
+        except ImportError:
+            return f"{mode.name} needs the bitsandbytes package (pip install bitsandbytes)"
+    return None
+
+
+def quantization_config(mode: Mode, *, compute_dtype: str = "bf16", cpu_offload: bool = False):
+    """The BitsAndBytesConfig for a quantized mode, None for a plain dtype mode."""
+    if mode.quantization is None:
+        return None
+    from transformers import BitsAndBytesConfig
+
+    if compute_dtype not in COMPUTE_DTYPES:
+        raise ValueError(f"unknown compute dtype {compute_dtype!r}; choose one of: "
+                         f"{', '.join(COMPUTE_DTYPES)}")
+    if mode.quantization == "int8":
+        # Modules that spill to the CPU stay fp32 there; bitsandbytes insists on this flag.
+        return BitsAndBytesConfig(load_in_8bit=True,
+                                  llm_int8_enable_fp32_cpu_offload=cpu_offload)
+    return BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type=mode.quantization,
+        bnb_4bit_use_double_quant=mode.double_quant,
+        bnb_4bit_compute_dtype=COMPUTE_DTYPES[compute_dtype],
+        llm_int8_enable_fp32_cpu_offload=cpu_offload,
+    )

@@ -1,0 +1,120 @@
+"""Which models can be chosen, and where each one's files are.
+
+Sources: the embedded demo model, model folders under a models directory, snapshots in the local
+Hugging Face cache, and hub ids (which must already be in that cache: nothing is downloaded).
+A path typed by a user is resolved (symlinks and ../ included) and must lie under an allowed root.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from .demo_model import DEMO_LABEL, DEMO_NAME, default_cache_dir, demo_model_path
+
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+class ModelNotFound(ValueError):
+    """A model name that does not resolve to a loadable checkpoint (message says why)."""
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    name: str  # what the user picked or typed
+    path: Path  # a folder with config.json, ready for from_pretrained
+    label: str
+    is_demo: bool = False
+
+
+def hf_hub_cache() -> Path:
+    from huggingface_hub.constants import HF_HUB_CACHE
+
+    return Path(HF_HUB_CACHE)
+
+
+class ModelRegistry:
+    def __init__(self, models_dir: str | Path | None = None, *, cache_dir: Path | None = None,
+                 hub_cache: Path | None = None):
+        self.models_dir = Path(models_dir).expanduser().resolve() if models_dir else None
+        self.cache_dir = cache_dir or default_cache_dir()
+        self.hub_cache = hub_cache or hf_hub_cache()
+        self._extra_roots: list[Path] = []
+
+    # -- what can be picked ---------------------------------------------------------------
+    def allow_root(self, path: str | Path) -> None:
+        """Allow one more folder (the --model the operator named on the command line)."""
+        self._extra_roots.append(Path(path).expanduser().resolve())
+
+    @property
+    def roots(self) -> list[Path]:
+        roots = [self.cache_dir.resolve(), self.hub_cache.resolve(), *self._extra_roots]
+        if self.models_dir:
+            roots.append(self.models_dir)
+        return roots
+
+    def choices(self) -> list[tuple[str, str]]:
+        """(label, name) pairs for a dropdown: demo, local folders, cached hub models."""
+        items = [(DEMO_LABEL, DEMO_NAME)]
+        if self.models_dir and self.models_dir.is_dir():
+            for folder in sorted(self.models_dir.iterdir()):
+                if (folder / "config.json").is_file():
+                    items.append((f"{folder.name} (folder)", str(folder)))
+        for root in self._extra_roots:
+            if (root / "config.json").is_file():
+                items.append((f"{root.name} (folder)", str(root)))
+        for hub_id in self._cached_hub_ids():
+            items.append((f"{hub_id} (HF cache)", hub_id))
+        return list(dict.fromkeys(items))
+
+    def _cached_hub_ids(self) -> list[str]:
+        if not self.hub_cache.is_dir():
+            return []
+        ids = []
+        for entry in sorted(self.hub_cache.glob("models--*")):
+            if any((snap / "config.json").exists() for snap in (entry / "snapshots").glob("*")):
+                ids.append(entry.name.removeprefix("models--").replace("--", "/"))
+        return ids
+
+    # -- resolving one name ---------------------------------------------------------------
+    def resolve(self, name: str | None) -> ModelSource:
+        name = (name or "").strip()
+        if name in ("", DEMO_NAME):
+            return ModelSource(DEMO_NAME, demo_model_path(self.cache_dir), DEMO_LABEL, True)
+        if name.startswith(("/", ".", "~")):
+            return self._folder(Path(name).expanduser(), name)
+        if _HUB_ID.match(name):
+            local = self._hub_snapshot(name)
+            if local is not None:
+                return ModelSource(name, local, f"{name} (HF cache)")
+            if self.models_dir and (self.models_dir / name).is_dir():
+                return self._folder(self.models_dir / name, name)
+            raise ModelNotFound(
+                f"{name!r} is not in the local Hugging Face cache ({self.hub_cache}) and this "
+                f"app does not download: fetch it first (hf download {name}) or give a folder")
+        if self.models_dir is None:
+            raise ModelNotFound(f"{name!r} is neither a folder path, a hub id nor 'demo'")
+        return self._folder(self.models_dir / name, name)
+
+    def _folder(self, path: Path, name: str) -> ModelSource:
+        resolved = path.resolve()
+        if not any(resolved == root or resolved.is_relative_to(root) for root in self.roots):
+            raise ModelNotFound(
+                f"{name!r} is outside the allowed model folders "
+                f"({', '.join(str(r) for r in self.roots)})")
+        if not resolved.is_dir():
+            raise ModelNotFound(f"model folder {name!r} does not exist")
+        if not (resolved / "config.json").is_file():
+            raise ModelNotFound(f"{name!r} has no config.json: not a Hugging Face model folder")
+        return ModelSource(name, resolved, f"{resolved.name} (folder)")
+
+    def _hub_snapshot(self, hub_id: str) -> Path | None:
+        from huggingface_hub import snapshot_download
+        from huggingface_hub.errors import LocalEntryNotFoundError
+
+        try:
+            path = snapshot_download(hub_id, cache_dir=self.hub_cache, local_files_only=True)
+        except (LocalEntryNotFoundError, OSError, ValueError):
+            return None
+        return Path(path) if (Path(path) / "config.json").exists() else None
