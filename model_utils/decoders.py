@@ -49,3 +49,72 @@ class EagerDecoder:
         out = self.model(input_ids=ids, position_ids=positions, cache=self.cache,
                          use_cache=True, logits_to_keep=1)
         return out.logits[0, -1].to(self.sample_device)
+
+
+# Cache lengths are rounded up to one of these, so a new prompt length or max_new_tokens reuses
+# an already compiled step instead of recompiling (each compiled shape costs seconds).
+CACHE_BUCKETS = (1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
+
+
+def cache_bucket(tokens: int) -> int:
+    for bucket in CACHE_BUCKETS:
+        if tokens <= bucket:
+            return bucket
+    raise ValueError(f"{tokens} tokens exceed the largest cache bucket ({CACHE_BUCKETS[-1]})")
+
+
+class StaticCaches:
+    """Preallocated KV caches, one per bucket length, reused across replies."""
+
+    def __init__(self, model):
+        self.model = model
+        self._caches: dict[int, object] = {}
+
+    def get(self, bucket: int):
+        from transformers import StaticCache
+
+        cache = self._caches.get(bucket)
+        if cache is None:
+            cache = StaticCache(config=self.model.config, max_cache_len=bucket)
+            self._caches[bucket] = cache
+        else:
+            cache.reset()
+        return cache
+
+
+class StaticDecoder:
+    """Prefill eagerly (prompt lengths vary), then decode one token at a time with fixed shapes.
+
+    `step_fn` is the model's forward, or its torch.compile'd version whose CUDA graph replays
+    every step; it is shared by all replies of a loaded model (see fast_path.FastPath).
+    """
+
+    def __init__(self, model, caches: StaticCaches, step_fn=None, name: str = "static-cache"):
+        self.model = model
+        self.caches = caches
+        self.step_fn = step_fn or model
+        self.name = name
+        self.device = input_device(model)
+        self.sample_device = self.device
+        self.cache = None
+        self.position = 0
+
+    @torch.inference_mode()
+    def prefill(self, input_ids: list[int], *, max_new_tokens: int) -> torch.Tensor:
+        self.cache = self.caches.get(cache_bucket(len(input_ids) + max_new_tokens))
+        ids = torch.tensor([input_ids], dtype=torch.long, device=self.device)
+        self.position = ids.shape[1]
+        out = self.model(input_ids=ids, position_ids=torch.arange(self.position,
+                         device=self.device)[None], cache=self.cache, use_cache=True,
+                         logits_to_keep=1)
+        return out.logits[0, -1].to(self.sample_device)
+
+    @torch.inference_mode()
+    def step(self, token: int) -> torch.Tensor:
+        ids = torch.tensor([[token]], dtype=torch.long, device=self.device)
+        positions = torch.tensor([[self.position]], device=self.device)
+        self.position += 1
+        out = self.step_fn(input_ids=ids, position_ids=positions, cache=self.cache,
+                           use_cache=True, logits_to_keep=1)
+        # A CUDA graph's output buffer is overwritten by its next replay: copy what we keep.
+        return out.logits[0, -1].to(self.sample_device, copy=True)

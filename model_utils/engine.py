@@ -15,12 +15,14 @@ from pathlib import Path
 import torch
 
 from .chat import prepare_prompt, render_prompt, split_reasoning, supports_thinking
+from . import fast_path
 from .decoders import EagerDecoder
 from .generation import GenerationSettings, IncrementalDetokenizer, ReplyStats, decode_tokens
 from .manager import LoadedModel, LoadRequest, ModelManager, Progress
 from .memory import MemoryHistory, MemorySnapshot
 from .placement import FitEstimate
 from .registry import ModelRegistry
+from .worker import DecodeWorker
 
 log = logging.getLogger(__name__)
 
@@ -46,14 +48,28 @@ def eos_ids(loaded: LoadedModel) -> set[int]:
 class Engine:
     def __init__(self, *, models_dir: str | Path | None = None, cache_dir: Path | None = None,
                  trust_remote_code: bool = False, log_prompts: bool = False,
-                 busy_timeout_s: float = 30.0):
+                 busy_timeout_s: float = 30.0, compile: bool = True):
         self.registry = ModelRegistry(models_dir, cache_dir=cache_dir)
         self.manager = ModelManager(self.registry, trust_remote_code=trust_remote_code,
                                     busy_timeout_s=busy_timeout_s)
         self.memory = MemoryHistory()
         self.log_prompts = log_prompts
-        # One reply decodes at a time; others wait their turn (the UI's queue bounds them).
-        self._decode_lock = threading.Lock()
+        self.compile = compile
+        # Every forward pass (warm-up and replies) runs on this one thread; replies take turns.
+        self.worker = DecodeWorker()
+        self.manager.on_loaded = self._prepare_decoding
+        self.manager.on_unloaded = self._forget_compiled
+
+    def _prepare_decoding(self, loaded: LoadedModel, progress: Progress) -> None:
+        if not self.compile:
+            loaded.decode_path_reason = "eager path: compilation turned off (--no-compile)"
+            return
+        self.worker.call(lambda: fast_path.attach(loaded, progress))
+
+    def _forget_compiled(self) -> None:
+        if torch.cuda.is_available():
+            # Compiled graphs and their CUDA-graph memory pool hold GPU memory of their own.
+            self.worker.call(torch._dynamo.reset)
 
     # -- models -------------------------------------------------------------------------------
     def load(self, request: LoadRequest, progress: Progress | None = None) -> dict:
@@ -109,19 +125,21 @@ class Engine:
                 log.info("prompt: %r", prompt.text)
             stats = ReplyStats()
             text = ""
+
+            def produce():  # runs on the decode worker
+                if not stop.is_set():
+                    yield from decode_tokens(self.decoder_for(loaded), prompt.input_ids,
+                                             settings, eos_ids=eos_ids(loaded), stop=stop,
+                                             stats=stats)
+
+            detok = IncrementalDetokenizer(loaded.tokenizer)
             try:
-                with self._decode_lock:
-                    if stop.is_set():
-                        return
-                    detok = IncrementalDetokenizer(loaded.tokenizer)
-                    decoder = self.decoder_for(loaded)
-                    for token in decode_tokens(decoder, prompt.input_ids, settings,
-                                               eos_ids=eos_ids(loaded), stop=stop, stats=stats):
-                        piece = detok.push(token)
-                        if piece:
-                            text += piece
-                            reasoning, answer = split_reasoning(text)
-                            yield ChatUpdate(reasoning, answer, notice=prompt.notice)
+                for token in self.worker.stream(produce):
+                    piece = detok.push(token)
+                    if piece:
+                        text += piece
+                        reasoning, answer = split_reasoning(text)
+                        yield ChatUpdate(reasoning, answer, notice=prompt.notice)
             finally:
                 # Runs on normal end, on error and when the consumer goes away (closed tab):
                 # whatever happened, the reply is logged and the decode slot is free again.
@@ -135,7 +153,10 @@ class Engine:
             reasoning, answer = split_reasoning(text)
             yield ChatUpdate(reasoning, answer, done=True, stats=stats, notice=prompt.notice)
 
-    def decoder_for(self, loaded: LoadedModel):
+    @staticmethod
+    def decoder_for(loaded: LoadedModel):
+        if loaded.fast_path is not None:
+            return loaded.fast_path.decoder()
         return EagerDecoder(loaded.model)
 
     def generate_text(self, messages: list[dict], settings: GenerationSettings | None = None,

@@ -67,6 +67,7 @@ class LoadedModel:
     from_pretrained_kwargs: dict
     decode_path: str = "eager"
     decode_path_reason: str = ""
+    fast_path: object | None = None  # fast_path.FastPath when the compiled path applies
 
     @property
     def display_name(self) -> str:
@@ -148,6 +149,7 @@ class ModelManager:
         self.last_unload: UnloadReport | None = None
         # Called with each freshly loaded model; the engine attaches its fast path here.
         self.on_loaded: Callable[[LoadedModel, Progress], None] | None = None
+        self.on_unloaded: Callable[[], None] | None = None
 
     # -- using the model ---------------------------------------------------------------------
     @property
@@ -297,6 +299,8 @@ class ModelManager:
         name = f"{self._loaded.display_name} ({self._loaded.mode.name})"
         before = memory_counters()
         self._loaded = None  # the only strong reference to the model and its caches
+        if self.on_unloaded is not None:
+            self.on_unloaded()
         _release_freed_memory()
         after = memory_counters()
         leftover = {k: round(after[k] - before.get(k, 0.0), 4) for k in after

@@ -1,0 +1,74 @@
+"""One thread runs every forward pass of the loaded model.
+
+Why a dedicated thread: CUDA graphs recorded by torch.compile belong to the thread that recorded
+them (torch keeps them in thread-local trees), and a web server answers each request on whichever
+pool thread is free. Funnelling warm-up and decoding through one thread means a graph is recorded
+once and replayed for every reply. It also serialises replies: one decodes at a time, in order.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable, Iterator
+
+_DONE = object()
+
+
+class DecodeWorker:
+    def __init__(self, name: str = "decode-worker"):
+        self._jobs: queue.Queue = queue.Queue()
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while True:
+            job = self._jobs.get()
+            job()
+
+    def call(self, fn: Callable[[], object]):
+        """Run fn on the worker thread and return its result (re-raising its exception)."""
+        if threading.current_thread() is self._thread:
+            return fn()
+        done = threading.Event()
+        box: dict = {}
+
+        def job():
+            try:
+                box["value"] = fn()
+            except BaseException as error:  # noqa: BLE001 - handed to the caller
+                box["error"] = error
+            finally:
+                done.set()
+
+        self._jobs.put(job)
+        done.wait()
+        if "error" in box:
+            raise box["error"]
+        return box.get("value")
+
+    def stream(self, produce: Callable[[], Iterator]) -> Iterator:
+        """Iterate produce() on the worker thread, yielding its items here as they come.
+
+        The producer must end by itself when asked (the engine passes it a stop event it sets
+        when this iterator is closed); items are buffered, so the worker never blocks on a slow
+        or vanished consumer.
+        """
+        items: queue.Queue = queue.Queue()
+
+        def job():
+            try:
+                for item in produce():
+                    items.put(item)
+                items.put(_DONE)
+            except BaseException as error:  # noqa: BLE001 - handed to the consumer
+                items.put(error)
+
+        self._jobs.put(job)
+        while True:
+            item = items.get()
+            if item is _DONE:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
