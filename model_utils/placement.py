@@ -69,13 +69,19 @@ class FitEstimate:
     free_gb: dict[str, float]  # device -> free GB now
     fits: bool
     plan: str  # one line: where it would go
+    caps_gb: dict[str, float] = field(default_factory=dict)  # the Placement's per-device caps
 
     @property
     def needed_gb(self) -> float:
         return self.weights_gb + self.kv_cache_gb
 
     def message(self) -> str:
-        free = ", ".join(f"{d} {g:.2f} GB" for d, g in self.free_gb.items())
+        # A cap below what is free is what the fit was judged against: say so, or the message
+        # reads "needs 0.01 GB; free 22 GB" for a refusal.
+        free = ", ".join(
+            f"{d} {g:.2f} GB" + (f" (capped at {self.caps_gb[d]:g} GB)"
+                                 if self.caps_gb.get(d, float("inf")) < g else "")
+            for d, g in self.free_gb.items())
         return (f"needs {self.needed_gb:.2f} GB (weights {self.weights_gb:.2f} GB + KV cache "
                 f"{self.kv_cache_gb:.2f} GB for {self.context_tokens} tokens); free: {free}; "
                 f"{self.plan}")
@@ -142,7 +148,8 @@ def estimate_fit(config, mode: Mode, placement: Placement, *, context_tokens: in
         if need > gpu_room:
             plan += ", rest offloaded to the CPU" + (
                 " and disk" if placement.offload_folder else "")
-    return FitEstimate(weights, kv, context_tokens, free, fits, plan)
+    return FitEstimate(weights, kv, context_tokens, free, fits, plan,
+                       caps_gb=dict(placement.max_memory_gb))
 
 
 def _best_single_gpu(caps: dict[str, float], need: float) -> str | None:
