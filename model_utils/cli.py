@@ -1,0 +1,379 @@
+"""The headless command line: chat with a model, or print the prompt it would receive.
+
+    python -m model_utils chat --model demo --mode nf4 --placement cpu --prompt "Hello"
+    python -m model_utils chat --model demo --prompt "Hello" --json
+    python -m model_utils prompt --model demo --messages conv.json
+
+`chat` streams the reply to stdout as it is generated; reasoning (Qwen3 thinking) comes first,
+between <think> and </think>, the answer after it. With --json nothing is streamed: one JSON
+object is printed at the end (text, reasoning, token counts, timings, mode, placement, model).
+`prompt` prints exactly the text the chat path feeds the model for an OpenAI-style messages
+list (a JSON list, or an object with a "messages" list); it loads only the tokenizer.
+
+Exit status: 0 done; 2 refused, with one line on stderr (a bad flag, an unknown model or mode,
+a path outside the allowed model folders, a setting out of range, an unreadable messages file, a
+load that failed or does not fit); 1 an unexpected error (one line; --verbose adds the
+traceback); 130 interrupted. Library logs, warnings and loading bars are kept off stderr unless
+--verbose is given.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import os
+import sys
+import warnings
+from dataclasses import replace
+from pathlib import Path
+
+EXIT_REFUSED = 2
+EXIT_ERROR = 1
+EXIT_INTERRUPTED = 130
+
+# GenerationSettings fields a flag can set; None means "the model's generation_config default".
+SAMPLING_FLAGS = ("max_new_tokens", "temperature", "top_p", "top_k", "repetition_penalty", "seed")
+
+
+class UsageError(Exception):
+    """Bad input caught by the CLI itself (flags, files); exits 2 with the message."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # argparse's own: usage block + message; here one line
+        self.exit(EXIT_REFUSED, f"{self.prog}: error: {message} (see --help)\n")
+
+
+# -- setting up ---------------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="python -m model_utils",
+                     description="Headless chat with a local causal LM through the engine.")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="{chat,prompt}")
+
+    def model_flags(p):
+        p.add_argument("--model", default="demo",
+                       help="'demo', a folder under --models-dir, a folder path under an allowed "
+                            "root, or a hub id already in the local HF cache (default: demo)")
+        p.add_argument("--models-dir", help="folder whose model subfolders may be loaded")
+        p.add_argument("--trust-remote-code", action="store_true",
+                       help="run the model's own Python code (off unless given)")
+
+    def conversation_flags(p):
+        given = p.add_mutually_exclusive_group(required=True)
+        given.add_argument("--prompt", help="one user message")
+        given.add_argument("--messages", type=Path,
+                           help="JSON file: a messages list [{role, content}, ...] or {messages: [...]}")
+        p.add_argument("--system", help="system prompt (replaces any system message in the list)")
+        p.add_argument("--no-thinking", action="store_true",
+                       help="Qwen3: answer without a reasoning block (enable_thinking=False)")
+        p.add_argument("--context-tokens", type=_positive_int,
+                       help="context window (default: the model's own, capped at 8192)")
+        p.add_argument("--max-new-tokens", type=int,
+                       help="reply length limit (default: the model's generation_config)")
+        p.add_argument("-v", "--verbose", action="store_true",
+                       help="show library logs, warnings and tracebacks on stderr")
+
+    chat = commands.add_parser("chat", help="stream one reply", description=(
+        "Load a model and stream one reply to stdout (reasoning between <think> and </think>)."))
+    model_flags(chat)
+    conversation_flags(chat)
+    chat.add_argument("--mode", default="bf16",
+                      help="precision mode: fp32, bf16, fp16, int8, nf4, nf4-dq, fp4, fp4-dq "
+                           "(default: bf16)")
+    chat.add_argument("--placement",
+                      help="cpu, cuda:N, auto, balanced, balanced_low_0 or sequential "
+                           "(default: auto with a GPU, else cpu)")
+    chat.add_argument("--max-memory", action="append", default=[], metavar="DEVICE=GB",
+                      help="cap for one device, e.g. cuda:0=20 or cpu=64 (repeatable)")
+    chat.add_argument("--offload-folder", help="let weights that fit nowhere go to this folder")
+    chat.add_argument("--compute-dtype", default="bf16", choices=("bf16", "fp16", "fp32"),
+                      help="compute dtype of the 4-bit modes (default: bf16)")
+    chat.add_argument("--temperature", type=float, help="0 = greedy")
+    chat.add_argument("--top-p", type=float)
+    chat.add_argument("--top-k", type=int, help="0 = off")
+    chat.add_argument("--repetition-penalty", type=float)
+    chat.add_argument("--seed", type=int)
+    chat.add_argument("--json", action="store_true",
+                      help="print one JSON object at the end instead of streaming text")
+    chat.add_argument("--stats", action="store_true",
+                      help="after the reply, one line of stats on stderr")
+
+    prompt = commands.add_parser("prompt", help="print the prompt text the model would receive",
+                                 description="Print exactly the prompt the chat path renders "
+                                             "(loads the tokenizer only).")
+    model_flags(prompt)
+    conversation_flags(prompt)
+    return parser
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+def _quiet_libraries(verbose: bool) -> None:
+    """Keep stderr for our own one-line messages: no loading bars, library logs or warnings.
+
+    Called before transformers is imported, so the environment variables take effect.
+    """
+    if verbose:
+        logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                            format="%(levelname)s %(name)s: %(message)s")
+        return
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+    # A handler on the root logger stops Python's last-resort printing of WARNING records from
+    # loggers nobody configured (bitsandbytes' "kernels" notice, the manager's load errors,
+    # which the exception already reports).
+    logging.getLogger().addHandler(logging.NullHandler())
+    warnings.simplefilter("ignore")
+
+
+def _quiet_transformers(verbose: bool) -> None:
+    if verbose:
+        return
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+
+
+# -- reading the input --------------------------------------------------------------------------
+def read_messages(args) -> list[dict]:
+    if args.prompt is not None:
+        return [{"role": "user", "content": args.prompt}]
+    path: Path = args.messages
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as error:
+        raise UsageError(f"cannot read messages file {str(path)!r}: "
+                         f"{error.strerror or error}") from None
+    except UnicodeDecodeError:
+        raise UsageError(f"messages file {str(path)!r} is not UTF-8 text") from None
+    except json.JSONDecodeError as error:
+        raise UsageError(f"messages file {str(path)!r} is not valid JSON: {error.msg} "
+                         f"(line {error.lineno}, column {error.colno})") from None
+    if isinstance(data, dict) and "messages" in data:
+        data = data["messages"]
+    if not isinstance(data, list) or not data:
+        raise UsageError(f"messages file {str(path)!r} must hold a non-empty JSON list of "
+                         "messages, or an object with a 'messages' list")
+    return data
+
+
+def requested_settings(args):
+    """GenerationSettings from the flags, checked as far as possible before any model loads.
+
+    Unset values are the model's defaults and are only known after loading; for the early
+    check they stand in as neutral values, and the context window as unbounded (the engine
+    checks max_new_tokens against the real window once the model is there).
+    """
+    from .generation import GenerationSettings
+
+    settings = GenerationSettings(**{name: getattr(args, name, None) for name in SAMPLING_FLAGS})
+    neutral = {"max_new_tokens": 1, "temperature": 0.0, "top_p": 1.0, "top_k": 0,
+               "repetition_penalty": 1.0}
+    replace(settings, **{k: v for k, v in neutral.items() if getattr(settings, k) is None}
+            ).validate(context_tokens=sys.maxsize)
+    return settings
+
+
+def requested_placement(args):
+    from .placement import Placement
+
+    caps = {}
+    for item in args.max_memory:
+        device, sep, gb = item.partition("=")
+        try:
+            value = float(gb)
+        except ValueError:
+            value = float("nan")
+        if not sep or not device.strip() or not value > 0 or value == float("inf"):
+            raise UsageError(f"--max-memory {item!r}: expected DEVICE=GB with GB > 0, "
+                             "e.g. cuda:0=20 or cpu=64")
+        caps[device.strip()] = value
+    target = args.placement
+    if not target:
+        import torch
+
+        target = "auto" if torch.cuda.is_available() else "cpu"
+    return Placement(target=target, max_memory_gb=caps, offload_folder=args.offload_folder)
+
+
+# -- the commands -------------------------------------------------------------------------------
+def _display(reasoning: str, answer: str, done: bool) -> str:
+    """What the terminal shows for a reply so far: <think>\\nreasoning\\n</think>\\n\\nanswer.
+
+    While the reasoning is still open its trailing newlines are held back: split_reasoning
+    strips them once </think> arrives, and text already printed cannot be taken back.
+    """
+    if not reasoning:
+        return answer
+    closed = bool(answer) or done
+    text = "<think>\n" + (reasoning if closed else reasoning.rstrip("\n"))
+    return text + ("\n</think>\n\n" + answer if closed else "")
+
+
+class StreamPrinter:
+    """Writes only what is new in each update, so the reply appears as it is generated."""
+
+    def __init__(self, out):
+        self.out = out
+        self.shown = ""
+
+    def update(self, reasoning: str, answer: str, done: bool = False) -> None:
+        text = _display(reasoning, answer, done)
+        if text.startswith(self.shown):
+            new = text[len(self.shown):]
+        else:
+            # A </think> after answer text re-splits what was already printed; go on from
+            # where the two versions part (the --json result always has the final split).
+            new = "\n" + text[len(os.path.commonprefix([self.shown, text])):]
+        if done and not (self.shown + new).endswith("\n"):
+            new += "\n"
+        if new:
+            self.out.write(new)
+            self.out.flush()
+            self.shown = text
+
+
+def cmd_chat(args) -> int:
+    messages = read_messages(args)
+    settings = requested_settings(args)
+    placement = requested_placement(args)
+    _quiet_transformers(args.verbose)
+    from .engine import Engine
+    from .manager import LoadRequest
+
+    engine = Engine(models_dir=args.models_dir, trust_remote_code=args.trust_remote_code)
+    request = LoadRequest(model=args.model, mode=args.mode, placement=placement,
+                          compute_dtype=args.compute_dtype, context_tokens=args.context_tokens)
+    status = engine.load(request)
+    # Fill the unset values from the model's generation_config here (rather than inside chat)
+    # so that --json can report the settings the reply really used.
+    defaults = engine.default_settings()
+    settings = replace(settings, **{name: getattr(defaults, name) for name in SAMPLING_FLAGS
+                                    if getattr(settings, name) is None})
+    printer = None if args.json else StreamPrinter(sys.stdout)
+    final = None
+    notice_shown = False
+    for update in engine.chat(messages, settings, system_prompt=args.system,
+                              thinking=not args.no_thinking):
+        if update.notice and not notice_shown and not args.json:
+            print(f"note: {update.notice}", file=sys.stderr, flush=True)
+            notice_shown = True
+        if printer:
+            printer.update(update.reasoning, update.answer, update.done)
+        final = update
+    if final is None or final.stats is None:  # chat ends early only when stopped
+        raise RuntimeError("the reply ended without a result")
+    stats = final.stats
+    if args.json:
+        result = {
+            "text": final.answer,
+            "reasoning": final.reasoning,
+            "new_tokens": stats.new_tokens,
+            "prompt_tokens": stats.prompt_tokens,
+            "ttft_ms": round(stats.ttft_ms, 3),
+            "tok_s": round(stats.tok_s, 3),
+            "total_s": round(stats.total_s, 4),
+            "finish_reason": stats.finish_reason,
+            "decode_path": stats.decode_path,
+            "mode": status["mode"],
+            "placement": status["placement"],
+            "model": args.model,
+            "model_label": status["model"],
+            "model_path": status["path"],
+            "context_tokens": status["context_tokens"],
+            "load_s": status["load_s"],
+            "thinking": not args.no_thinking,
+            "settings": settings.as_dict(),
+            "notice": final.notice,
+        }
+        sys.stdout.write(json.dumps(result, ensure_ascii=False) + "\n")
+        sys.stdout.flush()
+    elif args.stats:
+        print(f"[{stats.line()} · finish: {stats.finish_reason} · {status['mode']} on "
+              f"{status['placement']}]", file=sys.stderr)
+    return 0
+
+
+def cmd_prompt(args) -> int:
+    """The prompt text, through the same prepare_prompt the chat path uses (trimming included)."""
+    messages = read_messages(args)
+    _quiet_transformers(args.verbose)
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+    from .chat import prepare_prompt
+    from .generation import GenerationSettings
+    from .manager import LoadRequest, ModelManager
+    from .registry import ModelRegistry
+
+    source = ModelRegistry(args.models_dir).resolve(args.model)
+    trust = args.trust_remote_code
+    try:
+        config = AutoConfig.from_pretrained(source.path, trust_remote_code=trust)
+        tokenizer = AutoTokenizer.from_pretrained(source.path, trust_remote_code=trust)
+    except (OSError, ValueError) as error:
+        raise UsageError(f"cannot load the tokenizer of {source.label}: "
+                         f"{str(error).strip().splitlines()[0]}") from None
+    try:
+        generation_config = GenerationConfig.from_pretrained(source.path)
+    except OSError:  # no generation_config.json: from_pretrained derives it from the config
+        generation_config = GenerationConfig.from_model_config(config)
+    # The same context window and reply reserve as a loaded model would get.
+    context = ModelManager._context_tokens(config, LoadRequest(context_tokens=args.context_tokens))
+    settings = GenerationSettings(max_new_tokens=args.max_new_tokens).resolved(
+        generation_config, context_tokens=context)
+    prepared = prepare_prompt(tokenizer, messages, context_tokens=context,
+                              reserve_tokens=settings.max_new_tokens,
+                              system_prompt=args.system, thinking=not args.no_thinking)
+    if prepared.notice:
+        print(f"note: {prepared.notice}", file=sys.stderr, flush=True)
+    sys.stdout.write(prepared.text)
+    sys.stdout.flush()
+    return 0
+
+
+COMMANDS = {"chat": cmd_chat, "prompt": cmd_prompt}
+
+
+def _one_line(error: BaseException) -> str:
+    return " ".join(str(error).split()) or type(error).__name__
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    _quiet_libraries(args.verbose)
+    from .chat import ChatInputError
+    from .generation import InvalidParameter
+    from .manager import LoadError, ModelBusy
+    from .registry import ModelNotFound
+
+    refused = (UsageError, LoadError, ModelBusy, ChatInputError, InvalidParameter, ModelNotFound)
+    try:
+        return COMMANDS[args.command](args)
+    except refused as error:
+        print(f"error: {_one_line(error)}", file=sys.stderr)
+        return EXIT_REFUSED
+    except KeyboardInterrupt:
+        print("\ninterrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except BrokenPipeError:  # `... | head`: the reader left; nothing more to say
+        with contextlib.suppress(Exception):
+            sys.stdout.close()
+        return 0
+    except Exception as error:  # noqa: BLE001 - one line for the user; details with -v
+        if args.verbose:
+            import traceback
+
+            traceback.print_exc()
+        print(f"error: {type(error).__name__}: {_one_line(error)}", file=sys.stderr)
+        return EXIT_ERROR
+
+
