@@ -25,6 +25,9 @@ class DecodeWorker:
         while True:
             job = self._jobs.get()
             job()
+            # Let go of the finished job before waiting for the next one: it closes over the
+            # model it ran on, and an unloaded model must be freed now, not at the next job.
+            del job
 
     def call(self, fn: Callable[[], object]):
         """Run fn on the worker thread and return its result (re-raising its exception)."""
