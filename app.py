@@ -1,0 +1,187 @@
+"""Start the chat app: flags -> logging -> engine -> initial model -> UI -> launch.
+
+    python app.py                          # the demo model on http://127.0.0.1:7860
+    python app.py --model /models/Qwen2.5-7B-Instruct --mode nf4
+    python app.py --share --auth me:secret --admin me
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import logging
+import logging.handlers
+import sys
+from pathlib import Path
+
+log = logging.getLogger("app")
+
+LOOPBACK_NAMES = {"localhost"}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    from model_utils.modes import MODES  # the one table of modes, so the help cannot drift
+
+    p = argparse.ArgumentParser(description="Local chat app for Qwen / Hugging Face causal LMs.")
+    p.add_argument("--model", default="demo",
+                   help="model to load at start: 'demo', a folder path, or a cached hub id")
+    p.add_argument("--mode", default="bf16",
+                   help=f"precision mode: {', '.join(MODES)} (default bf16)")
+    p.add_argument("--placement", default=None,
+                   help="cpu, cuda:N, auto, balanced, balanced_low_0 or sequential "
+                        "(default: auto with a GPU, else cpu)")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to bind; anything but loopback needs --auth")
+    p.add_argument("--port", type=int, default=7860, help="port to serve on")
+    p.add_argument("--share", action="store_true",
+                   help="also open a public gradio.live link (needs --auth)")
+    p.add_argument("--auth", action="append", default=[], metavar="USER:PASSWORD",
+                   help="a login for the page and the API; repeat for more users")
+    p.add_argument("--auth-file", metavar="PATH",
+                   help="file of logins, one user:password per line (# comments allowed)")
+    p.add_argument("--admin", metavar="USER",
+                   help="only this logged-in user may load, unload or switch models")
+    p.add_argument("--models-dir", metavar="PATH",
+                   help="folder whose model subfolders are offered in the model list")
+    p.add_argument("--log-file", default="server.log",
+                   help="rotating log file (default server.log)")
+    p.add_argument("--log-prompts", action="store_true",
+                   help="also write prompts and replies to the log (off by default)")
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help="allow model repos to run their own Python code (CLI only)")
+    p.add_argument("--max-queue", type=int, default=64,
+                   help="most requests waiting in the queue before new ones are refused")
+    return p.parse_args(argv)
+
+
+def read_logins(args: argparse.Namespace, parser_error) -> list[tuple[str, str]]:
+    lines = [(value, "--auth") for value in args.auth]
+    if args.auth_file:
+        try:
+            text = Path(args.auth_file).read_text(encoding="utf-8")
+        except OSError as error:
+            parser_error(f"--auth-file: cannot read {args.auth_file}: {error.strerror}")
+        lines += [(line.strip(), f"--auth-file line {n}")
+                  for n, line in enumerate(text.splitlines(), 1)
+                  if line.strip() and not line.lstrip().startswith("#")]
+    logins = []
+    for value, where in lines:
+        user, sep, password = value.partition(":")
+        if not sep or not user or not password:
+            parser_error(f"{where}: expected user:password")
+        logins.append((user, password))
+    return logins
+
+
+def is_loopback(host: str) -> bool:
+    if host in LOOPBACK_NAMES:
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a host name other than localhost: assume it is reachable from outside
+
+
+def check_exposure(args: argparse.Namespace, logins: list, parser_error) -> None:
+    """A page reachable from other machines is never open without a login."""
+    if (args.share or not is_loopback(args.host)) and not logins:
+        what = "--share" if args.share else f"--host {args.host}"
+        parser_error(f"{what} makes the app reachable from other machines: add --auth "
+                     "USER:PASSWORD (or --auth-file) so that it is not open to anyone")
+    if args.admin and not logins:
+        parser_error("--admin needs logins: add --auth USER:PASSWORD (or --auth-file)")
+    if args.admin and args.admin not in {user for user, _ in logins}:
+        parser_error(f"--admin {args.admin}: no such user among the --auth logins")
+
+
+def setup_logging(log_file: str) -> None:
+    formatter = logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
+    file_handler = logging.handlers.RotatingFileHandler(
+        log_file, maxBytes=10 * 2**20, backupCount=3, encoding="utf-8")
+    console = logging.StreamHandler(sys.stderr)
+    for handler in (file_handler, console):
+        handler.setFormatter(formatter)
+    root = logging.getLogger()
+    root.setLevel(logging.INFO)
+    root.addHandler(file_handler)
+    root.addHandler(console)
+    # Every gradio_client or share-server request would be an INFO line; keep the log readable.
+    for noisy in ("httpx", "httpcore", "urllib3"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    parser_error = _parser_error
+    logins = read_logins(args, parser_error)
+    check_exposure(args, logins, parser_error)
+    setup_logging(args.log_file)
+    config = {k: v for k, v in vars(args).items() if k not in ("auth", "auth_file")}
+    config["logins"] = [user for user, _ in logins]  # user names only, never passwords
+    log.info("starting with %s", config)
+
+    # Heavy imports after the checks: --help and refused flags answer at once.
+    import ui
+    from model_utils.engine import Engine
+
+    engine = Engine(models_dir=args.models_dir, trust_remote_code=args.trust_remote_code,
+                    log_prompts=args.log_prompts)
+    if args.model not in ("", "demo") and Path(args.model).expanduser().exists():
+        engine.registry.allow_root(args.model)  # the operator named it: it may be loaded
+    info = ui.AppInfo(admin=args.admin)
+    load_initial_model(engine, args, info)
+
+    demo = ui.build(engine, admin=args.admin, info=info)
+    demo.queue(max_size=args.max_queue, default_concurrency_limit=1)
+    _app, local_url, share_url = demo.launch(
+        server_name=args.host, server_port=args.port, share=args.share,
+        auth=logins or None, prevent_thread_lock=True, show_error=True, ssr_mode=False,
+        css=ui.CSS, footer_links=["api"], quiet=False)
+    log.info("serving on %s", local_url)
+    if args.share:
+        if share_url:
+            log.info("public share link: %s", share_url)
+            info.share_note = f"public link {share_url} (login required)"
+        else:
+            note = (f"the public share link could not be created (no connection to the "
+                    f"gradio share server?); serving locally only at {local_url}")
+            log.warning(note)
+            print(f"* {note}", file=sys.stderr)
+            info.share_note = note
+    try:
+        demo.block_thread()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        demo.close()
+    return 0
+
+
+def load_initial_model(engine, args, info) -> None:
+    """Load --model before serving; on failure serve anyway and show the error on the page."""
+    import gradio as gr
+
+    from model_utils.manager import LoadError
+    from ui.model_actions import default_placement, make_request
+
+    try:
+        request = make_request(model=args.model, mode=args.mode,
+                               placement=args.placement or default_placement())
+        status = engine.load(request, progress=lambda f, msg: log.info("load %3.0f%% %s",
+                                                                       f * 100, msg))
+        log.info("initial model ready: %s %s on %s", status["model"], status["mode"],
+                 status["placement"])
+    except (LoadError, gr.Error) as error:  # gr.Error: make_request refused a flag
+        message = getattr(error, "message", None) or str(error)
+        info.startup_error = message
+        log.error("initial model did not load: %s; serving without a model", message)
+
+
+def _parser_error(message: str) -> None:
+    """Like argparse's error: the message on stderr, exit status 2."""
+    print(f"app.py: error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

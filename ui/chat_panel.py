@@ -1,0 +1,238 @@
+"""The chat panel: a streaming chatbot with Stop, Regenerate, Undo, Clear, settings, the
+thinking switch, export/import, and a conversation kept in the browser across reloads."""
+
+from __future__ import annotations
+
+import logging
+import tempfile
+import time
+from pathlib import Path
+
+import gradio as gr
+
+from model_utils.engine import Engine
+
+from .common import DEMO_NOTICE, user_error
+from .conversation import (
+    MAX_IMPORT_BYTES,
+    ConversationError,
+    chatbot_messages,
+    engine_messages,
+    export_json,
+    import_json,
+    without_last_reply,
+    without_last_turn,
+)
+from .replies import SETTING_NAMES, StopSignals, make_settings, stats_line, stream
+
+log = logging.getLogger("ui")
+
+
+def build_chat_panel(engine: Engine, *, demo: gr.Blocks, status: gr.State) -> dict:
+    """Components of the chat panel. `status` is the page's copy of engine.status(); when it
+    changes (a load, an unload) the thinking switch and the demo notice follow."""
+    signals = StopSignals()
+    # Exported files are written here; gradio serves files from the temp dir.
+    export_dir = Path(tempfile.mkdtemp(prefix="qwen-chat-export-"))
+    c: dict = {}
+    with gr.Row(equal_height=False):
+        with gr.Column(scale=3):
+            c["demo_notice"] = gr.Markdown(f"⚠ **{DEMO_NOTICE}**", elem_id="demo-notice",
+                                           visible=bool(engine.status().get("is_demo")))
+            c["chatbot"] = gr.Chatbot(label="Conversation", height=480, elem_id="chatbot",
+                                      buttons=["copy", "copy_all"], feedback_options=None,
+                                      placeholder="Say something to the model.")
+            c["notice"] = gr.Markdown("", elem_id="chat-notice")
+            with gr.Row():
+                c["message"] = gr.Textbox(show_label=False, scale=8, elem_id="message",
+                                          placeholder="Type a message; Enter sends it")
+                c["send"] = gr.Button("Send", variant="primary", scale=1, elem_id="send")
+            with gr.Row():
+                c["stop"] = gr.Button("Stop", elem_id="stop", size="sm")
+                c["regenerate"] = gr.Button("Regenerate", elem_id="regenerate", size="sm")
+                c["undo"] = gr.Button("Undo last turn", elem_id="undo", size="sm")
+                c["clear"] = gr.Button("Clear", elem_id="clear", size="sm")
+        with gr.Column(scale=1, min_width=260):
+            _settings_controls(c, engine)
+            with gr.Accordion("Export / import", open=False):
+                c["export"] = gr.Button("Export JSON", size="sm", elem_id="export")
+                c["import"] = gr.UploadButton("Import JSON", file_types=[".json"],
+                                              size="sm", elem_id="import")
+                c["export_file"] = gr.File(label="Exported conversation", visible=False,
+                                           interactive=False)
+    # The conversation itself, in the browser's localStorage: it survives a page reload.
+    c["conversation"] = gr.BrowserState([], storage_key="qwen-chat-conversation")
+    _wire(c, engine, signals, export_dir, demo, status)
+    return c
+
+
+def _settings_controls(c: dict, engine: Engine) -> None:
+    with gr.Accordion("Settings", open=True):
+        c["system_prompt"] = gr.Textbox(label="System prompt", lines=2,
+                                        placeholder="(none)", elem_id="system-prompt")
+        c["thinking"] = gr.Checkbox(label="Thinking (reasoning shown apart from the answer)",
+                                    value=True, visible=engine.supports_thinking(),
+                                    elem_id="thinking")
+        c["temperature"] = gr.Slider(0, 2, value=0.7, step=0.05, label="temperature (0 = greedy)")
+        c["top_p"] = gr.Slider(0.01, 1, value=1.0, step=0.01, label="top_p")
+        c["top_k"] = gr.Slider(0, 200, value=0, step=1, label="top_k (0 = off)")
+        c["max_new_tokens"] = gr.Slider(1, 8192, value=512, step=1, label="max_new_tokens")
+        c["repetition_penalty"] = gr.Slider(0.5, 2, value=1.0, step=0.01,
+                                            label="repetition_penalty (1 = off)")
+        c["seed"] = gr.Number(value=-1, precision=0, label="seed (-1 = random)", minimum=-1)
+
+
+def _wire(c: dict, engine: Engine, signals: StopSignals, export_dir: Path, demo: gr.Blocks,
+          status: gr.State) -> None:
+    settings_inputs = [c["system_prompt"], c["thinking"], *(c[n] for n in SETTING_NAMES)]
+    stream_outputs = [c["chatbot"], c["conversation"], c["message"], c["notice"]]
+
+    def reply(before: list[dict], message: str, system_prompt: str, thinking: bool,
+              values: dict, request: gr.Request | None, restore_box):
+        """Stream one reply after `before` + the user's `message`.
+        Yields (chatbot, conversation, message box, notice)."""
+        settings = make_settings(values)  # bad values: gr.Error before anything changes
+        turns = [*before, {"role": "user", "content": message}]
+        mode = engine.status().get("mode", "?")
+        session = getattr(request, "session_hash", None)
+        stop = signals.start(session)
+        log.info("chat: session %s, %d earlier messages, new message of %d chars, settings %s",
+                 (session or "-")[:8], len(before), len(message), values)
+        try:
+            yield chatbot_messages(turns, {"content": ""}), gr.skip(), "", ""
+            update = None
+            try:
+                for update in stream(engine, engine_messages(turns), settings,
+                                     system_prompt=system_prompt, thinking=thinking, stop=stop):
+                    pending = {"content": update.answer, "reasoning": update.reasoning}
+                    yield chatbot_messages(turns, pending), gr.skip(), gr.skip(), update.notice
+            except gr.Error:
+                # Nothing is lost: the conversation as it was, the message back in the box.
+                yield chatbot_messages(before), gr.skip(), restore_box, ""
+                raise
+            if update is None:  # stopped before the first token
+                turns.append({"role": "assistant", "content": "", "stats": "stopped"})
+            else:
+                turns.append({"role": "assistant", "content": update.answer,
+                              "reasoning": update.reasoning,
+                              "stats": stats_line(update.stats, mode) or "stopped"})
+            yield chatbot_messages(turns), turns, gr.skip(), update.notice if update else ""
+        finally:
+            signals.finish(session, stop)
+
+    def respond(message: str, conversation: list[dict], system_prompt: str, thinking: bool,
+                temperature, top_p, top_k, max_new_tokens, repetition_penalty, seed,
+                request: gr.Request):
+        if not (message or "").strip():  # an empty message sends nothing
+            yield gr.skip(), gr.skip(), gr.skip(), gr.skip()
+            return
+        values = dict(zip(SETTING_NAMES, (temperature, top_p, top_k, max_new_tokens,
+                                          repetition_penalty, seed), strict=True))
+        yield from reply(conversation or [], message, system_prompt, thinking, values,
+                         request, restore_box=message)
+
+    def regenerate(conversation: list[dict], system_prompt: str, thinking: bool,
+                   temperature, top_p, top_k, max_new_tokens, repetition_penalty, seed,
+                   request: gr.Request):
+        before, message = without_last_reply(conversation or [])
+        if message is None:
+            raise user_error("nothing to regenerate: send a message first")
+        values = dict(zip(SETTING_NAMES, (temperature, top_p, top_k, max_new_tokens,
+                                          repetition_penalty, seed), strict=True))
+        try:
+            yield from reply(before, message, system_prompt, thinking, values, request,
+                             restore_box=gr.skip())
+        except gr.Error:
+            # The old reply stays when the new one cannot be made.
+            yield chatbot_messages(conversation), gr.skip(), gr.skip(), ""
+            raise
+
+    reply_events = []
+    for trigger in (c["message"].submit, c["send"].click):
+        reply_events.append(trigger(
+            respond, [c["message"], c["conversation"], *settings_inputs], stream_outputs,
+            concurrency_id="reply", concurrency_limit=1, api_visibility="private",
+            show_progress="minimal"))
+    reply_events.append(c["regenerate"].click(
+        regenerate, [c["conversation"], *settings_inputs], stream_outputs,
+        concurrency_id="reply", concurrency_limit=1, api_visibility="private",
+        show_progress="minimal"))
+
+    def stop_reply(request: gr.Request) -> None:
+        # Graceful: the engine ends the reply at the next decode step and the partial answer
+        # is kept with its stats (a cancel would drop it).
+        signals.stop(getattr(request, "session_hash", None))
+
+    c["stop"].click(stop_reply, None, None, concurrency_limit=None, api_visibility="private",
+                    show_progress="hidden")
+
+    # Undo and Clear cancel a reply in progress: gradio closes its generator, which closes
+    # the engine's (the decode slot is freed within one step).
+    def undo(conversation: list[dict]):
+        turns, message = without_last_turn(conversation or [])
+        return chatbot_messages(turns), turns, message, ""
+
+    c["undo"].click(undo, [c["conversation"]], stream_outputs, cancels=reply_events,
+                    api_visibility="private", show_progress="hidden")
+    for trigger in (c["clear"].click, c["chatbot"].clear):  # the button and the bin icon
+        trigger(lambda: ([], [], "", ""), None, stream_outputs, cancels=reply_events,
+                api_visibility="private", show_progress="hidden")
+
+    def export(conversation: list[dict], system_prompt: str):
+        path = export_dir / time.strftime("conversation-%Y%m%d-%H%M%S.json")
+        path.write_text(export_json(conversation or [], system_prompt or ""), encoding="utf-8")
+        return gr.update(value=str(path), visible=True)
+
+    c["export"].click(export, [c["conversation"], c["system_prompt"]], [c["export_file"]],
+                      api_visibility="private")
+
+    def import_(path: str | None):
+        if not path:
+            raise user_error("no file was uploaded")
+        file = Path(path)
+        if file.stat().st_size > MAX_IMPORT_BYTES:
+            raise user_error(f"the file is larger than {MAX_IMPORT_BYTES // 2**20} MB")
+        try:
+            turns, system_prompt = import_json(file.read_text(encoding="utf-8"))
+        except (ConversationError, UnicodeDecodeError) as error:
+            raise user_error(f"cannot import {file.name}: {error}") from error
+        prompt = gr.skip() if system_prompt is None else system_prompt
+        return chatbot_messages(turns), turns, prompt
+
+    c["import"].upload(import_, [c["import"]],
+                       [c["chatbot"], c["conversation"], c["system_prompt"]],
+                       api_visibility="private")
+
+    # Page load: redraw the conversation kept in the browser, use the model's own defaults.
+    def on_page_load(conversation: list[dict]):
+        defaults = _model_defaults(engine)
+        return [chatbot_messages(conversation or []),
+                *(gr.update(value=defaults[n]) if n in defaults else gr.skip()
+                  for n in SETTING_NAMES)]
+
+    demo.load(on_page_load, [c["conversation"]], [c["chatbot"], *(c[n] for n in SETTING_NAMES)],
+              api_visibility="private", show_progress="hidden")
+
+    def on_model_change(current: dict):
+        context = current.get("context_tokens") or 8192
+        return (gr.update(visible=bool(current.get("is_demo"))),
+                gr.update(visible=engine.supports_thinking()),
+                gr.update(maximum=context))
+
+    status.change(on_model_change, [status],
+                  [c["demo_notice"], c["thinking"], c["max_new_tokens"]],
+                  api_visibility="private", show_progress="hidden")
+    # A closed tab stops its reply at the next decode step (gradio also closes the generator).
+    def on_tab_closed(request: gr.Request) -> None:
+        signals.stop(getattr(request, "session_hash", None))
+
+    demo.unload(on_tab_closed)
+
+
+def _model_defaults(engine: Engine) -> dict:
+    """The loaded model's recommended settings (its generation_config), or {} without one."""
+    try:
+        settings = engine.default_settings().as_dict()
+    except Exception:  # noqa: BLE001 - no model loaded: keep the sliders as they are
+        return {}
+    return {k: v for k, v in settings.items() if k in SETTING_NAMES and v is not None}

@@ -1,0 +1,139 @@
+"""The conversation as the chat panel keeps it, and its views: engine messages, chatbot
+messages, and the JSON file for export/import.
+
+One turn is a plain dict so it can live in the browser's localStorage (gr.BrowserState) and in
+an exported file unchanged:
+    {"role": "user", "content": "..."}
+    {"role": "assistant", "content": "answer", "reasoning": "...", "stats": "stats line"}
+The chatbot is only a view of this list: the stats line and the reasoning bubble are drawn
+from it, and never sent back to the model as if they were part of the answer.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+EXPORT_FORMAT = "qwen-chat-conversation"
+MAX_IMPORT_BYTES = 5 * 1024 * 1024
+MAX_TURNS = 2000
+
+
+class ConversationError(ValueError):
+    """A file or a history that is not a conversation; the message says what is wrong."""
+
+
+# -- views ------------------------------------------------------------------------------------
+def engine_messages(conversation: list[dict]) -> list[dict]:
+    """Turns -> what engine.chat takes. Earlier reasoning goes as reasoning_content: the
+    model's chat template decides whether to show it (Qwen3's drops it from old turns)."""
+    out = []
+    for turn in conversation:
+        message = {"role": turn["role"], "content": turn.get("content", "")}
+        if turn["role"] == "assistant" and turn.get("reasoning"):
+            message["reasoning_content"] = turn["reasoning"]
+        out.append(message)
+    return out
+
+
+def chatbot_messages(conversation: list[dict], pending: dict | None = None) -> list[dict]:
+    """Turns (plus the reply being streamed, if any) -> gr.Chatbot messages."""
+    out: list[dict] = []
+    for turn in conversation:
+        if turn["role"] == "user":
+            out.append({"role": "user", "content": turn["content"]})
+        else:
+            out.extend(_assistant_view(turn, streaming=False))
+    if pending is not None:
+        out.extend(_assistant_view(pending, streaming=True))
+    return out
+
+
+def _assistant_view(turn: dict, *, streaming: bool) -> list[dict]:
+    messages = []
+    reasoning, answer = turn.get("reasoning", ""), turn.get("content", "")
+    if reasoning:
+        # A message with metadata.title is drawn as a collapsible "thought" bubble; "pending"
+        # keeps it open with a spinner while the model is still thinking.
+        thinking_now = streaming and not answer
+        messages.append({"role": "assistant", "content": reasoning,
+                         "metadata": {"title": "Reasoning",
+                                      "status": "pending" if thinking_now else "done"}})
+    if streaming:
+        text = (answer + " ▌") if answer or not reasoning else ""
+    else:
+        text = answer or "*(empty reply)*"
+    if turn.get("stats") and not streaming:
+        text += f"\n\n<sub>{turn['stats']}</sub>"
+    if text:
+        messages.append({"role": "assistant", "content": text})
+    return messages
+
+
+# -- editing ----------------------------------------------------------------------------------
+def without_last_reply(conversation: list[dict]) -> tuple[list[dict], str | None]:
+    """For Regenerate: (the conversation before the last user message, that message)."""
+    turns = list(conversation)
+    while turns and turns[-1]["role"] == "assistant":
+        turns.pop()
+    if not turns:
+        return list(conversation), None
+    return turns[:-1], turns[-1]["content"]
+
+
+def without_last_turn(conversation: list[dict]) -> tuple[list[dict], str]:
+    """For Undo: drop the last user message and its reply; give the message back for editing."""
+    before, message = without_last_reply(conversation)
+    return (before, message) if message is not None else (list(conversation), "")
+
+
+# -- export / import --------------------------------------------------------------------------
+def export_json(conversation: list[dict], system_prompt: str = "") -> str:
+    return json.dumps({"format": EXPORT_FORMAT, "version": 1, "system_prompt": system_prompt,
+                       "messages": conversation}, ensure_ascii=False, indent=2)
+
+
+def import_json(text: str) -> tuple[list[dict], str | None]:
+    """Exported file (or a bare list of {role, content}) -> (turns, system prompt or None)."""
+    try:
+        data = json.loads(text)
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise ConversationError(f"not a JSON file: {error}") from None
+    system_prompt = None
+    if isinstance(data, dict):
+        if not isinstance(data.get("messages"), list):
+            raise ConversationError("expected an exported conversation (an object with a "
+                                    "'messages' list) or a list of {role, content}")
+        if isinstance(data.get("system_prompt"), str):
+            system_prompt = data["system_prompt"]
+        data = data["messages"]
+    turns = validate_history(data)
+    # A leading system message (OpenAI style) becomes the system prompt.
+    if turns and turns[0]["role"] == "system":
+        system_prompt = turns.pop(0)["content"]
+    return turns, system_prompt
+
+
+def validate_history(history: Any) -> list[dict]:
+    """Check a history from a file or an API call and keep only the known fields."""
+    if history is None:
+        return []
+    if not isinstance(history, list):
+        raise ConversationError("history must be a list of {role, content} objects")
+    if len(history) > MAX_TURNS:
+        raise ConversationError(f"history has {len(history)} messages; at most {MAX_TURNS}")
+    turns = []
+    for i, item in enumerate(history):
+        if not isinstance(item, dict) or item.get("role") not in ("system", "user", "assistant"):
+            raise ConversationError(f"message {i} needs a role of system, user or assistant")
+        content = item.get("content", "")
+        if not isinstance(content, str):
+            raise ConversationError(f"message {i}: content must be a string")
+        if item["role"] == "system" and i != 0:
+            raise ConversationError(f"message {i}: a system message may only come first")
+        turn = {"role": item["role"], "content": content}
+        for key in ("reasoning", "stats"):
+            if item["role"] == "assistant" and isinstance(item.get(key), str) and item[key]:
+                turn[key] = item[key]
+        turns.append(turn)
+    return turns

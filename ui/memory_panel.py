@@ -1,0 +1,92 @@
+"""The memory panel: a card per GPU (NVML used/total, torch allocated/reserved), CPU RAM and
+process RSS, the loaded model's weights, refreshed by a timer, and a plot of the last minutes."""
+
+from __future__ import annotations
+
+import html
+from datetime import datetime
+
+import gradio as gr
+import pandas as pd
+
+from model_utils.engine import Engine
+from model_utils.memory import MemorySnapshot
+
+REFRESH_S = 2.0
+WINDOW_S = 300  # the plot shows the last five minutes
+
+_CARD = ("<div class='mem-card' style='border:1px solid var(--border-color-primary);"
+         "border-radius:8px;padding:8px 12px;min-width:190px;flex:1'>"
+         "<div style='font-weight:600'>{title}</div>{rows}</div>")
+
+
+def build_memory_panel(engine: Engine, *, status: gr.State) -> dict:
+    c: dict = {}
+    c["cards"] = gr.HTML(_cards(engine.memory_snapshot(), engine.status()), elem_id="memory-cards")
+    c["plot"] = gr.LinePlot(_history_frame(engine), x="time", y="GB", color="series",
+                            title="Memory, last five minutes", height=300, elem_id="memory-plot",
+                            x_title="time", y_title="GB")
+    c["timer"] = gr.Timer(REFRESH_S)
+
+    def refresh(current: dict):
+        snapshot = engine.memory_snapshot()  # also adds a point to the history
+        now = engine.status()
+        # Loads by other pages or API clients reach this page through the status it holds.
+        changed = now if now != current else gr.skip()
+        return _cards(snapshot, now), _history_frame(engine), changed
+
+    c["timer"].tick(refresh, [status], [c["cards"], c["plot"], status],
+                    api_visibility="private", show_progress="hidden", concurrency_limit=None)
+    return c
+
+
+def fmt_gb(gb: float | None) -> str:
+    if gb is None:
+        return "n/a"
+    return f"{gb * 1024:.1f} MB" if gb < 0.1 else f"{gb:.2f} GB"
+
+
+def _row(name: str, value: str) -> str:
+    return f"<div>{html.escape(name)}: <b>{html.escape(value)}</b></div>"
+
+
+def _cards(snapshot: MemorySnapshot, status: dict) -> str:
+    cards = []
+    for gpu in snapshot.gpus:
+        rows = [_row("used (NVML, all processes)",
+                     f"{fmt_gb(gpu.used_gb)} / {fmt_gb(gpu.total_gb)}"),
+                _row("torch allocated", fmt_gb(gpu.allocated_gb)),
+                _row("torch reserved", fmt_gb(gpu.reserved_gb))]
+        cards.append(_CARD.format(title=html.escape(f"cuda:{gpu.index} {gpu.name}"),
+                                  rows="".join(rows)))
+    cards.append(_CARD.format(title="CPU", rows=_row(
+        "RAM used", f"{fmt_gb(snapshot.cpu_used_gb)} / {fmt_gb(snapshot.cpu_total_gb)}")
+        + _row("this process (RSS)", fmt_gb(snapshot.process_rss_gb))))
+    if status.get("loaded"):
+        where = ", ".join(f"{d} {fmt_gb(e.get('gb', 0))}"
+                          for d, e in (status.get("device_map") or {}).items())
+        model_rows = (_row("model", f"{status['model']} ({status['mode']})")
+                      + _row("weights", f"{fmt_gb(status.get('footprint_gb'))} ({where})"))
+    else:
+        model_rows = _row("model", "none loaded")
+    cards.append(_CARD.format(title="Loaded model", rows=model_rows))
+    note = f"<p><i>{html.escape(snapshot.note)}</i></p>" if snapshot.note else ""
+    return note + "<div style='display:flex;gap:12px;flex-wrap:wrap'>" + "".join(cards) + "</div>"
+
+
+def _history_frame(engine: Engine) -> pd.DataFrame:
+    """engine.memory.points() -> long format (time, series, GB) for one line per series."""
+    points = engine.memory.points()
+    rows = []
+    newest = points[-1].time if points else 0
+    for p in points:
+        if newest - p.time > WINDOW_S:
+            continue
+        t = datetime.fromtimestamp(p.time)
+        rows.append((t, "CPU RAM used", p.cpu_used_gb))
+        rows.append((t, "process RSS", p.process_rss_gb))
+        for gpu in p.gpus:
+            if gpu.used_gb is not None:
+                rows.append((t, f"cuda:{gpu.index} used", gpu.used_gb))
+            rows.append((t, f"cuda:{gpu.index} allocated", gpu.allocated_gb))
+    return pd.DataFrame(rows, columns=["time", "series", "GB"])

@@ -1,0 +1,142 @@
+"""Load, unload and describe models: shared by the model panel and the API endpoints, so a
+click and a gradio_client call go through the same checks (admin, input, engine errors)."""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable
+
+import gradio as gr
+
+from model_utils.engine import Engine
+from model_utils.manager import LoadError, LoadRequest, ModelBusy
+from model_utils.modes import MODES
+from model_utils.placement import Placement, available_placements
+
+from .common import require_admin, user_error
+
+log = logging.getLogger("ui")
+
+COMPUTE_DTYPES = ("bf16", "fp16", "fp32")
+
+
+def default_placement() -> str:
+    """One GPU when the model fits there (the engine's "auto"), else the CPU."""
+    return "auto" if len(available_placements()) > 1 else "cpu"
+
+
+def make_request(*, model: str, mode: str, placement: str | None,
+                 max_memory_gb: dict | None = None, offload_folder: str | None = None,
+                 compute_dtype: str = "bf16", context_tokens: int | float | None = None
+                 ) -> LoadRequest:
+    """Check the shape of what the user picked and build a LoadRequest. Whether the model
+    exists and fits is the engine's business (it answers with a message)."""
+    model = (model or "").strip() or "demo"
+    if mode not in MODES:
+        raise user_error(f"unknown mode {mode!r}; choose one of: {', '.join(MODES)}")
+    if compute_dtype not in COMPUTE_DTYPES:
+        raise user_error(f"compute_dtype must be one of {', '.join(COMPUTE_DTYPES)}")
+    caps = {}
+    for device, gb in (max_memory_gb or {}).items():
+        if not isinstance(gb, (int, float)) or isinstance(gb, bool) or not math.isfinite(gb) \
+                or gb < 0:
+            raise user_error(f"max memory for {device} must be a number of GB >= 0, got {gb!r}")
+        if gb > 0:  # 0 means "no cap"
+            caps[str(device)] = float(gb)
+    if context_tokens in (None, 0, ""):
+        context = None
+    elif (isinstance(context_tokens, (int, float)) and not isinstance(context_tokens, bool)
+          and float(context_tokens).is_integer() and context_tokens > 0):
+        context = int(context_tokens)
+    else:
+        raise user_error(f"context_tokens must be a positive integer, got {context_tokens!r}")
+    placement = Placement(target=(placement or default_placement()).strip(),
+                          max_memory_gb=caps,
+                          offload_folder=(offload_folder or "").strip() or None)
+    return LoadRequest(model=model, mode=mode, placement=placement,
+                       compute_dtype=compute_dtype, context_tokens=context)
+
+
+def load(engine: Engine, request: LoadRequest, *, admin: str | None, who: gr.Request | None,
+         progress: Callable[[float, str], None] | None = None) -> dict:
+    """Load (or switch to) `request`; gr.Error with the engine's reason on refusal or failure.
+    On failure the engine has already put the previous model back."""
+    require_admin(admin, who, "load or switch models")
+    log.info("load requested by %s: %s %s on %s", _user(who), request.model, request.mode,
+             request.placement.describe())
+    try:
+        return engine.load(request, progress=progress)
+    except (LoadError, ModelBusy) as error:
+        raise user_error(str(error)) from error
+    except Exception as error:  # the engine turns load failures into LoadError; this is a bug
+        log.exception("load failed unexpectedly")
+        raise user_error(f"load failed: {type(error).__name__}: {error}") from error
+
+
+def unload(engine: Engine, *, admin: str | None, who: gr.Request | None) -> dict:
+    require_admin(admin, who, "unload models")
+    log.info("unload requested by %s", _user(who))
+    try:
+        return engine.unload()
+    except ModelBusy as error:
+        raise user_error(str(error)) from error
+
+
+def estimate_text(engine: Engine, request: LoadRequest) -> str:
+    """The fit estimate as one Markdown line; never raises (it runs on every change)."""
+    try:
+        estimate = engine.estimate(request)
+    except Exception as error:  # noqa: BLE001 - an unknown path etc.: say so, don't fail
+        return f"**Cannot estimate:** {_first_line(error)}"
+    verdict = "**Fits**" if estimate.fits else "**Does not fit**"
+    return f"{verdict}: {estimate.message()}"
+
+
+def status_markdown(status: dict) -> str:
+    """engine.status() as Markdown: what is loaded, where, and what it cost."""
+    if not status.get("loaded"):
+        return "**No model loaded.** Pick one above and press Load."
+    lines = [f"**{status['model']}** · mode **{status['mode']}** · "
+             f"placement {status['placement']}"]
+    rows = ["| device | layers | weights (GB) |", "|---|---|---|"]
+    for device, entry in (status.get("device_map") or {}).items():
+        rows.append(f"| {device} | {entry.get('layers', '-')} | {entry.get('gb', 0):.4f} |")
+    lines.append("\n".join(rows))
+    path = status.get("decode_path", "?")
+    if status.get("decode_path_reason"):
+        path += f" ({status['decode_path_reason']})"
+    lines.append(f"footprint {status.get('footprint_gb', 0):.4f} GB · loaded in "
+                 f"{status.get('load_s', 0):.2f} s · context {status.get('context_tokens')} "
+                 f"tokens · decode path {path}")
+    if status.get("estimate"):
+        lines.append(f"estimate at load: {status['estimate']}")
+    return "\n\n".join(lines)
+
+
+def unload_message(status: dict) -> str:
+    """What engine.unload() reported: did the memory come back?"""
+    report = status.get("unloaded")
+    if not report:
+        return "Nothing was loaded."
+    leftover = report.get("leftover") or {}
+    if not leftover:
+        return f"Unloaded {report['model']}: all memory came back."
+    held = ", ".join(f"{k} {v:.3f} GB" for k, v in leftover.items())
+    return f"Unloaded {report['model']}; still held: {held}."
+
+
+def headline(status: dict) -> str:
+    """One line for the page header: what is serving right now."""
+    if not status.get("loaded"):
+        return "**Serving:** no model loaded"
+    return (f"**Serving:** {status['model']} · {status['mode']} · {status['placement']}")
+
+
+def _user(who: gr.Request | None) -> str:
+    return repr(getattr(who, "username", None)) if who is not None else "the app"
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__

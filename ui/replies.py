@@ -1,0 +1,109 @@
+"""Streaming one reply from the engine, shared by the chat panel and the /chat endpoint.
+
+Owns the three things both need: turning settings into GenerationSettings, turning the engine's
+input errors into gr.Error (so the browser shows a message and an API client gets an error
+status), and the per-session Stop signal.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import defaultdict
+from collections.abc import Iterator
+
+from model_utils.chat import ChatInputError
+from model_utils.engine import ChatUpdate, Engine
+from model_utils.generation import GenerationSettings, InvalidParameter, ReplyStats
+from model_utils.manager import LoadError, ModelBusy
+
+from .common import user_error
+
+log = logging.getLogger("ui")
+
+SETTING_NAMES = ("temperature", "top_p", "top_k", "max_new_tokens", "repetition_penalty", "seed")
+_INTEGER_SETTINGS = {"top_k", "max_new_tokens", "seed"}
+# What the engine raises for input it refuses before generating anything.
+INPUT_ERRORS = (ChatInputError, InvalidParameter, LoadError, ModelBusy)
+
+
+def make_settings(values: dict | None) -> GenerationSettings:
+    """{name: value} -> GenerationSettings; None or a missing key means the model's default.
+
+    Sliders and JSON both deliver 40.0 for 40, and the engine wants ints for counts; a
+    non-integral count is left as is, so the engine's own check names it.
+    """
+    values = dict(values or {})
+    if unknown := sorted(set(values) - set(SETTING_NAMES)):
+        raise user_error(f"unknown setting(s) {', '.join(unknown)}; known: "
+                         f"{', '.join(SETTING_NAMES)}")
+    for name in _INTEGER_SETTINGS:
+        value = values.get(name)
+        if isinstance(value, float) and value.is_integer():
+            values[name] = int(value)
+    if values.get("seed") is not None and values["seed"] == -1:
+        values["seed"] = None  # -1 is the usual "random" seed in UIs
+    return GenerationSettings(**{k: v for k, v in values.items() if v is not None})
+
+
+def stats_line(stats: ReplyStats | None, mode: str) -> str:
+    if stats is None:
+        return ""
+    line = f"{stats.line()} · {mode}"
+    if stats.stopped:
+        line += " · stopped"
+    elif stats.finish_reason == "length":
+        line += " · hit max_new_tokens"
+    return line
+
+
+def stream(engine: Engine, messages: list[dict], settings: GenerationSettings, *,
+           system_prompt: str, thinking: bool, stop: threading.Event) -> Iterator[ChatUpdate]:
+    """engine.chat with errors made presentable. Closing this generator (Stop via cancel, a
+    closed tab) closes the engine's, whose finally frees the decode slot and logs the reply."""
+    updates = engine.chat(messages, settings, system_prompt=system_prompt or None,
+                          thinking=thinking, stop=stop)
+    try:
+        yield from updates
+    except INPUT_ERRORS as error:
+        raise user_error(str(error)) from error
+    except Exception as error:  # a bug or a device error: keep the server and the model up
+        log.exception("reply failed")
+        raise user_error(f"the reply failed: {type(error).__name__}: {error}") from error
+    finally:
+        stop.set()
+        updates.close()
+
+
+class StopSignals:
+    """The Stop button's link to the replies it should stop: session hash -> their Events.
+
+    The Stop click and the streaming reply are separate events of one browser session, so the
+    session hash is what they share; the Event itself is checked by the engine between decode
+    steps.
+    """
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._events: dict[str, set[threading.Event]] = defaultdict(set)
+
+    def start(self, session: str | None) -> threading.Event:
+        event = threading.Event()
+        with self._lock:
+            self._events[session or ""].add(event)
+        return event
+
+    def finish(self, session: str | None, event: threading.Event) -> None:
+        with self._lock:
+            events = self._events.get(session or "")
+            if events is not None:
+                events.discard(event)
+                if not events:
+                    del self._events[session or ""]
+
+    def stop(self, session: str | None) -> int:
+        with self._lock:
+            events = list(self._events.get(session or "", ()))
+        for event in events:
+            event.set()
+        return len(events)
