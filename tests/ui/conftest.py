@@ -1,0 +1,93 @@
+"""Run the real app (python app.py ...) as a subprocess and wait until it serves.
+
+Starting the app costs ~10 s on two cores (imports + the demo model), so each test module
+shares one instance through a module-scoped fixture.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+ARTIFACTS = ROOT / "test-artifacts"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RunningApp:
+    def __init__(self, args: list[str], workdir: Path):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_file = workdir / "server.log"
+        self.console = workdir / "console.txt"
+        env = {**os.environ, "GRADIO_ANALYTICS_ENABLED": "False", "PYTHONUNBUFFERED": "1"}
+        self._console = self.console.open("w")
+        self.proc = subprocess.Popen(
+            [sys.executable, "app.py", "--port", str(self.port), "--log-file",
+             str(self.log_file), *args],
+            cwd=ROOT, stdout=self._console, stderr=subprocess.STDOUT, env=env)
+
+    def wait_ready(self, timeout: float = 120) -> RunningApp:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"app exited with {self.proc.returncode}:\n{self.output()}")
+            try:
+                with urllib.request.urlopen(self.url + "/gradio_api/info", timeout=2):
+                    return self
+            except OSError as error:
+                # 401/403 (auth on) still means the server is up.
+                if getattr(error, "code", None) in (401, 403):
+                    return self
+                time.sleep(0.3)
+        raise RuntimeError(f"app did not start in {timeout} s:\n{self.output()}")
+
+    def output(self) -> str:
+        self._console.flush()
+        return self.console.read_text(errors="replace")
+
+    def log(self) -> str:
+        return self.log_file.read_text(errors="replace") if self.log_file.exists() else ""
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._console.close()
+
+
+@pytest.fixture(scope="module")
+def start_app(tmp_path_factory):
+    """start_app(*flags) -> a RunningApp, stopped when the module's tests are done."""
+    apps: list[RunningApp] = []
+
+    def start(*args: str) -> RunningApp:
+        app = RunningApp(list(args), tmp_path_factory.mktemp("app"))
+        apps.append(app)
+        return app.wait_ready()
+
+    yield start
+    for app in apps:
+        app.stop()
+
+
+@pytest.fixture(scope="session")
+def artifacts() -> Path:
+    ARTIFACTS.mkdir(exist_ok=True)
+    return ARTIFACTS
