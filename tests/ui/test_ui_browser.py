@@ -1,0 +1,145 @@
+"""A real browser (Chromium via Playwright) against the real app: chat with a streamed reply,
+Stop, switch the mode with the dropdown + Load, and watch the status and memory panels follow."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from .browser import open_browser
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+
+
+@pytest.fixture(scope="module")
+def app(start_app):
+    return start_app("--model", "demo", "--mode", "bf16", "--placement", "cpu")
+
+
+@pytest.fixture(scope="module")
+def page(app):
+    with open_browser() as browser:
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        page.set_default_timeout(30000)
+        page.goto(app.url)
+        page.locator("#message textarea").wait_for()
+        yield page
+
+
+def set_number(page, label: str, value) -> None:
+    box = page.locator(f'input[aria-label^="number input for {label}"]')
+    box.fill(str(value))
+    box.press("Enter")
+
+
+def bot_messages(page):
+    return page.locator('#chatbot [data-testid="bot"]')
+
+
+def send(page, text: str) -> None:
+    page.locator("#message textarea").fill(text)
+    page.locator("#message textarea").press("Enter")
+
+
+def test_demo_notice_is_plain(page):
+    assert "demo model (random weights): replies are noise" in page.locator(
+        "#demo-notice").inner_text()
+
+
+def test_reply_streams_in_and_gets_a_stats_line(page, artifacts):
+    set_number(page, "temperature", 0)
+    set_number(page, "max_new_tokens", 64)
+    send(page, "Hello, model!")
+    page.get_by_text("Hello, model!").wait_for()
+    # Sample the reply while it streams: it should be seen growing before it is finished.
+    seen = []
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline:
+        texts = bot_messages(page).all_inner_texts()
+        if texts and texts[-1] not in seen:
+            seen.append(texts[-1])
+        if page.locator("#chatbot sub").count():
+            break
+        time.sleep(0.1)
+    final = bot_messages(page).last.inner_text()
+    assert "tok/s" in final and "64 out" in final and "bf16" in final
+    partial = [t for t in seen if "tok/s" not in t and t.strip(" ▌")]
+    assert len(partial) >= 2, f"expected to see the reply grow, saw {seen!r}"
+    page.screenshot(path=str(artifacts / "chat.png"))
+
+
+def test_stop_ends_the_reply_at_once(page):
+    set_number(page, "max_new_tokens", 4000)
+    send(page, "Write a very long story.")
+    page.locator("#chatbot").get_by_text("Write a very long story.").wait_for()
+    page.wait_for_function(  # some tokens arrived
+        "() => { const m = document.querySelectorAll('#chatbot [data-testid=bot]');"
+        " return m.length >= 2 && m[m.length-1].innerText.length > 20; }")
+    page.locator("#stop").click()
+    page.locator("#chatbot sub", has_text="stopped").wait_for(timeout=15000)
+    last = bot_messages(page).last.inner_text()
+    assert "4000 out" not in last
+    set_number(page, "max_new_tokens", 64)
+
+
+def test_conversation_survives_a_reload(page):
+    page.reload()
+    page.locator("#message textarea").wait_for()
+    page.locator("#chatbot").get_by_text("Hello, model!").wait_for()
+    page.locator("#chatbot").get_by_text("Write a very long story.").wait_for()
+
+
+def test_undo_then_import_with_reasoning(page, tmp_path):
+    before = bot_messages(page).count()
+    page.locator("#undo").click()
+    page.locator("#message textarea").get_by_text("Write a very long story.")
+    page.wait_for_function(f"() => document.querySelectorAll('#chatbot [data-testid=bot]')"
+                           f".length < {before}")
+    assert page.locator("#message textarea").input_value() == "Write a very long story."
+    # An exported conversation with reasoning: the reasoning is a collapsed "thought" bubble.
+    exported = tmp_path / "conversation.json"
+    exported.write_text(json.dumps({"format": "qwen-chat-conversation", "version": 1,
+                                    "system_prompt": "Be brief.", "messages": [
+        {"role": "user", "content": "What is 2+2?"},
+        {"role": "assistant", "content": "4", "reasoning": "Two plus two is four.",
+         "stats": "1 ms to first token"}]}))
+    page.get_by_text("Export / import").click()
+    with page.expect_file_chooser() as chooser:
+        page.locator("#import").click()
+    chooser.value.set_files(str(exported))
+    page.locator("#chatbot").get_by_text("What is 2+2?").wait_for()
+    page.locator("#chatbot").get_by_text("Reasoning").wait_for()
+    assert page.locator("#system-prompt textarea").input_value() == "Be brief."
+
+
+def test_switch_mode_updates_status_and_memory(page, artifacts):
+    page.get_by_role("tab", name="Memory").click()
+    cards = page.locator("#memory-cards")
+    cards.get_by_text("(bf16)").wait_for()
+    bf16_cards = cards.inner_text()
+    assert "this process (RSS)" in bf16_cards
+
+    page.get_by_role("tab", name="Model").click()
+    page.locator("#mode input").click()
+    page.get_by_role("option", name="nf4 4-bit (bitsandbytes)").click()
+    page.locator("#estimate").get_by_text("Fits").wait_for()
+    page.locator("#load").click()
+    page.locator("#model-message").get_by_text("Loaded demo model").wait_for(timeout=60000)
+    status = page.locator("#model-status").inner_text()
+    assert "nf4" in status and "cpu" in status and "0-3" in status
+    # The header follows (a memory tick taken mid-switch may show "no model" for a moment).
+    page.locator("#headline").get_by_text("nf4", exact=False).wait_for(timeout=10000)
+    page.screenshot(path=str(artifacts / "model-switched.png"), full_page=True)
+
+    page.get_by_role("tab", name="Memory").click()
+    cards.get_by_text("(nf4)").wait_for(timeout=10000)
+    assert cards.inner_text() != bf16_cards
+    page.locator("#memory-plot").wait_for()
+    page.screenshot(path=str(artifacts / "memory.png"), full_page=True)
+
+    # The chat answers in the new mode.
+    page.get_by_role("tab", name="Chat").click()
+    send(page, "And now?")
+    page.locator("#chatbot sub", has_text="nf4").wait_for(timeout=60000)
