@@ -48,6 +48,22 @@ def test_demo_notice_is_plain(page):
         "#demo-notice").inner_text()
 
 
+def test_empty_message_sends_nothing(page):
+    send(page, "   ")
+    page.wait_for_timeout(1500)
+    assert page.locator('#chatbot [data-testid="user"]').count() == 0
+    assert bot_messages(page).count() == 0
+
+
+def test_too_long_message_gets_the_engines_message_and_stays_in_the_box(page):
+    text = "hello " * 5000
+    send(page, text)
+    page.get_by_text("context window", exact=False).first.wait_for()
+    assert page.locator("#message textarea").input_value() == text
+    assert bot_messages(page).count() == 0  # the conversation is unchanged
+    page.locator("#message textarea").fill("")
+
+
 def test_reply_streams_in_and_gets_a_stats_line(page, artifacts):
     set_number(page, "temperature", 0)
     set_number(page, "max_new_tokens", 64)
@@ -122,6 +138,13 @@ def test_switch_mode_updates_status_and_memory(page, artifacts):
     assert "this process (RSS)" in bf16_cards
 
     page.get_by_role("tab", name="Model").click()
+    # A bad path first: refused with the reason, and the bf16 model keeps serving.
+    page.locator("#model-path input, #model-path textarea").fill("/nonexistent/model")
+    page.locator("#load").click()
+    page.locator("#model-message").get_by_text("outside the allowed").wait_for()
+    assert "bf16" in page.locator("#model-status").inner_text()
+    page.locator("#model-path input, #model-path textarea").fill("")
+
     page.locator("#mode input").click()
     page.get_by_role("option", name="nf4 4-bit (bitsandbytes)").click()
     page.locator("#estimate").get_by_text("Fits").wait_for()
