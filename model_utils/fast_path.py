@@ -43,14 +43,14 @@ class FastPath:
 
     name = "static-cache+cuda-graphs"
 
-    def __init__(self, model):
+    def __init__(self, model, *, fullgraph: bool = True):
         self.model = model
         self.caches = StaticCaches(model)
         # Each bucket is one more compiled shape; leave room for all of them.
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit,
                                                     4 * len(CACHE_BUCKETS))
-        self.step_fn = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True,
-                                     dynamic=False)
+        self.step_fn = torch.compile(model.forward, mode="reduce-overhead",
+                                     fullgraph=fullgraph, dynamic=False)
 
     def decoder(self) -> StaticDecoder:
         return StaticDecoder(self.model, self.caches, self.step_fn, name=self.name)
@@ -80,11 +80,19 @@ def attach(loaded, progress=None, *, warm_bucket: int = 1024) -> None:
     if not applies:
         loaded.decode_path = "eager"
         return
-    try:
-        fast = FastPath(loaded.model)
-        seconds = fast.warm_up(warm_bucket, progress)
-    except Exception as error:  # noqa: BLE001 - any compile failure falls back, logged
-        log.exception("compiling the decode step failed; using the eager path")
+    error = None
+    # One whole graph is fastest; a model whose forward has a graph break still gains from
+    # several captured pieces, so that is the second try before giving up on compiling.
+    for fullgraph in (True, False):
+        try:
+            fast = FastPath(loaded.model, fullgraph=fullgraph)
+            seconds = fast.warm_up(warm_bucket, progress)
+            break
+        except Exception as exc:  # noqa: BLE001 - any compile failure falls back, logged
+            log.exception("compiling the decode step (fullgraph=%s) failed", fullgraph)
+            error = exc
+            torch._dynamo.reset()
+    else:
         loaded.decode_path = "eager"
         loaded.decode_path_reason = f"eager path: compiling failed ({type(error).__name__}: " \
                                     f"{str(error).splitlines()[0][:200]})"

@@ -1,0 +1,361 @@
+"""Benchmark: the engine's decode path against plain from_pretrained + model.generate.
+
+    python -m model_utils.bench --model demo --modes bf16,nf4 --batch 1,8 \\
+        --prompt-tokens 128 --new-tokens 256 --out results.json
+
+For each mode it loads the model through the engine (the path a user's load takes), measures
+time to first token and decode speed for one stream and for `batch` concurrent requests, unloads
+it, then loads the same checkpoint the way most tutorials do and times model.generate on the same
+prompts in the same process. Greedy decoding on both sides, so their tokens must agree.
+--random-from-config builds a model of a published shape with random weights (speed does not
+depend on the values), so real sizes can be measured without downloading anything.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import logging
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from .decoders import input_device
+from .engine import Engine, eos_ids
+from .generation import GenerationSettings, ReplyStats, decode_tokens
+from .manager import LoadRequest
+from .memory import GB
+from .modes import get_mode, quantization_config
+from .placement import Placement
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class BenchRow:
+    mode: str
+    batch: int
+    decode_path: str
+    load_s: float
+    weights_gb: float
+    peak_gb: dict
+    ttft_ms: float
+    tok_s: float  # per stream, decode phase
+    aggregate_tok_s: float
+    stream_tok_s: float | None  # through engine.chat (text streaming), batch 1 only
+    peer_load_s: float
+    peer_ttft_ms: float
+    peer_tok_s: float
+    peer_aggregate_tok_s: float
+    speedup: float  # aggregate tokens/s, engine over peer
+    ttft_ratio: float  # engine TTFT over peer TTFT
+    greedy_match: bool
+    first_mismatch: int | None
+
+
+# -- inputs -------------------------------------------------------------------------------------
+def random_prompts(count: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    # Token ids from the low end of the vocabulary, which every tokenizer in use defines.
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(10, min(vocab, 1000), (count, length), generator=g).tolist()
+
+
+def build_random_model(config_file: Path, folder: Path, device: str) -> Path:
+    """A checkpoint of the config's shape with random bf16 weights, plus the demo tokenizer."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from .demo_model import demo_model_path
+
+    config = AutoConfig.from_pretrained(config_file)
+    start = time.perf_counter()
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.generation_config.do_sample = False
+    model.save_pretrained(folder, safe_serialization=True)
+    AutoTokenizer.from_pretrained(demo_model_path()).save_pretrained(folder)
+    del model
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    log.info("built a random %s in %.1f s at %s", config_file.name, time.perf_counter() - start,
+             folder)
+    return folder
+
+
+# -- measuring ----------------------------------------------------------------------------------
+def reset_peaks() -> None:
+    for i in range(torch.cuda.device_count()):
+        torch.cuda.reset_peak_memory_stats(i)
+
+
+def peaks_gb() -> dict:
+    if not torch.cuda.is_available():
+        import psutil
+
+        return {"cpu_rss": round(psutil.Process().memory_info().rss / GB, 3)}
+    return {f"cuda:{i}": round(torch.cuda.max_memory_allocated(i) / GB, 3)
+            for i in range(torch.cuda.device_count())}
+
+
+def greedy(new_tokens: int) -> GenerationSettings:
+    return GenerationSettings(max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                              temperature=0.0, top_p=1.0, top_k=0, repetition_penalty=1.0)
+
+
+def engine_decode(engine: Engine, prompt: list[int], new_tokens: int) -> tuple[list[int], ReplyStats]:
+    """One greedy reply on the engine's own decode path (its worker thread, its decoder)."""
+    loaded = engine.manager.loaded
+    stats = ReplyStats()
+    tokens = engine.worker.call(lambda: list(decode_tokens(
+        engine.decoder_for(loaded), prompt, greedy(new_tokens), eos_ids=eos_ids(loaded),
+        stats=stats)))
+    return tokens, stats
+
+
+def engine_concurrent(engine: Engine, prompts: list[list[int]], new_tokens: int) -> float:
+    """Aggregate tokens/s of len(prompts) requests submitted at once through the engine."""
+    results = [None] * len(prompts)
+
+    def one(i):
+        results[i] = engine_decode(engine, prompts[i], new_tokens)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
+    start = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    elapsed = time.perf_counter() - start
+    return sum(len(r[0]) for r in results) / elapsed
+
+
+def engine_streaming_tok_s(engine: Engine, new_tokens: int) -> float:
+    """Decode tokens/s as a chat client sees them: through engine.chat (worker thread, queue,
+    detokenization, reasoning split), from the first token to the last update received."""
+    messages = [{"role": "user", "content": "Tell me a long story about the sea. " * 8}]
+    start = time.perf_counter()
+    final = None
+    for final in engine.chat(messages, greedy(new_tokens), thinking=False):
+        pass
+    last = time.perf_counter()
+    decode_s = last - start - final.stats.ttft_ms / 1000
+    return (final.stats.new_tokens - 1) / max(decode_s, 1e-9)
+
+
+def peer_generate(model, prompts: list[list[int]], new_tokens: int) -> tuple[list, float, float]:
+    """Plain model.generate on a batch: (tokens, ttft_ms, per-stream decode tok/s)."""
+    ids = torch.tensor(prompts, device=input_device(model))
+    kwargs = dict(do_sample=False, min_new_tokens=new_tokens, pad_token_id=0,
+                  attention_mask=torch.ones_like(ids))
+    with torch.inference_mode():
+        model.generate(ids, max_new_tokens=2, **kwargs)  # warm-up (cuBLAS handles, allocator)
+        sync()
+        start = time.perf_counter()
+        model.generate(ids, max_new_tokens=1, **kwargs)
+        sync()
+        ttft = time.perf_counter() - start
+        start = time.perf_counter()
+        out = model.generate(ids, max_new_tokens=new_tokens,
+                             **{**kwargs, "min_new_tokens": new_tokens})
+        sync()
+        total = time.perf_counter() - start
+    tokens = out[:, ids.shape[1]:].tolist()
+    return tokens, ttft * 1000, (new_tokens - 1) / max(total - ttft, 1e-9)
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def first_mismatch(a: list[int], b: list[int]) -> int | None:
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+# -- one mode -----------------------------------------------------------------------------------
+def bench_mode(engine: Engine, model_name: str, mode: str, placement: Placement,
+               batches: list[int], prompt_tokens: int, new_tokens: int,
+               match_prompts: int) -> list[BenchRow]:
+    reset_peaks()
+    status = engine.load(LoadRequest(model_name, mode, placement,
+                                     context_tokens=max(prompt_tokens + new_tokens + 64, 1024)))
+    loaded = engine.manager.loaded
+    vocab = loaded.model.config.get_text_config().vocab_size
+    prompts = random_prompts(max(max(batches), match_prompts), prompt_tokens, vocab)
+    engine_decode(engine, prompts[0], 8)  # first reply after load: allocator, cuBLAS
+    engine_runs = {}
+    for b in batches:
+        if b == 1:
+            runs = [engine_decode(engine, prompts[i], new_tokens) for i in range(match_prompts)]
+            engine_runs[1] = {
+                "tokens": [r[0] for r in runs],
+                "ttft_ms": statistics.median(r[1].ttft_ms for r in runs),
+                "tok_s": statistics.median(r[1].tok_s for r in runs),
+            }
+            engine_runs[1]["aggregate"] = engine_runs[1]["tok_s"]
+        else:
+            aggregate = engine_concurrent(engine, prompts[:b], new_tokens)
+            engine_runs[b] = {"aggregate": aggregate, "tok_s": aggregate / b,
+                              "ttft_ms": engine_runs.get(1, {}).get("ttft_ms", 0.0)}
+    stream_tok_s = engine_streaming_tok_s(engine, new_tokens) if 1 in batches else None
+    engine_peak = peaks_gb()
+    engine.unload()
+
+    # The peer: what the tutorials do, in the same process on the same prompts.
+    mode_row = get_mode(mode)
+    kwargs = {"dtype": mode_row.dtype}
+    if mode_row.is_quantized:
+        kwargs["quantization_config"] = quantization_config(mode_row)
+    device_map = {"": 0} if torch.cuda.is_available() else {"": "cpu"}
+    from transformers import AutoModelForCausalLM
+
+    start = time.perf_counter()
+    peer = AutoModelForCausalLM.from_pretrained(loaded.source.path, device_map=device_map,
+                                                **kwargs)
+    peer_load_s = time.perf_counter() - start
+    peer_runs = {}
+    for b in batches:
+        if b == 1:
+            runs = [peer_generate(peer, [prompts[i]], new_tokens) for i in range(match_prompts)]
+            peer_runs[1] = {"tokens": [r[0][0] for r in runs],
+                            "ttft_ms": statistics.median(r[1] for r in runs),
+                            "tok_s": statistics.median(r[2] for r in runs)}
+            peer_runs[1]["aggregate"] = peer_runs[1]["tok_s"]
+        else:
+            _, ttft, tok_s = peer_generate(peer, prompts[:b], new_tokens)
+            peer_runs[b] = {"ttft_ms": ttft, "tok_s": tok_s, "aggregate": tok_s * b}
+    del peer
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+    rows = []
+    for b in batches:
+        mine, theirs = engine_runs[b], peer_runs[b]
+        mismatches = [first_mismatch(x, y) for x, y in
+                      zip(engine_runs.get(1, {}).get("tokens", []),
+                          peer_runs.get(1, {}).get("tokens", []))]
+        rows.append(BenchRow(
+            mode=mode, batch=b, decode_path=status["decode_path"],
+            load_s=round(status["load_s"], 2), weights_gb=round(status["footprint_gb"], 3),
+            peak_gb=engine_peak, ttft_ms=round(mine["ttft_ms"], 2), tok_s=round(mine["tok_s"], 2),
+            aggregate_tok_s=round(mine["aggregate"], 2),
+            stream_tok_s=round(stream_tok_s, 2) if (b == 1 and stream_tok_s) else None,
+            peer_load_s=round(peer_load_s, 2), peer_ttft_ms=round(theirs["ttft_ms"], 2),
+            peer_tok_s=round(theirs["tok_s"], 2),
+            peer_aggregate_tok_s=round(theirs["aggregate"], 2),
+            speedup=round(mine["aggregate"] / max(theirs["aggregate"], 1e-9), 2),
+            ttft_ratio=round(mine["ttft_ms"] / max(theirs["ttft_ms"], 1e-9), 2),
+            greedy_match=all(m is None for m in mismatches),
+            first_mismatch=next((m for m in mismatches if m is not None), None),
+        ))
+    return rows
+
+
+# -- output -------------------------------------------------------------------------------------
+COLUMNS = ["mode", "batch", "decode_path", "load_s", "weights_gb", "ttft_ms", "peer_ttft_ms",
+           "tok_s", "peer_tok_s", "aggregate_tok_s", "peer_aggregate_tok_s", "speedup",
+           "stream_tok_s", "greedy_match"]
+
+
+def markdown_table(rows: list[BenchRow]) -> str:
+    lines = ["| " + " | ".join(COLUMNS) + " | peak_gb |",
+             "|" + "---|" * (len(COLUMNS) + 1)]
+    for row in rows:
+        d = asdict(row)
+        peak = ", ".join(f"{k} {v}" for k, v in row.peak_gb.items())
+        lines.append("| " + " | ".join(str(d[c]) for c in COLUMNS) + f" | {peak} |")
+    return "\n".join(lines)
+
+
+def save_chart(rows: list[BenchRow], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [f"{r.mode}\nbatch {r.batch}" for r in rows]
+    x = range(len(rows))
+    fig, ax = plt.subplots(figsize=(max(6, 1.4 * len(rows)), 4))
+    ax.bar([i - 0.2 for i in x], [r.aggregate_tok_s for r in rows], 0.4, label="this engine")
+    ax.bar([i + 0.2 for i in x], [r.peer_aggregate_tok_s for r in rows], 0.4,
+           label="plain model.generate")
+    ax.set_xticks(list(x), labels)
+    ax.set_ylabel("tokens/s (all streams)")
+    ax.set_title("Decode speed, same process, greedy")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def run(args: argparse.Namespace) -> list[BenchRow]:
+    engine = Engine(compile=not args.no_compile)
+    model_name = args.model
+    if args.random_from_config:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        folder = Path(tempfile.mkdtemp(prefix="bench-model-"))
+        build_random_model(Path(args.random_from_config), folder, device)
+        model_name = str(folder)
+    if model_name != "demo":
+        engine.registry.allow_root(model_name)
+    placement = Placement(args.placement or ("cuda:0" if torch.cuda.is_available() else "cpu"))
+    rows = []
+    for mode in args.modes.split(","):
+        rows += bench_mode(engine, model_name, mode.strip(), placement,
+                           [int(b) for b in args.batch.split(",")], args.prompt_tokens,
+                           args.new_tokens, args.match_prompts)
+        print(markdown_table(rows[-len(args.batch.split(",")):]), flush=True)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m model_utils.bench", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="demo", help="demo, a model folder or a cached hub id")
+    parser.add_argument("--random-from-config", help="config.json of a shape to build with "
+                        "random weights (on the GPU when there is one)")
+    parser.add_argument("--modes", default="bf16", help="comma-separated modes, e.g. bf16,nf4")
+    parser.add_argument("--batch", default="1", help="comma-separated batch sizes, e.g. 1,8")
+    parser.add_argument("--prompt-tokens", type=int, default=128)
+    parser.add_argument("--new-tokens", type=int, default=256)
+    parser.add_argument("--match-prompts", type=int, default=3,
+                        help="prompts on which greedy output is compared token for token")
+    parser.add_argument("--placement", help="default: cuda:0 with a GPU, else cpu")
+    parser.add_argument("--no-compile", action="store_true", help="benchmark the eager path")
+    parser.add_argument("--out", default="results.json", help="JSON file to write")
+    parser.add_argument("--chart", help="PNG chart (default: next to --out)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING)
+    try:
+        rows = run(args)
+    except (ValueError, RuntimeError) as error:
+        print(f"bench: {error}", file=sys.stderr)
+        return 2
+    print("\n" + markdown_table(rows))
+    meta = {"torch": torch.__version__, "cuda": torch.cuda.get_device_name(0)
+            if torch.cuda.is_available() else None}
+    import transformers
+
+    meta["transformers"] = transformers.__version__
+    out = Path(args.out)
+    out.write_text(json.dumps({"meta": meta, "rows": [asdict(r) for r in rows]}, indent=2))
+    chart = Path(args.chart) if args.chart else out.with_suffix(".png")
+    save_chart(rows, chart)
+    print(json.dumps([asdict(r) for r in rows]))
+    print(f"wrote {out} and {chart}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
