@@ -126,8 +126,9 @@ def main(argv: list[str] | None = None) -> int:
 
     engine = Engine(models_dir=args.models_dir, trust_remote_code=args.trust_remote_code,
                     log_prompts=args.log_prompts)
-    if args.model not in ("", "demo") and Path(args.model).expanduser().exists():
-        engine.registry.allow_root(args.model)  # the operator named it: it may be loaded
+    if args.model.startswith(("/", ".", "~")) or Path(args.model).expanduser().is_dir():
+        # The operator named this folder on the command line: it may be loaded from the UI too.
+        engine.registry.allow_root(args.model)
     info = ui.AppInfo(admin=args.admin)
     load_initial_model(engine, args, info)
 
@@ -135,8 +136,8 @@ def main(argv: list[str] | None = None) -> int:
     demo.queue(max_size=args.max_queue, default_concurrency_limit=1)
     _app, local_url, share_url = demo.launch(
         server_name=args.host, server_port=args.port, share=args.share,
-        auth=logins or None, prevent_thread_lock=True, show_error=True, ssr_mode=False,
-        css=ui.CSS, footer_links=["api"], quiet=False)
+        auth=logins or None, prevent_thread_lock=True, ssr_mode=False, css=ui.CSS,
+        footer_links=["api", "settings"])
     log.info("serving on %s", local_url)
     if args.share:
         if share_url:

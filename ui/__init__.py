@@ -24,10 +24,7 @@ from .model_panel import build_model_panel
 # An extra tab: (title, builder). The builder runs inside the tab and gets the engine.
 PanelBuilder = Callable[[Engine], dict]
 
-CSS = """
-#chatbot .message-wrap sub { opacity: 0.7; }
-footer { display: none !important; }
-"""
+CSS = "#chatbot .message-wrap sub { opacity: 0.7; }"  # the stats line under each reply
 
 
 def build(engine: Engine, *, admin: str | None = None, info: AppInfo | None = None,

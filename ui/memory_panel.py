@@ -22,7 +22,8 @@ _CARD = ("<div class='mem-card' style='border:1px solid var(--border-color-prima
 
 def build_memory_panel(engine: Engine, *, status: gr.State) -> dict:
     c: dict = {}
-    c["cards"] = gr.HTML(_cards(engine.memory_snapshot(), engine.status()), elem_id="memory-cards")
+    c["cards"] = gr.HTML(memory_cards(engine.memory_snapshot(), engine.status()),
+                         elem_id="memory-cards")
     c["plot"] = gr.LinePlot(_history_frame(engine), x="time", y="GB", color="series",
                             title="Memory, last five minutes", height=300, elem_id="memory-plot",
                             x_title="time", y_title="GB")
@@ -33,7 +34,7 @@ def build_memory_panel(engine: Engine, *, status: gr.State) -> dict:
         now = engine.status()
         # Loads by other pages or API clients reach this page through the status it holds.
         changed = now if now != current else gr.skip()
-        return _cards(snapshot, now), _history_frame(engine), changed
+        return memory_cards(snapshot, now), _history_frame(engine), changed
 
     c["timer"].tick(refresh, [status], [c["cards"], c["plot"], status],
                     api_visibility="private", show_progress="hidden", concurrency_limit=None)
@@ -50,7 +51,7 @@ def _row(name: str, value: str) -> str:
     return f"<div>{html.escape(name)}: <b>{html.escape(value)}</b></div>"
 
 
-def _cards(snapshot: MemorySnapshot, status: dict) -> str:
+def memory_cards(snapshot: MemorySnapshot, status: dict) -> str:
     cards = []
     for gpu in snapshot.gpus:
         rows = [_row("used (NVML, all processes)",

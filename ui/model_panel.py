@@ -20,21 +20,20 @@ SPLIT_COST = ("Splitting a model over GPUs makes every token wait on each GPU in
 def build_model_panel(engine: Engine, *, demo: gr.Blocks, status: gr.State,
                       admin: str | None = None, info: AppInfo | None = None) -> dict:
     c: dict = {}
-    loaded = engine.status()
+    picks = current_picks(engine)
     snapshot = engine.memory_snapshot()
     placements = available_placements()
     with gr.Row(equal_height=False):
         with gr.Column(scale=1):
-            c["model"] = gr.Dropdown(engine.registry.choices(), label="Model",
-                                     value=_initial_model(engine, loaded), elem_id="model")
+            c["model"] = gr.Dropdown(picks["choices"], label="Model", value=picks["model"],
+                                     elem_id="model")
             c["model_path"] = gr.Textbox(label="…or a folder path / Hugging Face hub id "
                                          "(overrides the list when filled)",
-                                         placeholder="/models/Qwen2.5-7B-Instruct or Qwen/Qwen3-8B",
-                                         elem_id="model-path")
+                                         value=picks["model_path"], elem_id="model-path",
+                                         placeholder="/models/Qwen2.5-7B-Instruct or Qwen/Qwen3-8B")
             c["mode"] = gr.Dropdown([(m.label, name) for name, m in MODES.items()], label="Mode",
-                                    value=loaded.get("mode", "bf16"), elem_id="mode")
-            c["placement"] = gr.Dropdown(placements, label="Placement",
-                                         value=_initial_placement(loaded, placements),
+                                    value=picks["mode"], elem_id="mode")
+            c["placement"] = gr.Dropdown(placements, label="Placement", value=picks["placement"],
                                          elem_id="placement", info=_placement_note(placements))
             # One cap per visible GPU and one for the CPU; 0 = no cap.
             c["caps"] = {}
@@ -60,7 +59,8 @@ def build_model_panel(engine: Engine, *, demo: gr.Blocks, status: gr.State,
             c["admin_note"] = gr.Markdown(
                 f"Only the admin user (**{admin}**) may load or unload models." if admin else "")
             c["message"] = gr.Markdown(_startup_message(info), elem_id="model-message")
-            c["status"] = gr.Markdown(actions.status_markdown(loaded), elem_id="model-status")
+            c["status"] = gr.Markdown(actions.status_markdown(engine.status()),
+                                      elem_id="model-status")
     _wire(c, engine, demo, status, admin)
     return c
 
@@ -116,12 +116,18 @@ def _wire(c: dict, engine: Engine, demo: gr.Blocks, status: gr.State,
                       api_visibility="private")
 
     def on_page_load(values: dict):
-        current = engine.status()
-        return (actions.status_markdown(current), current, estimate(values),
-                gr.update(choices=engine.registry.choices()))
+        # The picks start at what is loaded now, so "pick a mode, press Load" switches the
+        # model that is serving, even one loaded from a typed path or by another page.
+        current = current_picks(engine)
+        values = {**values, c["model"]: current["model"], c["mode"]: current["mode"],
+                  c["model_path"]: current["model_path"], c["placement"]: current["placement"]}
+        return (actions.status_markdown(current["status"]), current["status"], estimate(values),
+                gr.update(choices=current["choices"], value=current["model"]),
+                current["model_path"], current["mode"], current["placement"])
 
-    demo.load(on_page_load, picks, [c["status"], status, c["estimate"], c["model"]],
-              api_visibility="private", show_progress="hidden")
+    demo.load(on_page_load, picks,
+              [c["status"], status, c["estimate"], c["model"], c["model_path"], c["mode"],
+               c["placement"]], api_visibility="private", show_progress="hidden")
     # Any change of the loaded model (this page, another page, an API call) redraws the status.
     status.change(lambda s: actions.status_markdown(s), status, c["status"],
                   api_visibility="private", show_progress="hidden")
@@ -132,18 +138,27 @@ def _plain(status: dict) -> dict:
     return {k: v for k, v in status.items() if k != "unloaded"}
 
 
-def _initial_model(engine: Engine, loaded: dict) -> str:
-    choices = [name for _label, name in engine.registry.choices()]
-    path = loaded.get("path", "")
-    for name in choices:
-        if name == path or (loaded.get("is_demo") and name == "demo"):
-            return name
-    return choices[0] if choices else "demo"
-
-
-def _initial_placement(loaded: dict, placements: list[str]) -> str:
-    current = (loaded.get("placement") or "").split(" ", 1)[0].rstrip(",")
-    return current if current in placements else actions.default_placement()
+def current_picks(engine: Engine) -> dict:
+    """What the pickers should show for the model that is loaded now."""
+    current = engine.status()
+    choices = engine.registry.choices()
+    model, model_path = (choices[0][1] if choices else "demo"), ""
+    if current.get("loaded"):
+        by_label = {label: name for label, name in choices}
+        names = set(by_label.values())
+        if current.get("is_demo"):
+            model = "demo"
+        elif current["model"] in by_label:  # folders and cached hub ids carry the same label
+            model = by_label[current["model"]]
+        elif current.get("path") in names:
+            model = current["path"]
+        else:
+            model_path = current.get("path", "")
+    placements = available_placements()
+    target = (current.get("placement") or "").split(" ", 1)[0].rstrip(",")
+    return {"status": current, "choices": choices, "model": model, "model_path": model_path,
+            "mode": current.get("mode") or "bf16",
+            "placement": target if target in placements else actions.default_placement()}
 
 
 def _placement_note(placements: list[str]) -> str:
