@@ -107,6 +107,19 @@ def test_conversation_survives_a_reload(page):
     page.locator("#chatbot").get_by_text("Write a very long story.").wait_for()
 
 
+def test_regenerate_replaces_the_last_reply(page, app):
+    replies_before = app.log().count("reply: model=")
+    users, bots = page.locator('#chatbot [data-testid="user"]').count(), bot_messages(page).count()
+    page.locator("#regenerate").click()
+    deadline = time.monotonic() + 60
+    while app.log().count("reply: model=") == replies_before and time.monotonic() < deadline:
+        time.sleep(0.2)
+    page.locator("#chatbot sub", has_text="64 out").last.wait_for()
+    assert page.locator('#chatbot [data-testid="user"]').count() == users
+    assert bot_messages(page).count() == bots
+    assert "stopped" not in bot_messages(page).last.inner_text()
+
+
 def test_undo_then_import_with_reasoning(page, tmp_path):
     before = bot_messages(page).count()
     page.locator("#undo").click()
