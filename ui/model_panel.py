@@ -3,6 +3,9 @@ with a progress bar, and the status of what is loaded (device map, footprint, lo
 
 from __future__ import annotations
 
+import contextvars
+import threading
+
 import gradio as gr
 
 from model_utils.engine import Engine
@@ -92,7 +95,7 @@ def _wire(c: dict, engine: Engine, demo: gr.Blocks, status: gr.State,
     def load(values: dict, request: gr.Request, progress=gr.Progress()):
         try:
             result = actions.load(engine, request_from(values), admin=admin, who=request,
-                                  progress=lambda f, msg: progress(f, desc=msg))
+                                  progress=progress_from_any_thread(progress))
             message = f"Loaded {result['model']} in {result['mode']} ({result['load_s']:.2f} s)."
         except gr.Error as error:
             # Shown twice on purpose: a toast now, and a line that stays next to the status.
@@ -136,6 +139,24 @@ def _wire(c: dict, engine: Engine, demo: gr.Blocks, status: gr.State,
 def _plain(status: dict) -> dict:
     """The status without the one-off unload report (the page state compares equal again)."""
     return {k: v for k, v in status.items() if k != "unloaded"}
+
+
+def progress_from_any_thread(progress: gr.Progress):
+    """engine.load's progress callback, usable from the engine's decode worker too.
+
+    gr.Progress finds its event through context variables, which exist only in the handler's
+    thread; the engine reports the compile warm-up from its worker thread, where a plain call
+    would be dropped. So each update runs in a copy of the handler's context (one at a time:
+    a context cannot be entered by two threads at once).
+    """
+    context = contextvars.copy_context()
+    lock = threading.Lock()
+
+    def update(fraction: float, message: str) -> None:
+        with lock:
+            context.run(progress, fraction, desc=message)
+
+    return update
 
 
 def current_picks(engine: Engine) -> dict:
