@@ -64,7 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
         given = p.add_mutually_exclusive_group(required=True)
         given.add_argument("--prompt", help="one user message")
         given.add_argument("--messages", type=Path,
-                           help="JSON file: a messages list [{role, content}, ...] or {messages: [...]}")
+                           help="JSON file: a list of {role, content} messages, or an object "
+                                "with a 'messages' list")
         p.add_argument("--system", help="system prompt (replaces any system message in the list)")
         p.add_argument("--no-thinking", action="store_true",
                        help="Qwen3: answer without a reasoning block (enable_thinking=False)")
@@ -209,13 +210,13 @@ def requested_placement(args):
 def _display(reasoning: str, answer: str, done: bool) -> str:
     """What the terminal shows for a reply so far: <think>\\nreasoning\\n</think>\\n\\nanswer.
 
-    While the reasoning is still open its trailing newlines are held back: split_reasoning
-    strips them once </think> arrives, and text already printed cannot be taken back.
+    Trailing newlines of the reasoning are held back while it is open: split_reasoning strips
+    them once </think> arrives, and text already printed cannot be taken back.
     """
     if not reasoning:
         return answer
     closed = bool(answer) or done
-    text = "<think>\n" + (reasoning if closed else reasoning.rstrip("\n"))
+    text = "<think>\n" + reasoning.rstrip("\n")
     return text + ("\n</think>\n\n" + answer if closed else "")
 
 
@@ -234,8 +235,8 @@ class StreamPrinter:
             # A </think> after answer text re-splits what was already printed; go on from
             # where the two versions part (the --json result always has the final split).
             new = "\n" + text[len(os.path.commonprefix([self.shown, text])):]
-        if done and not (self.shown + new).endswith("\n"):
-            new += "\n"
+        if done and (self.shown + new) and not (self.shown + new).endswith("\n"):
+            new += "\n"  # end the last line, when there is one
         if new:
             self.out.write(new)
             self.out.flush()
@@ -243,7 +244,14 @@ class StreamPrinter:
 
 
 def cmd_chat(args) -> int:
+    from .chat import normalize_messages
+    from .registry import ModelRegistry
+
     messages = read_messages(args)
+    normalize_messages(messages, args.system)  # a malformed message is refused right away
+    # An unknown model or a path outside the allowed folders is refused here, before torch
+    # and transformers are imported (seconds); the engine resolves the name again to load it.
+    ModelRegistry(args.models_dir).resolve(args.model)
     settings = requested_settings(args)
     placement = requested_placement(args)
     _quiet_transformers(args.verbose)
@@ -305,16 +313,19 @@ def cmd_chat(args) -> int:
 
 def cmd_prompt(args) -> int:
     """The prompt text, through the same prepare_prompt the chat path uses (trimming included)."""
+    from .chat import normalize_messages
+    from .registry import ModelRegistry
+
     messages = read_messages(args)
+    normalize_messages(messages, args.system)
+    source = ModelRegistry(args.models_dir).resolve(args.model)
     _quiet_transformers(args.verbose)
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
     from .chat import prepare_prompt
     from .generation import GenerationSettings
     from .manager import LoadRequest, ModelManager
-    from .registry import ModelRegistry
 
-    source = ModelRegistry(args.models_dir).resolve(args.model)
     trust = args.trust_remote_code
     try:
         config = AutoConfig.from_pretrained(source.path, trust_remote_code=trust)
@@ -347,20 +358,29 @@ def _one_line(error: BaseException) -> str:
     return " ".join(str(error).split()) or type(error).__name__
 
 
+def _is_refusal(error: BaseException) -> bool:
+    """Whether an error is a refusal of the input (exit 2) rather than a failure (exit 1).
+
+    The engine's error classes are looked up only in modules already imported: an error from a
+    module never imported cannot be one of them, and a bad messages file is then reported
+    without first importing torch (seconds).
+    """
+    if isinstance(error, UsageError):
+        return True
+    package = __package__ or "model_utils"
+    names = {"chat": ("ChatInputError",), "generation": ("InvalidParameter",),
+             "manager": ("LoadError", "ModelBusy"), "registry": ("ModelNotFound",)}
+    classes = tuple(getattr(sys.modules[f"{package}.{module}"], name)
+                    for module, module_names in names.items() for name in module_names
+                    if f"{package}.{module}" in sys.modules)
+    return isinstance(error, classes)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     _quiet_libraries(args.verbose)
-    from .chat import ChatInputError
-    from .generation import InvalidParameter
-    from .manager import LoadError, ModelBusy
-    from .registry import ModelNotFound
-
-    refused = (UsageError, LoadError, ModelBusy, ChatInputError, InvalidParameter, ModelNotFound)
     try:
         return COMMANDS[args.command](args)
-    except refused as error:
-        print(f"error: {_one_line(error)}", file=sys.stderr)
-        return EXIT_REFUSED
     except KeyboardInterrupt:
         print("\ninterrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
@@ -369,11 +389,12 @@ def main(argv: list[str] | None = None) -> int:
             sys.stdout.close()
         return 0
     except Exception as error:  # noqa: BLE001 - one line for the user; details with -v
+        if _is_refusal(error):
+            print(f"error: {_one_line(error)}", file=sys.stderr)
+            return EXIT_REFUSED
         if args.verbose:
             import traceback
 
             traceback.print_exc()
         print(f"error: {type(error).__name__}: {_one_line(error)}", file=sys.stderr)
         return EXIT_ERROR
-
-
