@@ -1,0 +1,34 @@
+"""Constants and helpers shared by the engine tests (fixtures live in conftest.py)."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+from model_utils.generation import GenerationSettings
+from model_utils.manager import LoadRequest
+from model_utils.placement import Placement
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+# CI clones the repository into some folder with shared/ beside it, so this is found relative
+# to the repository and not by an absolute path.
+SHARED_TESTDATA = REPO_ROOT / ".." / "shared" / "testdata"
+
+CPU = Placement("cpu")
+# A few greedy tokens, EOS masked so that every reply has exactly max_new_tokens tokens.
+FEW_TOKENS = GenerationSettings(max_new_tokens=4, min_new_tokens=4, temperature=0.0)
+HELLO = [{"role": "user", "content": "Hello, how are you today?"}]
+
+
+def cpu_request(mode: str = "fp32", model: str = "demo", **kwargs) -> LoadRequest:
+    return LoadRequest(model=model, mode=mode, placement=CPU, **kwargs)
+
+
+
+def copy_demo(demo_path: Path, target: Path, *, weights: bool = True) -> Path:
+    """A copy of the demo checkpoint's files in `target` (a folder under an allowed root)."""
+    target.mkdir(parents=True)
+    for item in demo_path.iterdir():
+        if item.is_file() and (weights or item.suffix != ".safetensors"):
+            shutil.copy2(item, target / item.name)
+    return target

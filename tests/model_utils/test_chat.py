@@ -1,0 +1,240 @@
+"""Messages -> prompt: the model's own template, thinking on/off, reasoning split, trimming."""
+
+from __future__ import annotations
+
+import json
+
+import jinja2
+import pytest
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from model_utils.chat import (ChatInputError, normalize_messages, prepare_prompt, render_prompt,
+                              split_reasoning)
+from model_utils.generation import GenerationSettings, IncrementalDetokenizer
+
+from .helpers import SHARED_TESTDATA, copy_demo, cpu_request
+
+TEMPLATE_FILE = SHARED_TESTDATA / "qwen3-chat-template.jinja"
+
+CONVERSATIONS = {
+    "one user turn": [{"role": "user", "content": "What is the capital of France?"}],
+    "system prompt": [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "Explain why the sky is blue."},
+    ],
+    "multi-turn": [
+        {"role": "system", "content": "Answer in one sentence."},
+        {"role": "user", "content": "Hello"},
+        {"role": "assistant", "content": "Hello! How can I help?"},
+        {"role": "user", "content": "Write a short poem about the sea."},
+        {"role": "assistant", "content": "Waves fold the light."},
+        {"role": "user", "content": "Another, please."},
+    ],
+    # Earlier assistant turns with their reasoning in the content: the template drops it.
+    "reasoning as <think> in content": [
+        {"role": "user", "content": "2+2?"},
+        {"role": "assistant", "content": "<think>\nAdd them.\n</think>\n\n4"},
+        {"role": "user", "content": "And 3+3?"},
+    ],
+    "reasoning as reasoning_content": [
+        {"role": "user", "content": "2+2?"},
+        {"role": "assistant", "content": "4", "reasoning_content": "Add them."},
+        {"role": "user", "content": "And 3+3?"},
+    ],
+    # After the last user query (a tool round trip) the template keeps the assistant's
+    # reasoning: both spellings of it must reach the prompt.
+    "tool turn after reasoning_content": [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": "Let me look.", "reasoning_content": "Use the tool."},
+        {"role": "tool", "content": "{\"temp_c\": 21}"},
+    ],
+    "tool turn after <think> content": [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": "<think>\nUse the tool.\n</think>\n\nLet me look."},
+        {"role": "tool", "content": "{\"temp_c\": 21}"},
+    ],
+    "unicode and markup": [
+        {"role": "user", "content": "Übersetze: «naïve café» — {{ not jinja }} <b>bold</b>"},
+    ],
+}
+
+
+def render_reference(messages: list[dict], *, thinking: bool) -> str:
+    """The template file rendered by jinja2 directly, set up the way transformers sets it up."""
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[jinja2.ext.loopcontrols])
+    env.filters["tojson"] = lambda x, **kw: json.dumps(x, ensure_ascii=False, **kw)
+    template = env.from_string(TEMPLATE_FILE.read_text())
+    return template.render(messages=messages, add_generation_prompt=True,
+                           enable_thinking=thinking)
+
+
+@pytest.fixture
+def qwen3_tokenizer(demo_tokenizer):
+    assert TEMPLATE_FILE.is_file(), f"missing {TEMPLATE_FILE} (shared/ beside the repository)"
+    demo_tokenizer.chat_template = TEMPLATE_FILE.read_text()
+    return demo_tokenizer
+
+
+@pytest.mark.parametrize("thinking", [True, False], ids=["thinking", "no-thinking"])
+@pytest.mark.parametrize("name", CONVERSATIONS)
+def test_prompt_is_the_template_rendered_directly(qwen3_tokenizer, name, thinking):
+    messages = CONVERSATIONS[name]
+    expected = render_reference(messages, thinking=thinking)
+    assert render_prompt(qwen3_tokenizer, messages, thinking=thinking) == expected
+    # The chat path (prepare_prompt, what Engine.chat feeds the model) renders the same text.
+    prepared = prepare_prompt(qwen3_tokenizer, messages, context_tokens=4096, reserve_tokens=64,
+                              thinking=thinking)
+    assert prepared.text == expected and prepared.dropped_messages == 0
+    assert prepared.input_ids == qwen3_tokenizer(expected, add_special_tokens=False)["input_ids"]
+
+
+def test_template_details_that_matter(qwen3_tokenizer):
+    off = render_prompt(qwen3_tokenizer, CONVERSATIONS["one user turn"], thinking=False)
+    on = render_prompt(qwen3_tokenizer, CONVERSATIONS["one user turn"], thinking=True)
+    assert off.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    assert on.endswith("<|im_start|>assistant\n")
+    # Reasoning of an earlier turn is dropped before the last user query, kept after it.
+    assert "Add them" not in render_prompt(qwen3_tokenizer,
+                                           CONVERSATIONS["reasoning as reasoning_content"])
+    kept = render_prompt(qwen3_tokenizer, CONVERSATIONS["tool turn after reasoning_content"])
+    assert "<think>\nUse the tool.\n</think>\n\nLet me look." in kept
+
+
+def test_system_prompt_argument_replaces_the_system_message(qwen3_tokenizer):
+    messages = CONVERSATIONS["system prompt"]
+    expected = render_reference([{"role": "system", "content": "Be kind."}, messages[1]],
+                                thinking=True)
+    assert render_prompt(qwen3_tokenizer, messages, system_prompt="Be kind.") == expected
+    assert render_prompt(qwen3_tokenizer, messages[1:], system_prompt="Be kind.") == expected
+
+
+def test_demo_model_ships_the_qwen3_template(demo_tokenizer):
+    assert demo_tokenizer.chat_template == TEMPLATE_FILE.read_text()
+
+
+def test_content_parts_are_joined_and_roles_checked():
+    parts = [{"role": "user", "content": [{"type": "text", "text": "a"},
+                                          {"type": "text", "text": "b"}]}]
+    assert normalize_messages(parts) == [{"role": "user", "content": "ab"}]
+    with pytest.raises(ChatInputError, match="unknown role 'robot'"):
+        normalize_messages([{"role": "robot", "content": "x"}])
+    with pytest.raises(ChatInputError, match="not an object"):
+        normalize_messages(["hello"])
+
+
+def test_conversation_must_end_with_a_user_turn(demo_tokenizer):
+    with pytest.raises(ChatInputError, match="must end with a user message"):
+        render_prompt(demo_tokenizer, [{"role": "user", "content": "hi"},
+                                       {"role": "assistant", "content": "hello"}])
+    with pytest.raises(ChatInputError, match="must end with a user message"):
+        render_prompt(demo_tokenizer, [])
+
+
+# -- no chat template -------------------------------------------------------------------------
+def test_tokenizer_without_template_gives_a_clear_error(demo_tokenizer):
+    demo_tokenizer.chat_template = None
+    with pytest.raises(ChatInputError, match="no chat template"):
+        render_prompt(demo_tokenizer, CONVERSATIONS["one user turn"])
+
+
+def test_model_without_template_is_refused_by_chat(tmp_path, demo_path):
+    from model_utils.engine import Engine
+
+    folder = copy_demo(demo_path, tmp_path / "base-model")
+    (folder / "chat_template.jinja").unlink()  # transformers 5 keeps the template here
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    engine = Engine(models_dir=tmp_path)
+    engine.load(cpu_request("fp32", model="base-model"))
+    assert not engine.supports_thinking()
+    with pytest.raises(ChatInputError, match="no chat template.*instruct"):
+        next(engine.chat(CONVERSATIONS["one user turn"]))
+    assert engine.status()["loaded"]
+
+
+# -- trimming the history to the context window -----------------------------------------------
+def _long_history(turns: int) -> list[dict]:
+    messages = [{"role": "system", "content": "You are a helpful assistant."}]
+    for i in range(turns):
+        messages.append({"role": "user", "content": f"Question {i}: " + "please explain " * 12})
+        messages.append({"role": "assistant", "content": f"Answer {i}: " + "the sky is blue " * 12})
+    messages.append({"role": "user", "content": "Final question: what is the capital of France?"})
+    return messages
+
+
+def test_long_history_keeps_the_newest_turns_with_a_notice(load_demo):
+    engine = load_demo("fp32", context_tokens=256)
+    messages = _long_history(turns=12)
+    settings = GenerationSettings(max_new_tokens=16, min_new_tokens=16, temperature=0.0)
+    updates = list(engine.chat(messages, settings))
+    final = updates[-1]
+    assert final.done and final.stats.new_tokens == 16
+    assert "oldest" in final.notice and "left out" in final.notice
+    assert final.stats.prompt_tokens + 16 <= 256
+
+    loaded = engine.manager.loaded
+    prepared = prepare_prompt(loaded.tokenizer, messages, context_tokens=256, reserve_tokens=16)
+    assert prepared.dropped_messages > 0 and str(prepared.dropped_messages) in final.notice
+    assert len(prepared.input_ids) == final.stats.prompt_tokens
+    assert prepared.text.startswith("<|im_start|>system\nYou are a helpful assistant.")
+    assert prepared.text.endswith("what is the capital of France?<|im_end|>\n"
+                                  "<|im_start|>assistant\n")
+    assert "Question 0:" not in prepared.text and "Answer 11:" in prepared.text
+    # What is kept is a suffix of the conversation that starts with a user turn.
+    kept = messages[1 + prepared.dropped_messages:]
+    assert kept[0]["role"] == "user"
+    assert prepared.text == render_prompt(loaded.tokenizer, [messages[0], *kept])
+
+
+def test_single_overlong_message_is_refused_not_crashed(load_demo):
+    engine = load_demo("fp32", context_tokens=256)
+    huge = [{"role": "user", "content": "please explain the sea " * 200}]
+    with pytest.raises(ChatInputError, match=r"tokens long.*room for \d+ \(256 minus 16"):
+        next(engine.chat(huge, GenerationSettings(max_new_tokens=16)))
+    # The model is untouched and answers the next, reasonable message.
+    reply = engine.generate_text([{"role": "user", "content": "hi"}],
+                                 GenerationSettings(max_new_tokens=2, min_new_tokens=2))
+    assert reply.stats.new_tokens == 2 and not reply.notice
+
+
+# -- reasoning / answer split -------------------------------------------------------------------
+@pytest.mark.parametrize("text, expected", [
+    ("<think>\nAdd them.\n</think>\n\n4", ("Add them.", "4")),
+    ("<think>\n\n</think>\n\nHello", ("", "Hello")),  # thinking off: empty block
+    ("Just an answer.", ("", "Just an answer.")),
+    ("", ("", "")),
+    ("<think>", ("", "")),  # streaming: the block has just opened
+    ("<think>\nStep one", ("Step one", "")),  # streaming: reasoning so far
+    ("<think>\nStep one\n</think>", ("Step one", "")),  # closed, no answer yet
+    ("\n<think>\nx\n</think>\n\ny", ("x", "y")),
+    ("<think>\nx\n</think>\n\nline 1\n\nline 2\n", ("x", "line 1\n\nline 2\n")),
+])
+def test_split_reasoning(text, expected):
+    assert split_reasoning(text) == expected
+
+
+def test_split_reasoning_while_streaming_token_by_token(demo_tokenizer):
+    """Fed a reply one token at a time (as the engine does), the split only ever grows."""
+    reply = "<think>\nFirst, we consider the question.\nThen we answer it.\n</think>\n\n" \
+            "Paris is the capital of France."
+    ids = demo_tokenizer(reply, add_special_tokens=False)["input_ids"]
+    assert demo_tokenizer.convert_tokens_to_ids("</think>") in ids  # one token, as in Qwen3
+    detok = IncrementalDetokenizer(demo_tokenizer)
+    text, seen = "", []
+    for token in ids:
+        text += detok.push(token)
+        seen.append(split_reasoning(text))
+    assert text == reply
+    final_reasoning, final_answer = seen[-1]
+    assert (final_reasoning, final_answer) == (
+        "First, we consider the question.\nThen we answer it.", "Paris is the capital of France.")
+    for reasoning, answer in seen:
+        # Partial reasoning is the final one so far (up to newlines held at its end) ...
+        assert final_reasoning.startswith(reasoning.rstrip("\n"))
+        # ... and the answer is empty until </think>, then grows.
+        assert final_answer.startswith(answer)
+    first_answer = next(i for i, (_, answer) in enumerate(seen) if answer)
+    assert all(not answer for _, answer in seen[:first_answer])
+    assert all(r == final_reasoning for r, _ in seen[first_answer:])

@@ -1,0 +1,46 @@
+"""Memory snapshots on a machine without a GPU, and the bounded history behind the plots."""
+
+from __future__ import annotations
+
+import psutil
+import pytest
+import torch
+
+from model_utils.memory import GB, MemoryHistory, take_snapshot
+
+no_gpu = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU snapshot")
+
+
+@no_gpu
+def test_snapshot_without_gpu_says_so_and_reports_cpu_figures():
+    snap = take_snapshot()
+    assert snap.gpus == []
+    assert "no CUDA GPU" in snap.note
+    total = psutil.virtual_memory().total / GB
+    assert snap.cpu_total_gb == pytest.approx(total)
+    assert 0 < snap.cpu_used_gb <= snap.cpu_total_gb
+    # This process: more than the interpreter alone, and what psutil says (within 64 MB).
+    rss = psutil.Process().memory_info().rss / GB
+    assert 0.05 < snap.process_rss_gb < snap.cpu_total_gb
+    assert snap.process_rss_gb == pytest.approx(rss, abs=64 / 1024)
+    assert snap.as_dict()["note"] == snap.note
+
+
+@no_gpu
+def test_engine_snapshot_is_recorded(engine):
+    before = len(engine.memory.points())
+    snap = engine.memory_snapshot()
+    assert engine.memory.points()[-1] is snap
+    assert len(engine.memory.points()) == min(before + 1, engine.memory.max_points)
+    assert snap.gpus == [] and snap.note
+
+
+def test_history_is_bounded_and_keeps_the_newest():
+    history = MemoryHistory(max_points=5)
+    recorded = [history.record() for _ in range(12)]
+    points = history.points()
+    assert len(points) == 5
+    assert points == recorded[-5:]
+    assert [p.time for p in points] == sorted(p.time for p in points)
+    points.clear()  # a copy: the caller cannot empty the history
+    assert len(history.points()) == 5

@@ -1,0 +1,76 @@
+"""Every mode of the table that can run on a CPU loads there, is really in that precision, and
+generates."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from model_utils.modes import MODES, get_mode, unavailable_reason
+
+from .helpers import FEW_TOKENS, HELLO
+
+
+def _cpu_modes():
+    for name, mode in MODES.items():
+        reason = unavailable_reason(mode, device="cpu")
+        yield pytest.param(name, marks=pytest.mark.skip(reason=reason)) if reason else name
+
+
+@pytest.mark.parametrize("mode_name", list(_cpu_modes()))
+def test_mode_loads_on_cpu_and_generates(load_demo, mode_name):
+    engine = load_demo(mode_name)
+    status = engine.status()
+    assert (status["mode"], status["placement"]) == (mode_name, "cpu")
+    assert set(status["device_map"]) == {"cpu"}
+
+    model = engine.manager.loaded.model
+    _assert_precision(model, get_mode(mode_name))
+
+    reply = engine.generate_text(HELLO, FEW_TOKENS)
+    assert reply.done
+    assert reply.stats.new_tokens == FEW_TOKENS.max_new_tokens
+    assert reply.stats.finish_reason == "length"
+    assert reply.stats.prompt_tokens > 0
+
+
+def _assert_precision(model, mode) -> None:
+    """The weights are what the mode promises: the dtype, or bitsandbytes layers of its kind."""
+    import bitsandbytes as bnb
+
+    assert model.get_input_embeddings().weight.dtype == mode.dtype
+    q_proj = model.model.layers[0].self_attn.q_proj
+    if mode.quantization is None:
+        assert type(q_proj) is torch.nn.Linear
+        assert q_proj.weight.dtype == mode.dtype
+    elif mode.quantization == "int8":
+        assert isinstance(q_proj, bnb.nn.Linear8bitLt)
+        assert q_proj.weight.dtype == torch.int8
+    else:
+        assert isinstance(q_proj, bnb.nn.Linear4bit)
+        assert q_proj.weight.quant_type == mode.quantization
+        assert q_proj.weight.quant_state.nested == mode.double_quant
+
+
+def test_unknown_mode_is_refused_with_the_choices():
+    with pytest.raises(ValueError, match="unknown mode 'fp8'.*nf4"):
+        get_mode("fp8")
+
+
+def test_mode_for_other_hardware_says_where_it_runs():
+    from dataclasses import replace
+
+    gpu_only = replace(MODES["nf4"], name="gpu-nf4", runs_on=("cuda",))
+    assert unavailable_reason(gpu_only, device="cpu") == (
+        "gpu-nf4 does not run on cpu (runs on: cuda)")
+    assert unavailable_reason(gpu_only, device="cuda") is None
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without one")
+def test_gpu_placement_without_a_gpu_is_refused(engine):
+    from model_utils.manager import LoadError, LoadRequest
+    from model_utils.placement import Placement
+
+    for target in ("cuda:0", "auto", "balanced"):
+        with pytest.raises(LoadError, match="needs a CUDA GPU and this machine has none"):
+            engine.load(LoadRequest(mode="bf16", placement=Placement(target)))
