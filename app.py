@@ -11,6 +11,7 @@ import argparse
 import ipaddress
 import logging
 import logging.handlers
+import socket
 import sys
 from pathlib import Path
 
@@ -110,15 +111,29 @@ def setup_logging(log_file: str) -> None:
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
+def port_unavailable(host: str, port: int) -> str | None:
+    """Why the app could not listen on host:port now, or None."""
+    try:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        with socket.create_server((host, port), family=family):
+            return None
+    except OSError as error:
+        return error.strerror or str(error)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    parser_error = _parser_error
-    logins = read_logins(args, parser_error)
-    check_exposure(args, logins, parser_error)
+    logins = read_logins(args, _parser_error)
+    check_exposure(args, logins, _parser_error)
     setup_logging(args.log_file)
     config = {k: v for k, v in vars(args).items() if k not in ("auth", "auth_file")}
     config["logins"] = [user for user, _ in logins]  # user names only, never passwords
     log.info("starting with %s", config)
+
+    if reason := port_unavailable(args.host, args.port):
+        # Checked before the model loads: a 14B load is a long wait for a taken port.
+        log.error("cannot serve on %s:%s: %s", args.host, args.port, reason)
+        return 1
 
     # Heavy imports after the checks: --help and refused flags answer at once.
     import ui
@@ -129,15 +144,19 @@ def main(argv: list[str] | None = None) -> int:
     if args.model.startswith(("/", ".", "~")) or Path(args.model).expanduser().is_dir():
         # The operator named this folder on the command line: it may be loaded from the UI too.
         engine.registry.allow_root(args.model)
-    info = ui.AppInfo(admin=args.admin)
+    info = ui.AppInfo()
     load_initial_model(engine, args, info)
 
     demo = ui.build(engine, admin=args.admin, info=info)
     demo.queue(max_size=args.max_queue, default_concurrency_limit=1)
-    _app, local_url, share_url = demo.launch(
-        server_name=args.host, server_port=args.port, share=args.share,
-        auth=logins or None, prevent_thread_lock=True, ssr_mode=False, css=ui.CSS,
-        footer_links=["api", "settings"])
+    try:
+        _app, local_url, share_url = demo.launch(
+            server_name=args.host, server_port=args.port, share=args.share,
+            auth=logins or None, prevent_thread_lock=True, ssr_mode=False, css=ui.CSS,
+            footer_links=["api", "settings"])
+    except OSError as error:  # the port is taken, or the address is not this machine's
+        log.error("cannot serve on %s:%s: %s", args.host, args.port, error)
+        return 1
     log.info("serving on %s", local_url)
     if args.share:
         if share_url:
@@ -146,8 +165,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             note = (f"the public share link could not be created (no connection to the "
                     f"gradio share server?); serving locally only at {local_url}")
-            log.warning(note)
-            print(f"* {note}", file=sys.stderr)
+            log.warning(note)  # the console handler shows it too
             info.share_note = note
     try:
         demo.block_thread()

@@ -32,7 +32,7 @@ def build(engine: Engine, *, admin: str | None = None, info: AppInfo | None = No
     """The whole page. `admin`: the only user allowed to load/unload (None: anyone).
     `info`: start-up notices (share link failure, initial load error) shown in the header.
     `extra_panels`: more tabs, e.g. [("Benchmark", build_benchmark_panel)]."""
-    info = info or AppInfo(admin=admin)
+    info = info or AppInfo()
     with gr.Blocks(title="Qwen chat", analytics_enabled=False) as demo:
         status = gr.State(engine.status())
         with gr.Row():

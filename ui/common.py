@@ -45,7 +45,6 @@ class AppInfo:
 
     startup_error: str = ""
     share_note: str = ""
-    admin: str | None = None
 
     def banner(self) -> str:
         lines = []

@@ -92,7 +92,7 @@ def _wire(c: dict, engine: Engine, demo: gr.Blocks, status: gr.State,
     gr.on([x.change for x in picks], estimate, picks, c["estimate"],
           api_visibility="private", show_progress="hidden", trigger_mode="always_last")
 
-    def load(values: dict, request: gr.Request, progress=gr.Progress()):
+    def load(values: dict, request: gr.Request, progress=gr.Progress()):  # noqa: B008 (gradio API)
         try:
             result = actions.load(engine, request_from(values), admin=admin, who=request,
                                   progress=progress_from_any_thread(progress))
