@@ -300,7 +300,7 @@ def save_chart(rows: list[BenchRow], path: Path) -> None:
 
 
 def run(args: argparse.Namespace) -> list[BenchRow]:
-    engine = Engine(compile=not args.no_compile)
+    engine = Engine(compile=not args.no_compile, compile_mode=args.compile_mode)
     model_name = args.model
     if args.random_from_config:
         device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -333,6 +333,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="prompts on which greedy output is compared token for token")
     parser.add_argument("--placement", help="default: cuda:0 with a GPU, else cpu")
     parser.add_argument("--no-compile", action="store_true", help="benchmark the eager path")
+    parser.add_argument("--compile-mode", default="default",
+                        choices=["default", "max-autotune-no-cudagraphs"],
+                        help="torch.compile mode of the fast path's decode step")
     parser.add_argument("--out", default="results.json", help="JSON file to write")
     parser.add_argument("--chart", help="PNG chart (default: next to --out)")
     args = parser.parse_args(argv)

@@ -48,13 +48,15 @@ def eos_ids(loaded: LoadedModel) -> set[int]:
 class Engine:
     def __init__(self, *, models_dir: str | Path | None = None, cache_dir: Path | None = None,
                  trust_remote_code: bool = False, log_prompts: bool = False,
-                 busy_timeout_s: float = 30.0, compile: bool = True):
+                 busy_timeout_s: float = 30.0, compile: bool = True,
+                 compile_mode: str = "default"):
         self.registry = ModelRegistry(models_dir, cache_dir=cache_dir)
         self.manager = ModelManager(self.registry, trust_remote_code=trust_remote_code,
                                     busy_timeout_s=busy_timeout_s)
         self.memory = MemoryHistory()
         self.log_prompts = log_prompts
         self.compile = compile
+        self.compile_mode = compile_mode  # torch.compile mode of the fast path's step
         # Every forward pass (warm-up and replies) runs on this one thread; replies take turns.
         self.worker = DecodeWorker()
         self.manager.on_loaded = self._prepare_decoding
@@ -64,7 +66,8 @@ class Engine:
         if not self.compile:
             loaded.decode_path_reason = "eager path: compilation turned off (--no-compile)"
             return
-        self.worker.call(lambda: fast_path.attach(loaded, progress))
+        self.worker.call(lambda: fast_path.attach(loaded, progress,
+                                                  inductor_mode=self.compile_mode))
 
     def _forget_compiled(self) -> None:
         if torch.cuda.is_available():

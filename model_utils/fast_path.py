@@ -49,8 +49,11 @@ class GraphedStep:
     device tensor updated inside the graph, so each replay writes the next slot.
     """
 
-    def __init__(self, model):
-        self.compiled = torch.compile(model.forward, fullgraph=True, dynamic=False)
+    def __init__(self, model, inductor_mode: str = "default"):
+        # "max-autotune-no-cudagraphs" benchmarks matmul kernels for each shape at warm-up:
+        # longer loads, sometimes faster 1-token GEMVs. Capturing the graph stays ours.
+        self.compiled = torch.compile(model.forward, mode=inductor_mode, fullgraph=True,
+                                      dynamic=False)
         self._graphs: dict[int, tuple] = {}
         self._pool = None  # one memory pool shared by every bucket's graph
 
@@ -95,7 +98,7 @@ STRATEGIES = ("graphed", "reduce-overhead", "reduce-overhead-partial")
 class FastPath:
     """Owns the compiled step and the static caches of one loaded model."""
 
-    def __init__(self, model, *, strategy: str = "graphed"):
+    def __init__(self, model, *, strategy: str = "graphed", inductor_mode: str = "default"):
         self.model = model
         self.caches = StaticCaches(model)
         self.name = f"static-cache+cuda-graphs ({strategy})"
@@ -103,7 +106,7 @@ class FastPath:
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit,
                                                     4 * len(CACHE_BUCKETS))
         if strategy == "graphed":
-            self.step_fn = GraphedStep(model)
+            self.step_fn = GraphedStep(model, inductor_mode)
         else:
             self.step_fn = torch.compile(model.forward, mode="reduce-overhead",
                                          fullgraph=strategy == "reduce-overhead",
@@ -130,7 +133,8 @@ class FastPath:
         return time.perf_counter() - start
 
 
-def attach(loaded, progress=None, *, warm_bucket: int = 1024) -> None:
+def attach(loaded, progress=None, *, warm_bucket: int = 1024,
+           inductor_mode: str = "default") -> None:
     """Manager hook: decide the path for a new model and warm the fast one up."""
     applies, why = support(loaded)
     loaded.decode_path_reason = why
@@ -142,7 +146,7 @@ def attach(loaded, progress=None, *, warm_bucket: int = 1024) -> None:
     # same with graph breaks allowed (several captured pieces still beat eager).
     for strategy in STRATEGIES:
         try:
-            fast = FastPath(loaded.model, strategy=strategy)
+            fast = FastPath(loaded.model, strategy=strategy, inductor_mode=inductor_mode)
             seconds = fast.warm_up(warm_bucket, progress)
             break
         except Exception as exc:  # noqa: BLE001 - any compile failure falls back, logged
