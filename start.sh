@@ -3,6 +3,7 @@
 #
 #   ./start.sh                      # the demo model on http://127.0.0.1:7860
 #   ./start.sh --model /models/Qwen2.5-7B-Instruct --mode nf4
+#   ./start.sh --setup-only         # only create/update .venv (test.sh uses this)
 #
 # Set-up is skipped while requirements.txt is unchanged: its hash (and the Python version) is
 # kept in .venv/.requirements.stamp, so a second run starts at once. Edit requirements.txt, or
@@ -41,4 +42,7 @@ fi
 # test.sh reuses this set-up without starting the app.
 [ "${1:-}" = "--setup-only" ] && exit 0
 
+if [ "${1:-}" = "--setup-only" ]; then
+    exit 0
+fi
 exec "$VENV/bin/python" app.py "$@"

@@ -28,7 +28,7 @@ def default_placement() -> str:
 
 def make_request(*, model: str, mode: str, placement: str | None,
                  max_memory_gb: dict | None = None, offload_folder: str | None = None,
-                 compute_dtype: str = "bf16", context_tokens: int | float | None = None
+                 compute_dtype: str = "bf16", context_tokens: float | None = None
                  ) -> LoadRequest:
     """Check the shape of what the user picked and build a LoadRequest. Whether the model
     exists and fits is the engine's business (it answers with a message)."""
@@ -97,8 +97,8 @@ def status_markdown(status: dict) -> str:
     """engine.status() as Markdown: what is loaded, where, and what it cost."""
     if not status.get("loaded"):
         return "**No model loaded.** Pick one above and press Load."
-    lines = [f"**{status['model']}** · mode **{status['mode']}** · "
-             f"placement {status['placement']}"]
+    lines = [(f"**{status['model']}** · mode **{status['mode']}** · "
+              f"placement {status['placement']}")]
     rows = ["| device | layers | weights (GB) |", "|---|---|---|"]
     for device, entry in (status.get("device_map") or {}).items():
         rows.append(f"| {device} | {entry.get('layers', '-')} | {entry.get('gb', 0):.4f} |")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import uuid
 
 import pytest
@@ -31,7 +32,7 @@ def test_chat_streams_a_reply(client):
     assert len(updates) >= 3, "a 24-token reply should arrive in several pieces"
     answers = [u["answer"] for u in updates]
     # Streaming: each update extends the one before it.
-    assert all(b.startswith(a) for a, b in zip(answers, answers[1:], strict=False))
+    assert all(b.startswith(a) for a, b in itertools.pairwise(answers))
     final = updates[-1]
     assert final["done"] is True
     assert final["stats"]["new_tokens"] == 24
