@@ -68,6 +68,7 @@ class LoadedModel:
     decode_path: str = "eager"
     decode_path_reason: str = ""
     fast_path: object | None = None  # fast_path.FastPath when the compiled path applies
+    batcher: object | None = None  # batching.BatchScheduler when replies are batched
 
     @property
     def display_name(self) -> str:
@@ -144,6 +145,9 @@ class ModelManager:
         self.busy_timeout_s = busy_timeout_s
         self._lock = threading.RLock()  # one load/unload/switch at a time
         self._users = 0  # replies streaming from the current model
+        # Set while a load/unload waits for replies to end: new replies wait instead of
+        # starting, so a busy server cannot starve a switch.
+        self._switching = False
         self._users_changed = threading.Condition()
         self._loaded: LoadedModel | None = None
         self.last_unload: UnloadReport | None = None
@@ -160,6 +164,9 @@ class ModelManager:
     def use(self) -> Iterator[LoadedModel]:
         """Hold the current model for one reply; a switch waits until every holder is done."""
         with self._users_changed:
+            if not self._users_changed.wait_for(lambda: not self._switching,
+                                                timeout=self.busy_timeout_s):
+                raise ModelBusy("a model switch is in progress: try again in a moment")
             loaded = self._loaded
             if loaded is None:
                 raise LoadError("no model is loaded: load one in the model panel first")
@@ -171,12 +178,27 @@ class ModelManager:
                 self._users -= 1
                 self._users_changed.notify_all()
 
-    def _wait_until_idle(self) -> None:
+    @contextlib.contextmanager
+    def _switch(self) -> Iterator[None]:
+        """Hold new replies back, wait for running ones to end, then let the caller switch."""
         with self._users_changed:
-            if not self._users_changed.wait_for(lambda: self._users == 0,
-                                                timeout=self.busy_timeout_s):
-                raise ModelBusy(f"{self._users} reply(s) still streaming after "
-                                f"{self.busy_timeout_s:.0f} s: try the switch again when they end")
+            self._switching = True
+            try:
+                if not self._users_changed.wait_for(lambda: self._users == 0,
+                                                    timeout=self.busy_timeout_s):
+                    raise ModelBusy(f"{self._users} reply(s) still streaming after "
+                                    f"{self.busy_timeout_s:.0f} s: try the switch again when "
+                                    "they end")
+            except BaseException:
+                self._switching = False
+                self._users_changed.notify_all()
+                raise
+        try:
+            yield
+        finally:
+            with self._users_changed:
+                self._switching = False
+                self._users_changed.notify_all()
 
     # -- load / unload / switch --------------------------------------------------------------
     def load(self, request: LoadRequest, progress: Progress | None = None) -> LoadedModel:
@@ -189,35 +211,37 @@ class ModelManager:
                 self._check(request)
             except Exception as error:
                 raise LoadError(_user_message(error)) from error
-            self._wait_until_idle()
-            previous = self._loaded.request if self._loaded else None
-            if previous is not None:
-                progress(0.05, f"unloading {self._loaded.display_name}")
-                self._unload_locked()
+            with self._switch():
+                return self._replace_locked(request, progress)
+
+    def _replace_locked(self, request: LoadRequest, progress: Progress) -> LoadedModel:
+        previous = self._loaded.request if self._loaded else None
+        if previous is not None:
+            progress(0.05, f"unloading {self._loaded.display_name}")
+            self._unload_locked()
+        try:
+            return self._load_locked(request, progress)
+        except Exception as error:
+            reason = _user_message(error)
+            log.error("load of %s (%s, %s) failed: %s", request.model, request.mode,
+                      request.placement.describe(), reason,
+                      exc_info=not isinstance(error, LoadError))
+            _release_freed_memory()
+            if previous is None:
+                raise LoadError(reason) from error
+            progress(0.9, "load failed: restoring the previous model")
             try:
-                return self._load_locked(request, progress)
-            except Exception as error:
-                reason = _user_message(error)
-                log.error("load of %s (%s, %s) failed: %s", request.model, request.mode,
-                          request.placement.describe(), reason,
-                          exc_info=not isinstance(error, LoadError))
-                _release_freed_memory()
-                if previous is None:
-                    raise LoadError(reason) from error
-                progress(0.9, "load failed: restoring the previous model")
-                try:
-                    restored = self._load_locked(previous, progress)
-                except Exception as restore_error:  # noqa: BLE001 - reported, not hidden
-                    log.exception("could not restore the previous model")
-                    raise LoadError(f"{reason}; restoring the previous model failed too: "
-                                    f"{_user_message(restore_error)}") from error
-                raise LoadError(f"{reason}. The previous model ({restored.display_name}, "
-                                f"{previous.mode}, {previous.placement.describe()}) "
-                                "is serving again.") from error
+                restored = self._load_locked(previous, progress)
+            except Exception as restore_error:  # noqa: BLE001 - reported, not hidden
+                log.exception("could not restore the previous model")
+                raise LoadError(f"{reason}; restoring the previous model failed too: "
+                                f"{_user_message(restore_error)}") from error
+            raise LoadError(f"{reason}. The previous model ({restored.display_name}, "
+                            f"{previous.mode}, {previous.placement.describe()}) "
+                            "is serving again.") from error
 
     def unload(self) -> UnloadReport | None:
-        with self._lock:
-            self._wait_until_idle()
+        with self._lock, self._switch():
             return self._unload_locked()
 
     def estimate(self, request: LoadRequest) -> FitEstimate:
@@ -245,6 +269,9 @@ class ModelManager:
         device_kind = "cpu" if target == "cpu" else "cuda"
         if reason := placement_unavailable(target) or mode_unavailable(mode, device=device_kind):
             raise LoadError(reason)
+        if request.placement.offload_folder:
+            # The load writes weights there: only under folders the operator allowed.
+            self.registry.check_under_roots(request.placement.offload_folder, "offload folder")
         return source, mode, self._config(source)
 
     def _load_locked(self, request: LoadRequest, progress: Progress) -> LoadedModel:

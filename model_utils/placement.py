@@ -79,12 +79,17 @@ class FitEstimate:
         # A cap below what is free is what the fit was judged against: say so, or the message
         # reads "needs 0.01 GB; free 22 GB" for a refusal.
         free = ", ".join(
-            f"{d} {g:.2f} GB" + (f" (capped at {self.caps_gb[d]:g} GB)"
-                                 if self.caps_gb.get(d, float("inf")) < g else "")
+            f"{d} {size(g)}" + (f" (capped at {self.caps_gb[d]:g} GB)"
+                                if self.caps_gb.get(d, float("inf")) < g else "")
             for d, g in self.free_gb.items())
-        return (f"needs {self.needed_gb:.2f} GB (weights {self.weights_gb:.2f} GB + KV cache "
-                f"{self.kv_cache_gb:.2f} GB for {self.context_tokens} tokens); free: {free}; "
+        return (f"needs {size(self.needed_gb)} (weights {size(self.weights_gb)} + KV cache "
+                f"{size(self.kv_cache_gb)} for {self.context_tokens} tokens); free: {free}; "
                 f"{self.plan}")
+
+
+def size(gb: float) -> str:
+    """GB with two decimals, or MB below 0.1 GB (the demo model would read "0.00 GB")."""
+    return f"{gb:.2f} GB" if gb >= 0.1 else f"{gb * 1024:.1f} MB"
 
 
 def free_memory_gb() -> dict[str, float]:

@@ -97,12 +97,17 @@ class ModelRegistry:
             raise ModelNotFound(f"{name!r} is neither a folder path, a hub id nor 'demo'")
         return self._folder(self.models_dir / name, name)
 
-    def _folder(self, path: Path, name: str) -> ModelSource:
-        resolved = path.resolve()
+    def check_under_roots(self, path: str | Path, what: str = "") -> Path:
+        """The resolved path, if it lies under an allowed root (symlinks and ../ resolved)."""
+        resolved = Path(path).expanduser().resolve()
         if not any(resolved == root or resolved.is_relative_to(root) for root in self.roots):
             raise ModelNotFound(
-                f"{name!r} is outside the allowed model folders "
+                f"{what + ' ' if what else ''}{str(path)!r} is outside the allowed model folders "
                 f"({', '.join(str(r) for r in self.roots)})")
+        return resolved
+
+    def _folder(self, path: Path, name: str) -> ModelSource:
+        resolved = self.check_under_roots(path)
         if not resolved.is_dir():
             raise ModelNotFound(f"model folder {name!r} does not exist")
         if not (resolved / "config.json").is_file():
