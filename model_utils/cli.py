@@ -261,6 +261,20 @@ def cmd_chat(args) -> int:
     engine = Engine(models_dir=args.models_dir, trust_remote_code=args.trust_remote_code)
     request = LoadRequest(model=args.model, mode=args.mode, placement=placement,
                           compute_dtype=args.compute_dtype, context_tokens=args.context_tokens)
+    try:
+        return _load_and_reply(engine, request, messages, settings, args)
+    except KeyboardInterrupt:
+        # The forward passes run on the engine's worker thread. Leaving now would shut the
+        # interpreter down under a pass in progress, which crashes the process (SIGSEGV seen
+        # in an int8 matmul). engine.chat set its stop signal on the way out, so the worker
+        # ends the reply within one step; wait for that (a second Ctrl-C still exits at once).
+        worker = getattr(engine, "worker", None)
+        if worker is not None:
+            worker.call(lambda: None)
+        raise
+
+
+def _load_and_reply(engine, request, messages, settings, args) -> int:
     status = engine.load(request)
     # Fill the unset values from the model's generation_config here (rather than inside chat)
     # so that --json can report the settings the reply really used.
