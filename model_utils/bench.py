@@ -152,18 +152,17 @@ def engine_streaming_tok_s(engine: Engine, new_tokens: int) -> float:
 def peer_generate(model, prompts: list[list[int]], new_tokens: int) -> tuple[list, float, float]:
     """Plain model.generate on a batch: (tokens, ttft_ms, per-stream decode tok/s)."""
     ids = torch.tensor(prompts, device=input_device(model))
-    kwargs = dict(do_sample=False, min_new_tokens=new_tokens, pad_token_id=0,
-                  attention_mask=torch.ones_like(ids))
+    kwargs = dict(do_sample=False, pad_token_id=0, attention_mask=torch.ones_like(ids))
     with torch.inference_mode():
-        model.generate(ids, max_new_tokens=2, **kwargs)  # warm-up (cuBLAS handles, allocator)
+        # Warm-up (cuBLAS handles, allocator), then one token alone for the time to first token.
+        model.generate(ids, max_new_tokens=2, min_new_tokens=2, **kwargs)
         sync()
         start = time.perf_counter()
-        model.generate(ids, max_new_tokens=1, **kwargs)
+        model.generate(ids, max_new_tokens=1, min_new_tokens=1, **kwargs)
         sync()
         ttft = time.perf_counter() - start
         start = time.perf_counter()
-        out = model.generate(ids, max_new_tokens=new_tokens,
-                             **{**kwargs, "min_new_tokens": new_tokens})
+        out = model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **kwargs)
         sync()
         total = time.perf_counter() - start
     tokens = out[:, ids.shape[1]:].tolist()
@@ -183,32 +182,76 @@ def first_mismatch(a: list[int], b: list[int]) -> int | None:
 
 
 # -- one mode -----------------------------------------------------------------------------------
+def measure_engine(engine: Engine, prompts: list[list[int]], batches: list[int],
+                   new_tokens: int, match_prompts: int) -> dict[int, dict]:
+    engine_decode(engine, prompts[0], 8)  # first reply after load: allocator, cuBLAS
+    runs_by_batch = {}
+    for b in batches:
+        if b == 1:
+            runs = [engine_decode(engine, prompts[i], new_tokens) for i in range(match_prompts)]
+            tok_s = statistics.median(r[1].tok_s for r in runs)
+            runs_by_batch[1] = {"tokens": [r[0] for r in runs], "tok_s": tok_s,
+                                "aggregate": tok_s,
+                                "ttft_ms": statistics.median(r[1].ttft_ms for r in runs)}
+        else:
+            aggregate = engine_concurrent(engine, prompts[:b], new_tokens)
+            runs_by_batch[b] = {"aggregate": aggregate, "tok_s": aggregate / b,
+                                "ttft_ms": runs_by_batch.get(1, {}).get("ttft_ms", 0.0)}
+    return runs_by_batch
+
+
+def measure_peer(model, prompts: list[list[int]], batches: list[int], new_tokens: int,
+                 match_prompts: int) -> dict[int, dict]:
+    runs_by_batch = {}
+    for b in batches:
+        if b == 1:
+            runs = [peer_generate(model, [prompts[i]], new_tokens) for i in range(match_prompts)]
+            tok_s = statistics.median(r[2] for r in runs)
+            runs_by_batch[1] = {"tokens": [r[0][0] for r in runs], "tok_s": tok_s,
+                                "aggregate": tok_s,
+                                "ttft_ms": statistics.median(r[1] for r in runs)}
+        else:
+            _, ttft, tok_s = peer_generate(model, prompts[:b], new_tokens)
+            runs_by_batch[b] = {"ttft_ms": ttft, "tok_s": tok_s, "aggregate": tok_s * b}
+    return runs_by_batch
+
+
+def make_rows(status: dict, batches: list[int], mine: dict, theirs: dict, *, peak: dict,
+              stream_tok_s: float | None, peer_load_s: float) -> list[BenchRow]:
+    mismatches = [first_mismatch(x, y) for x, y in zip(mine.get(1, {}).get("tokens", []),
+                                                       theirs.get(1, {}).get("tokens", []))]
+    rows = []
+    for b in batches:
+        m, t = mine[b], theirs[b]
+        rows.append(BenchRow(
+            mode=status["mode"], batch=b, decode_path=status["decode_path"],
+            load_s=round(status["load_s"], 2), weights_gb=round(status["footprint_gb"], 3),
+            peak_gb=peak, ttft_ms=round(m["ttft_ms"], 2), tok_s=round(m["tok_s"], 2),
+            aggregate_tok_s=round(m["aggregate"], 2),
+            stream_tok_s=round(stream_tok_s, 2) if (b == 1 and stream_tok_s) else None,
+            peer_load_s=round(peer_load_s, 2), peer_ttft_ms=round(t["ttft_ms"], 2),
+            peer_tok_s=round(t["tok_s"], 2), peer_aggregate_tok_s=round(t["aggregate"], 2),
+            speedup=round(m["aggregate"] / max(t["aggregate"], 1e-9), 2),
+            ttft_ratio=round(m["ttft_ms"] / max(t["ttft_ms"], 1e-9), 2),
+            greedy_match=all(x is None for x in mismatches),
+            first_mismatch=next((x for x in mismatches if x is not None), None),
+        ))
+    return rows
+
+
 def bench_mode(engine: Engine, model_name: str, mode: str, placement: Placement,
                batches: list[int], prompt_tokens: int, new_tokens: int,
                match_prompts: int) -> list[BenchRow]:
+    """Load `mode` through the engine and measure it, unload, then the peer from scratch."""
     reset_peaks()
     status = engine.load(LoadRequest(model_name, mode, placement,
                                      context_tokens=max(prompt_tokens + new_tokens + 64, 1024)))
     loaded = engine.manager.loaded
     vocab = loaded.model.config.get_text_config().vocab_size
     prompts = random_prompts(max(max(batches), match_prompts), prompt_tokens, vocab)
-    engine_decode(engine, prompts[0], 8)  # first reply after load: allocator, cuBLAS
-    engine_runs = {}
-    for b in batches:
-        if b == 1:
-            runs = [engine_decode(engine, prompts[i], new_tokens) for i in range(match_prompts)]
-            engine_runs[1] = {
-                "tokens": [r[0] for r in runs],
-                "ttft_ms": statistics.median(r[1].ttft_ms for r in runs),
-                "tok_s": statistics.median(r[1].tok_s for r in runs),
-            }
-            engine_runs[1]["aggregate"] = engine_runs[1]["tok_s"]
-        else:
-            aggregate = engine_concurrent(engine, prompts[:b], new_tokens)
-            engine_runs[b] = {"aggregate": aggregate, "tok_s": aggregate / b,
-                              "ttft_ms": engine_runs.get(1, {}).get("ttft_ms", 0.0)}
+    mine = measure_engine(engine, prompts, batches, new_tokens, match_prompts)
     stream_tok_s = engine_streaming_tok_s(engine, new_tokens) if 1 in batches else None
-    engine_peak = peaks_gb()
+    peak = peaks_gb()
     engine.unload()
 
     # The peer: what the tutorials do, in the same process on the same prompts.
@@ -223,43 +266,38 @@ def bench_mode(engine: Engine, model_name: str, mode: str, placement: Placement,
     peer = AutoModelForCausalLM.from_pretrained(loaded.source.path, device_map=device_map,
                                                 **kwargs)
     peer_load_s = time.perf_counter() - start
-    peer_runs = {}
-    for b in batches:
-        if b == 1:
-            runs = [peer_generate(peer, [prompts[i]], new_tokens) for i in range(match_prompts)]
-            peer_runs[1] = {"tokens": [r[0][0] for r in runs],
-                            "ttft_ms": statistics.median(r[1] for r in runs),
-                            "tok_s": statistics.median(r[2] for r in runs)}
-            peer_runs[1]["aggregate"] = peer_runs[1]["tok_s"]
-        else:
-            _, ttft, tok_s = peer_generate(peer, prompts[:b], new_tokens)
-            peer_runs[b] = {"ttft_ms": ttft, "tok_s": tok_s, "aggregate": tok_s * b}
+    theirs = measure_peer(peer, prompts, batches, new_tokens, match_prompts)
     del peer
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
+    return make_rows(status, batches, mine, theirs, peak=peak, stream_tok_s=stream_tok_s,
+                     peer_load_s=peer_load_s)
 
-    rows = []
-    for b in batches:
-        mine, theirs = engine_runs[b], peer_runs[b]
-        mismatches = [first_mismatch(x, y) for x, y in
-                      zip(engine_runs.get(1, {}).get("tokens", []),
-                          peer_runs.get(1, {}).get("tokens", []))]
-        rows.append(BenchRow(
-            mode=mode, batch=b, decode_path=status["decode_path"],
-            load_s=round(status["load_s"], 2), weights_gb=round(status["footprint_gb"], 3),
-            peak_gb=engine_peak, ttft_ms=round(mine["ttft_ms"], 2), tok_s=round(mine["tok_s"], 2),
-            aggregate_tok_s=round(mine["aggregate"], 2),
-            stream_tok_s=round(stream_tok_s, 2) if (b == 1 and stream_tok_s) else None,
-            peer_load_s=round(peer_load_s, 2), peer_ttft_ms=round(theirs["ttft_ms"], 2),
-            peer_tok_s=round(theirs["tok_s"], 2),
-            peer_aggregate_tok_s=round(theirs["aggregate"], 2),
-            speedup=round(mine["aggregate"] / max(theirs["aggregate"], 1e-9), 2),
-            ttft_ratio=round(mine["ttft_ms"] / max(theirs["ttft_ms"], 1e-9), 2),
-            greedy_match=all(m is None for m in mismatches),
-            first_mismatch=next((m for m in mismatches if m is not None), None),
-        ))
-    return rows
+
+def bench_loaded(engine: Engine, *, prompt_tokens: int = 32, new_tokens: int = 64,
+                 batches: tuple[int, ...] = (1,), match_prompts: int = 1) -> list[BenchRow]:
+    """The same measurement on the model that is loaded now (the UI's Benchmark panel).
+
+    The peer is plain model.generate on the very same model object, so nothing is reloaded;
+    every model call runs on the engine's worker thread, between replies.
+    """
+    batches = list(batches)
+    with engine.manager.use() as loaded:
+        status = engine.status()
+        vocab = loaded.model.config.get_text_config().vocab_size
+        budget = loaded.context_tokens - new_tokens
+        if prompt_tokens < 1 or new_tokens < 1 or budget < prompt_tokens:
+            raise ValueError(f"prompt_tokens + new_tokens must fit the context window "
+                             f"({loaded.context_tokens}) and both be at least 1")
+        prompts = random_prompts(max(max(batches), match_prompts), prompt_tokens, vocab)
+        reset_peaks()
+        mine = measure_engine(engine, prompts, batches, new_tokens, match_prompts)
+        peak = peaks_gb()
+        theirs = engine.worker.call(
+            lambda: measure_peer(loaded.model, prompts, batches, new_tokens, match_prompts))
+    return make_rows(status, batches, mine, theirs, peak=peak, stream_tok_s=None,
+                     peer_load_s=status["load_s"])
 
 
 # -- output -------------------------------------------------------------------------------------
