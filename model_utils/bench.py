@@ -316,7 +316,8 @@ def markdown_table(rows: list[BenchRow]) -> str:
     return "\n".join(lines)
 
 
-def save_chart(rows: list[BenchRow], path: Path) -> None:
+def chart_figure(rows: list[BenchRow]):
+    """A matplotlib figure: aggregate tokens/s of the engine and the peer, per mode and batch."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -333,6 +334,13 @@ def save_chart(rows: list[BenchRow], path: Path) -> None:
     ax.set_title("Decode speed, same process, greedy")
     ax.legend()
     fig.tight_layout()
+    return fig
+
+
+def save_chart(rows: list[BenchRow], path: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    fig = chart_figure(rows)
     fig.savefig(path, dpi=100)
     plt.close(fig)
 

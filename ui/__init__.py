@@ -15,6 +15,7 @@ import gradio as gr
 from model_utils.engine import Engine
 
 from .api import register_api
+from .bench_panel import build_bench_panel
 from .chat_panel import build_chat_panel
 from .common import AppInfo
 from .memory_panel import build_memory_panel
@@ -31,7 +32,7 @@ def build(engine: Engine, *, admin: str | None = None, info: AppInfo | None = No
           extra_panels: Sequence[tuple[str, PanelBuilder]] = ()) -> gr.Blocks:
     """The whole page. `admin`: the only user allowed to load/unload (None: anyone).
     `info`: start-up notices (share link failure, initial load error) shown in the header.
-    `extra_panels`: more tabs, e.g. [("Benchmark", build_benchmark_panel)]."""
+    `extra_panels`: more tabs, e.g. [("Profiler", build_profiler_panel)]."""
     info = info or AppInfo()
     with gr.Blocks(title="Qwen chat", analytics_enabled=False) as demo:
         status = gr.State(engine.status())
@@ -46,7 +47,9 @@ def build(engine: Engine, *, admin: str | None = None, info: AppInfo | None = No
                 build_model_panel(engine, demo=demo, status=status, admin=admin, info=info)
             with gr.Tab("Memory", id="memory"):
                 build_memory_panel(engine, status=status)
-            # Further panels (the benchmark panel goes here) are passed in by the caller.
+            with gr.Tab("Benchmark", id="benchmark"):
+                build_bench_panel(engine)
+            # Further panels are passed in by the caller.
             for title, builder in extra_panels:
                 with gr.Tab(title):
                     builder(engine)
