@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -152,6 +154,26 @@ def test_bad_input_exits_2_with_one_line(runs, case):
     assert len(lines) == 1, result.stderr
     assert "Traceback" not in result.stderr
     assert REFUSALS[case] in lines[0]
+
+
+
+def test_ctrl_c_mid_reply_exits_130_cleanly():
+    """Ctrl-C while the worker thread is decoding: exit 130 with one line, no crash (exiting
+    under a forward pass in progress ended in SIGABRT / SIGSEGV)."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "model_utils", "chat", "--mode", "fp32", "--placement", "cpu",
+         "--prompt", "hi", "--max-new-tokens", "4000", "--temperature", "0"],
+        cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        assert proc.stdout.read(1), "no reply started"  # decoding is under way
+        time.sleep(0.3)
+        proc.send_signal(signal.SIGINT)
+        _out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, err
+    assert err.decode() == "\ninterrupted\n"
 
 
 # -- the streamed display, in-process -------------------------------------------------------------
