@@ -32,6 +32,8 @@ from pathlib import Path
 EXIT_REFUSED = 2
 EXIT_ERROR = 1
 EXIT_INTERRUPTED = 130
+# After Ctrl-C, how long to wait for the decode worker to finish its step before exiting.
+INTERRUPT_WAIT_S = 30.0
 
 # GenerationSettings fields a flag can set; None means "the model's generation_config default".
 SAMPLING_FLAGS = ("max_new_tokens", "temperature", "top_p", "top_k", "repetition_penalty", "seed")
@@ -267,10 +269,15 @@ def cmd_chat(args) -> int:
         # The forward passes run on the engine's worker thread. Leaving now would shut the
         # interpreter down under a pass in progress, which crashes the process (SIGSEGV seen
         # in an int8 matmul). engine.chat set its stop signal on the way out, so the worker
-        # ends the reply within one step; wait for that (a second Ctrl-C still exits at once).
+        # ends the reply within one step; wait for that (a second Ctrl-C still exits at once),
+        # at most INTERRUPT_WAIT_S, so that a worker busy with something else cannot hang us.
         worker = getattr(engine, "worker", None)
         if worker is not None:
-            worker.call(lambda: None)
+            import threading
+
+            waiter = threading.Thread(target=worker.call, args=(lambda: None,), daemon=True)
+            waiter.start()
+            waiter.join(INTERRUPT_WAIT_S)
         raise
 
 
