@@ -102,6 +102,20 @@ def _release_freed_memory() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
+# glibc serves big allocations from their own mappings, returned to the OS on free, but it
+# raises that size threshold each time such a block is freed (up to 32 MB), after which freed
+# weights stay in the heap and RSS never drops. Pinning the threshold keeps every weight matrix of
+# a real model (a 7B layer's are 25 MB and more) in its own mapping, so an unload shows up in
+# RSS; activations and small tensors below it keep the fast heap path.
+MMAP_THRESHOLD_BYTES = 4 * 2**20
+
+
+def pin_mmap_threshold() -> None:
+    m_mmap_threshold = -3  # mallopt parameter number, from glibc's malloc.h
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").mallopt(m_mmap_threshold, MMAP_THRESHOLD_BYTES)
+
+
 def summarize_device_map(model: torch.nn.Module) -> dict[str, dict]:
     """Per device: which decoder layers live there and how many GB of weights."""
     per_device: dict[str, dict] = {}
@@ -142,6 +156,7 @@ class ModelManager:
                  busy_timeout_s: float = 30.0):
         self.registry = registry
         self.trust_remote_code = trust_remote_code
+        pin_mmap_threshold()
         self.busy_timeout_s = busy_timeout_s
         self._lock = threading.RLock()  # one load/unload/switch at a time
         self._users = 0  # replies streaming from the current model

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ctypes
 import weakref
 
 import psutil
@@ -49,24 +48,9 @@ def wide_models_dir(tmp_path_factory, demo_path):
     return root
 
 
-def _pin_malloc_mmap_threshold() -> None:
-    """Make process RSS measure what the engine holds, not a glibc heuristic.
-
-    glibc raises its mmap threshold each time a large mmapped block is freed, so after one
-    unload the next model's mid-sized tensors come from the heap, and their pages can stay in
-    RSS after they are freed (measured here: up to ~95 MB left after unloading a 125 MB model
-    whose every object had been collected). A fixed threshold keeps large tensors mmapped,
-    returned to the system when freed. Nothing the engine does is changed by this.
-    """
-    M_MMAP_THRESHOLD = -3
-    try:
-        ctypes.CDLL("libc.so.6").mallopt(M_MMAP_THRESHOLD, 128 * 1024)
-    except (OSError, AttributeError):
-        pytest.skip("needs glibc to pin the malloc mmap threshold")
-
-
 def test_switch_chain_answers_and_gives_memory_back(wide_models_dir):
-    _pin_malloc_mmap_threshold()
+    # The engine pins glibc's mmap threshold itself (manager.pin_mmap_threshold), which is what
+    # makes RSS drop after an unload; this test holds it to that.
     engine = Engine(models_dir=wide_models_dir)
     # Warm-up: the first int8 / 4-bit / bf16 matmul on a CPU loads bitsandbytes' kernels and
     # torch's bf16 code paths once for the life of the process (~50 MB measured); that is not
