@@ -4,9 +4,11 @@
         --prompt-tokens 128 --new-tokens 256 --out results.json
 
 For each mode it loads the model through the engine (the path a user's load takes), measures
-time to first token and decode speed for one stream and for `batch` concurrent requests, unloads
-it, then loads the same checkpoint the way most tutorials do and times model.generate on the same
-prompts in the same process. Greedy decoding on both sides, so their tokens must agree.
+time to first token and decode speed for one stream and for `batch` concurrent requests (decoded
+together by the engine's batch scheduler, each submitted from its own thread the way concurrent
+chats arrive), unloads it, then loads the same checkpoint the way most tutorials do and times
+model.generate on the same prompts in the same process. Greedy decoding on both sides, so their
+tokens must agree; the concurrent streams must also equal the engine's own single streams.
 --random-from-config builds a model of a published shape with random weights (speed does not
 depend on the values), so real sizes can be measured without downloading anything.
 """
@@ -48,7 +50,8 @@ class BenchRow:
     peak_gb: dict
     ttft_ms: float
     tok_s: float  # per stream, decode phase
-    aggregate_tok_s: float
+    aggregate_tok_s: float  # batch > 1: all tokens / wall time from submission to the last one
+    x_one_plain: float | None  # aggregate over one plain-generate stream's tok/s
     stream_tok_s: float | None  # through engine.chat (text streaming), batch 1 only
     peer_load_s: float
     peer_ttft_ms: float
@@ -58,6 +61,7 @@ class BenchRow:
     ttft_ratio: float  # engine TTFT over peer TTFT
     greedy_match: bool
     first_mismatch: int | None
+    batch_match: bool | None = None  # concurrent streams == the engine's single streams
 
 
 # -- inputs -------------------------------------------------------------------------------------
@@ -110,17 +114,24 @@ def greedy(new_tokens: int) -> GenerationSettings:
 
 
 def engine_decode(engine: Engine, prompt: list[int], new_tokens: int) -> tuple[list[int], ReplyStats]:
-    """One greedy reply on the engine's own decode path (its worker thread, its decoder)."""
+    """One greedy reply on the engine's own decode path: its batch scheduler (or, for a model
+    it cannot batch, the single-stream decoder on its worker thread)."""
     loaded = engine.manager.loaded
     stats = ReplyStats()
+    if loaded.batcher is not None:
+        tokens = list(loaded.batcher.submit(prompt, greedy(new_tokens), eos_ids=eos_ids(loaded),
+                                            stop=threading.Event(), stats=stats))
+        return tokens, stats
     tokens = engine.worker.call(lambda: list(decode_tokens(
         engine.decoder_for(loaded), prompt, greedy(new_tokens), eos_ids=eos_ids(loaded),
         stats=stats)))
     return tokens, stats
 
 
-def engine_concurrent(engine: Engine, prompts: list[list[int]], new_tokens: int) -> float:
-    """Aggregate tokens/s of len(prompts) requests submitted at once through the engine."""
+def engine_concurrent(engine: Engine, prompts: list[list[int]], new_tokens: int) -> dict:
+    """len(prompts) requests submitted at once through the engine, one thread each:
+    aggregate tokens/s (wall time from the first submission to the last token), median TTFT,
+    and every stream's tokens."""
     results = [None] * len(prompts)
 
     def one(i):
@@ -133,7 +144,19 @@ def engine_concurrent(engine: Engine, prompts: list[list[int]], new_tokens: int)
     for t in threads:
         t.join()
     elapsed = time.perf_counter() - start
-    return sum(len(r[0]) for r in results) / elapsed
+    return {"aggregate": sum(len(r[0]) for r in results) / elapsed,
+            "ttft_ms": statistics.median(r[1].ttft_ms for r in results),
+            "tokens": [r[0] for r in results],
+            "batched_with": max(r[1].batched_with for r in results)}
+
+
+def warm_batches(engine: Engine, batches: list[int]) -> None:
+    """Compile the batched step for every row bucket up to the largest batch before timing
+    (each new shape compiles once, which would otherwise land inside a timed run)."""
+    loaded = engine.manager.loaded
+    if loaded.batcher is not None:
+        counts = range(1, max(batches) + 1)
+        engine.worker.call(lambda: loaded.batcher.warm_up(counts))
 
 
 def engine_streaming_tok_s(engine: Engine, new_tokens: int) -> float:
@@ -185,6 +208,7 @@ def first_mismatch(a: list[int], b: list[int]) -> int | None:
 def measure_engine(engine: Engine, prompts: list[list[int]], batches: list[int],
                    new_tokens: int, match_prompts: int) -> dict[int, dict]:
     engine_decode(engine, prompts[0], 8)  # first reply after load: allocator, cuBLAS
+    warm_batches(engine, batches)
     runs_by_batch = {}
     for b in batches:
         if b == 1:
@@ -194,9 +218,14 @@ def measure_engine(engine: Engine, prompts: list[list[int]], batches: list[int],
                                 "aggregate": tok_s,
                                 "ttft_ms": statistics.median(r[1].ttft_ms for r in runs)}
         else:
-            aggregate = engine_concurrent(engine, prompts[:b], new_tokens)
-            runs_by_batch[b] = {"aggregate": aggregate, "tok_s": aggregate / b,
-                                "ttft_ms": runs_by_batch.get(1, {}).get("ttft_ms", 0.0)}
+            run = engine_concurrent(engine, prompts[:b], new_tokens)
+            singles = runs_by_batch.get(1, {}).get("tokens", [])
+            runs_by_batch[b] = {"aggregate": run["aggregate"], "tok_s": run["aggregate"] / b,
+                                "ttft_ms": run["ttft_ms"],
+                                "batch_match": all(x == y for x, y in zip(run["tokens"], singles))
+                                if singles else None}
+            log.info("batch %d: %.1f tok/s aggregate, at most %d replies per step", b,
+                     run["aggregate"], run["batched_with"])
     return runs_by_batch
 
 
@@ -228,6 +257,7 @@ def make_rows(status: dict, batches: list[int], mine: dict, theirs: dict, *, pea
             load_s=round(status["load_s"], 2), weights_gb=round(status["footprint_gb"], 3),
             peak_gb=peak, ttft_ms=round(m["ttft_ms"], 2), tok_s=round(m["tok_s"], 2),
             aggregate_tok_s=round(m["aggregate"], 2),
+            x_one_plain=round(m["aggregate"] / theirs[1]["tok_s"], 2) if 1 in theirs else None,
             stream_tok_s=round(stream_tok_s, 2) if (b == 1 and stream_tok_s) else None,
             peer_load_s=round(peer_load_s, 2), peer_ttft_ms=round(t["ttft_ms"], 2),
             peer_tok_s=round(t["tok_s"], 2), peer_aggregate_tok_s=round(t["aggregate"], 2),
@@ -235,6 +265,7 @@ def make_rows(status: dict, batches: list[int], mine: dict, theirs: dict, *, pea
             ttft_ratio=round(m["ttft_ms"] / max(t["ttft_ms"], 1e-9), 2),
             greedy_match=all(x is None for x in mismatches),
             first_mismatch=next((x for x in mismatches if x is not None), None),
+            batch_match=m.get("batch_match"),
         ))
     return rows
 
@@ -303,7 +334,7 @@ def bench_loaded(engine: Engine, *, prompt_tokens: int = 32, new_tokens: int = 6
 # -- output -------------------------------------------------------------------------------------
 COLUMNS = ["mode", "batch", "decode_path", "load_s", "weights_gb", "ttft_ms", "peer_ttft_ms",
            "tok_s", "peer_tok_s", "aggregate_tok_s", "peer_aggregate_tok_s", "speedup",
-           "stream_tok_s", "greedy_match"]
+           "x_one_plain", "stream_tok_s", "greedy_match", "batch_match"]
 
 
 def markdown_table(rows: list[BenchRow]) -> str:
@@ -346,7 +377,9 @@ def save_chart(rows: list[BenchRow], path: Path) -> None:
 
 
 def run(args: argparse.Namespace) -> list[BenchRow]:
-    engine = Engine(compile=not args.no_compile, compile_mode=args.compile_mode)
+    batches = [int(b) for b in args.batch.split(",")]
+    engine = Engine(compile=not args.no_compile, compile_mode=args.compile_mode,
+                    max_batch=args.max_batch or max(batches))
     model_name = args.model
     if args.random_from_config:
         device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -378,6 +411,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--match-prompts", type=int, default=3,
                         help="prompts on which greedy output is compared token for token")
     parser.add_argument("--placement", help="default: cuda:0 with a GPU, else cpu")
+    parser.add_argument("--max-batch", type=int, default=None,
+                        help="rows of the engine's batch (default: the largest --batch)")
     parser.add_argument("--no-compile", action="store_true", help="benchmark the eager path")
     parser.add_argument("--compile-mode", default="default",
                         choices=["default", "max-autotune-no-cudagraphs"],

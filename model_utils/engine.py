@@ -8,14 +8,16 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from . import batch_cache, fast_path
+from .batching import BatchScheduler, EagerStep
 from .chat import prepare_prompt, render_prompt, split_reasoning, supports_thinking
-from . import fast_path
 from .decoders import EagerDecoder
 from .generation import GenerationSettings, IncrementalDetokenizer, ReplyStats, decode_tokens
 from .manager import LoadedModel, LoadRequest, ModelManager, Progress
@@ -49,7 +51,7 @@ class Engine:
     def __init__(self, *, models_dir: str | Path | None = None, cache_dir: Path | None = None,
                  trust_remote_code: bool = False, log_prompts: bool = False,
                  busy_timeout_s: float = 30.0, compile: bool = True,
-                 compile_mode: str = "default"):
+                 compile_mode: str = "default", max_batch: int = 8, max_queue: int = 64):
         self.registry = ModelRegistry(models_dir, cache_dir=cache_dir)
         self.manager = ModelManager(self.registry, trust_remote_code=trust_remote_code,
                                     busy_timeout_s=busy_timeout_s)
@@ -57,19 +59,59 @@ class Engine:
         self.log_prompts = log_prompts
         self.compile = compile
         self.compile_mode = compile_mode  # torch.compile mode of the fast path's step
-        # Every forward pass (warm-up and replies) runs on this one thread; replies take turns.
+        # Concurrent replies are decoded together, up to max_batch at once; max_queue more may
+        # wait for a place, and one more is refused with batching.QueueFull.
+        self.max_batch, self.max_queue = max_batch, max_queue
+        BatchScheduler.check_limits(max_batch, max_queue)
+        # Every forward pass (warm-up and replies) runs on this one thread.
         self.worker = DecodeWorker()
         self.manager.on_loaded = self._prepare_decoding
         self.manager.on_unloaded = self._forget_compiled
 
     def _prepare_decoding(self, loaded: LoadedModel, progress: Progress) -> None:
-        if not self.compile:
-            loaded.decode_path_reason = "eager path: compilation turned off (--no-compile)"
+        batches, why_not = batch_cache.support(loaded.model)
+        if not batches:
+            # Replies take turns on the single-stream path (compiled where it applies).
+            log.warning("%s: replies are not batched (%s)", loaded.display_name, why_not)
+            if not self.compile:
+                loaded.decode_path_reason = "eager path: compilation turned off (--no-compile)"
+            else:
+                self.worker.call(lambda: fast_path.attach(loaded, progress,
+                                                          inductor_mode=self.compile_mode))
+            loaded.decode_path_reason += f"; replies take turns ({why_not})"
             return
-        self.worker.call(lambda: fast_path.attach(loaded, progress,
-                                                  inductor_mode=self.compile_mode))
+        step, path = EagerStep(loaded.model), "eager"
+        applies, why = fast_path.support(loaded)
+        if not self.compile:
+            why = "eager path: compilation turned off (--no-compile)"
+        elif applies:
+            step = fast_path.GraphedBatchStep(loaded.model, self.compile_mode)
+            path = "static-cache+cuda-graphs (batched)"
+            why = "compiled path: batched static KV cache + CUDA graphs"
+        loaded.decode_path, loaded.decode_path_reason = path, \
+            f"{why}; up to {self.max_batch} concurrent replies decoded together"
+        loaded.batcher = BatchScheduler(loaded.model, post=self.worker.post,
+                                        context_tokens=loaded.context_tokens,
+                                        max_batch=self.max_batch, max_queue=self.max_queue,
+                                        step_fn=step, path_name=path)
+        if path != "eager":
+            self._warm_up(loaded, progress)
+
+    def _warm_up(self, loaded: LoadedModel, progress: Progress) -> None:
+        """Compile and capture the one-reply step now, so that the first user does not wait."""
+        progress(0.6, "compiling the batched decode step (one reply)")
+        start = time.perf_counter()
+        self.worker.call(loaded.batcher.warm_up)
+        failed = getattr(loaded.batcher.step_fn, "failed", None)
+        if failed:
+            loaded.decode_path = "eager"
+            loaded.decode_path_reason = f"eager path: compiling failed ({failed})"
+        log.info("batched step ready for %s in %.1f s", loaded.display_name,
+                 time.perf_counter() - start)
 
     def _forget_compiled(self) -> None:
+        # Wait for the decode loop to let go of the unloaded model's batch cache.
+        self.worker.call(lambda: None)
         if torch.cuda.is_available():
             # Compiled graphs and their CUDA-graph memory pool hold GPU memory of their own.
             self.worker.call(torch._dynamo.reset)
@@ -128,16 +170,10 @@ class Engine:
                 log.info("prompt: %r", prompt.text)
             stats = ReplyStats()
             text = ""
-
-            def produce():  # runs on the decode worker
-                if not stop.is_set():
-                    yield from decode_tokens(self.decoder_for(loaded), prompt.input_ids,
-                                             settings, eos_ids=eos_ids(loaded), stop=stop,
-                                             stats=stats)
-
+            tokens = self._tokens(loaded, prompt.input_ids, settings, stop, stats)
             detok = IncrementalDetokenizer(loaded.tokenizer)
             try:
-                for token in self.worker.stream(produce):
+                for token in tokens:
                     piece = detok.push(token)
                     if piece:
                         text += piece
@@ -155,6 +191,21 @@ class Engine:
                     log.info("reply text: %r", text)
             reasoning, answer = split_reasoning(text)
             yield ChatUpdate(reasoning, answer, done=True, stats=stats, notice=prompt.notice)
+
+    def _tokens(self, loaded: LoadedModel, input_ids: list[int], settings: GenerationSettings,
+                stop: threading.Event, stats: ReplyStats) -> Iterator[int]:
+        """The reply's token ids: from the batch scheduler, or (a model it cannot batch) from
+        the single-stream decoder, one reply at a time. Raises QueueFull when too busy."""
+        if loaded.batcher is not None:
+            return loaded.batcher.submit(input_ids, settings, eos_ids=eos_ids(loaded),
+                                         stop=stop, stats=stats)
+
+        def produce():  # runs on the decode worker
+            if not stop.is_set():
+                yield from decode_tokens(self.decoder_for(loaded), input_ids, settings,
+                                         eos_ids=eos_ids(loaded), stop=stop, stats=stats)
+
+        return self.worker.stream(produce)
 
     @staticmethod
     def decoder_for(loaded: LoadedModel):

@@ -161,3 +161,64 @@ def attach(loaded, progress=None, *, warm_bucket: int = 1024,
     loaded.fast_path = fast
     loaded.decode_path = fast.name
     log.info("fast path ready for %s in %.1f s", loaded.display_name, seconds)
+
+
+class GraphedBatchStep:
+    """The batched decode step (batching.BatchScheduler) captured as one CUDA graph per view.
+
+    Like GraphedStep, but every input is already a persistent buffer of batch_cache.BatchKV
+    (ids, positions, mask, cache views): the graph reads them in place, so a replay needs no
+    copies at all. One graph per (rows, slots) bucket of the view; a capture that fails falls
+    back to the eager forward for good (logged), it never fails a reply.
+    """
+
+    def __init__(self, model, inductor_mode: str = "default"):
+        self.model = model
+        self.compiled = torch.compile(model.forward, mode=inductor_mode, fullgraph=True,
+                                      dynamic=False)
+        self._graphs: dict[tuple, tuple] = {}
+        self._pool = None
+        self.failed: str | None = None
+        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+
+    def __call__(self, kv, b: int, w: int) -> torch.Tensor:
+        if self.failed:
+            return self.model(**kv.inputs(b, w)).logits[:, -1]
+        key = (id(kv), b, w)
+        entry = self._graphs.get(key)
+        if entry is None:
+            try:
+                entry = self._capture(kv, b, w)
+            except Exception as error:  # noqa: BLE001 - serve eagerly rather than fail
+                log.exception("capturing the batched step (%d rows, %d slots) failed", b, w)
+                self.failed = f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"
+                kv.set_index_after_capture()
+                return self.model(**kv.inputs(b, w)).logits[:, -1]
+            self._graphs[key] = entry
+        graph, logits = entry
+        graph.replay()
+        return logits
+
+    def _capture(self, kv, b: int, w: int):
+        inputs = kv.inputs(b, w)
+        start = time.perf_counter()
+
+        def run():
+            return self.compiled(**inputs).logits[:, -1]
+
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(3):
+                run()
+        torch.cuda.current_stream().wait_stream(side)
+        # The warm-up wrote slots j..j+2 (each later step overwrites its slot before reading it)
+        # and moved the write index: put it back.
+        kv.set_index_after_capture()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            logits = run()
+        self._pool = graph.pool()
+        log.info("captured the batched step for %d rows x %d slots in %.1f s", b, w,
+                 time.perf_counter() - start)
+        return graph, logits

@@ -148,8 +148,9 @@ class ReplyStats:
     tok_s: float = 0.0  # decode speed: tokens after the first / time after the first
     total_s: float = 0.0
     stopped: bool = False  # by the user's Stop
-    finish_reason: str = ""  # "eos" | "length" | "stop"
+    finish_reason: str = ""  # "eos" | "length" | "stop" ("error" when the batch step failed)
     decode_path: str = ""
+    batched_with: int = 1  # the most replies decoded in one step together, this one included
 
     def as_dict(self) -> dict:
         return asdict(self)

@@ -3,14 +3,18 @@
 Why a dedicated thread: CUDA graphs recorded by torch.compile belong to the thread that recorded
 them (torch keeps them in thread-local trees), and a web server answers each request on whichever
 pool thread is free. Funnelling warm-up and decoding through one thread means a graph is recorded
-once and replayed for every reply. It also serialises replies: one decodes at a time, in order.
+once and replayed for every reply. Concurrent replies share it through batching.BatchScheduler,
+whose decode loop is one long job here; other jobs (a warm-up, a cleanup) run between its runs.
 """
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 from collections.abc import Callable, Iterator
+
+log = logging.getLogger(__name__)
 
 _DONE = object()
 
@@ -24,10 +28,17 @@ class DecodeWorker:
     def _loop(self) -> None:
         while True:
             job = self._jobs.get()
-            job()
+            try:
+                job()
+            except Exception:  # noqa: BLE001 - a posted job's bug must not kill the worker
+                log.exception("a job on the decode worker failed")
             # Let go of the finished job before waiting for the next one: it closes over the
             # model it ran on, and an unloaded model must be freed now, not at the next job.
             del job
+
+    def post(self, fn: Callable[[], object]) -> None:
+        """Queue fn to run on the worker thread and return at once; fn handles its own errors."""
+        self._jobs.put(fn)
 
     def call(self, fn: Callable[[], object]):
         """Run fn on the worker thread and return its result (re-raising its exception)."""

@@ -1,0 +1,215 @@
+"""Concurrent replies decoded together: exact replies, Stop frees a place, a full queue refuses.
+
+Everything on the CPU with the fp32 demo model, where the batched step (padding, masks, rows
+moving) must give exactly the tokens of a reply decoded alone.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from model_utils.batching import QueueFull
+from model_utils.decoders import EagerDecoder
+from model_utils.engine import Engine, eos_ids
+from model_utils.generation import GenerationSettings, ReplyStats, decode_tokens
+from model_utils.manager import ModelBusy
+
+from .helpers import cpu_request
+
+
+def greedy(n: int, *, fixed: bool = True) -> GenerationSettings:
+    return GenerationSettings(max_new_tokens=n, min_new_tokens=n if fixed else 0,
+                              temperature=0.0, top_p=1.0, top_k=0, repetition_penalty=1.0)
+
+
+def run_together(jobs: list) -> list:
+    """Run the callables at the same moment, one thread each; their results in order."""
+    results: list = [None] * len(jobs)
+    errors: list = []
+    start = threading.Barrier(len(jobs))
+
+    def one(i):
+        start.wait()
+        try:
+            results[i] = jobs[i]()
+        except BaseException as error:  # noqa: BLE001 - reported below
+            errors.append(error)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(jobs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert not errors, errors
+    return results
+
+
+def submit(loaded, prompt, settings, stop=None) -> tuple[list[int], ReplyStats]:
+    stats = ReplyStats()
+    tokens = list(loaded.batcher.submit(prompt, settings, eos_ids=eos_ids(loaded),
+                                        stop=stop or threading.Event(), stats=stats))
+    return tokens, stats
+
+
+def alone(loaded, prompt, settings) -> list[int]:
+    """The reference: the single-stream eager decoder (dynamic cache, no batch, no mask)."""
+    return list(decode_tokens(EagerDecoder(loaded.model), prompt, settings,
+                              eos_ids=eos_ids(loaded)))
+
+
+@pytest.fixture(scope="module")
+def small_engine(demo_path):
+    """An engine of 3 rows and a queue of 4, for tests of places and the queue."""
+    engine = Engine(max_batch=3, max_queue=4, busy_timeout_s=1.0)
+    engine.load(cpu_request("fp32"))
+    yield engine
+    engine.unload()
+
+
+def test_eight_concurrent_greedy_chats_get_the_reply_they_get_alone(load_demo):
+    engine = load_demo("fp32")
+    assert engine.max_batch == 8
+    conversations = [[{"role": "user", "content": f"Question {i}: " + "tell me more. " * i}]
+                     for i in range(8)]
+    settings = [greedy(24 + 6 * i) for i in range(8)]
+    expected = [engine.generate_text(c, s, thinking=False) for c, s in zip(conversations,
+                                                                           settings)]
+    together = run_together([lambda c=c, s=s: engine.generate_text(c, s, thinking=False)
+                             for c, s in zip(conversations, settings)])
+    for i, (mine, theirs) in enumerate(zip(together, expected)):
+        assert (mine.reasoning, mine.answer) == (theirs.reasoning, theirs.answer), i
+        assert mine.stats.new_tokens == theirs.stats.new_tokens == 24 + 6 * i
+        assert mine.stats.finish_reason == "length"
+    # They really shared decode steps, all eight at once at some point.
+    assert max(r.stats.batched_with for r in together) == 8
+    assert all(r.stats.batched_with >= 2 for r in together)
+
+
+def test_rows_joining_leaving_and_moving_keep_every_reply_exact(small_engine):
+    """Three rows for seven requests: requests wait, join at different cache offsets, leave
+    at different times (rows move), a 1100-token prompt pushes the write index past the first
+    window and the others are moved back once it is gone. Sampled requests use their own seed
+    and the repetition penalty; each must equal the single-stream decoder's reply."""
+    loaded = small_engine.manager.loaded
+    sampled = GenerationSettings(max_new_tokens=40, temperature=0.8, top_p=0.9, top_k=20,
+                                 repetition_penalty=1.3, seed=7)
+    cases = [
+        ([11, 12, 13, 14, 15], greedy(120)),
+        ([(7 * i) % 500 + 5 for i in range(1100)], greedy(30)),
+        ([20 + i for i in range(40)], sampled),
+        ([30 + i for i in range(9)], greedy(90, fixed=False)),
+        ([(3 * i) % 400 + 5 for i in range(300)], greedy(60)),
+        ([40, 41], GenerationSettings(max_new_tokens=50, temperature=0.0, top_p=1.0, top_k=0,
+                                      repetition_penalty=1.2)),
+        ([50 + i for i in range(17)], greedy(8)),
+    ]
+    expected = [alone(loaded, p, s) for p, s in cases]
+    got = run_together([lambda p=p, s=s: submit(loaded, p, s) for p, s in cases])
+    for i, ((tokens, stats), reference) in enumerate(zip(got, expected)):
+        assert tokens == reference, f"request {i} differs at token " \
+            f"{next((k for k, (a, b) in enumerate(zip(tokens, reference)) if a != b), '-')}"
+        assert stats.new_tokens == len(tokens)
+    assert loaded.batcher.peak_rows == 3
+    assert loaded.batcher.load()["active"] == 0
+
+
+def test_stop_frees_the_place_within_a_step_and_the_others_complete(small_engine):
+    loaded = small_engine.manager.loaded
+    prompts = [[10 + i, 20 + i, 30 + i] for i in range(4)]
+    long = greedy(3000)
+    stops = [threading.Event() for _ in prompts]
+    extra_after_stop: list[int] = []
+    results: list = [None] * 4
+
+    def stopped_after(i, n):
+        stats, count, made = ReplyStats(), 0, 0
+        for _ in loaded.batcher.submit(prompts[i], long, eos_ids=eos_ids(loaded),
+                                       stop=stops[i], stats=stats):
+            count += 1
+            if count == n:
+                made = stats.new_tokens  # tokens made so far (some may still be queued)
+                stops[i].set()
+        extra_after_stop.append(stats.new_tokens - made)
+        results[i] = stats
+
+    def complete(i, n):
+        results[i] = submit(loaded, prompts[i], greedy(n))
+
+    # Three rows: two long replies and a short one fill them; the fourth waits for a place,
+    # which only the Stop of a long reply gives it in time.
+    first = threading.Thread(target=stopped_after, args=(0, 20))
+    second = threading.Thread(target=stopped_after, args=(1, 400))
+    third = threading.Thread(target=complete, args=(2, 60))
+    first.start(), second.start(), third.start()
+    while loaded.batcher.load()["active"] < 3:
+        time.sleep(0.01)
+    fourth = threading.Thread(target=complete, args=(3, 30))
+    fourth.start()
+    for t in (first, second, third, fourth):
+        t.join(timeout=300)
+    assert results[0].finish_reason == "stop" and results[0].stopped
+    assert max(extra_after_stop) <= 1  # at most the token of the step already running
+    for i, n in ((2, 60), (3, 30)):
+        tokens, stats = results[i]
+        assert tokens == alone(loaded, prompts[i], greedy(n)) and stats.finish_reason == "length"
+    assert results[1].finish_reason == "stop"
+    assert loaded.batcher.load() == {"active": 0, "waiting": 0, "max_batch": 3, "max_queue": 4}
+
+
+def test_closing_the_chat_stream_frees_its_place(small_engine):
+    """A closed browser tab closes engine.chat's generator: its place is free again."""
+    batcher = small_engine.manager.loaded.batcher
+    stream = small_engine.chat([{"role": "user", "content": "hi"}], greedy(3000))
+    next(stream)
+    assert batcher.load()["active"] == 1
+    stream.close()
+    deadline = time.monotonic() + 10
+    while batcher.load()["active"] and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert batcher.load()["active"] == 0
+
+
+def test_a_full_queue_refuses_at_once_with_a_busy_error(small_engine):
+    loaded = small_engine.manager.loaded
+    stops = [threading.Event() for _ in range(7)]
+    streams = [loaded.batcher.submit([5 + i, 6, 7], greedy(5000), eos_ids=eos_ids(loaded),
+                                     stop=stops[i], stats=ReplyStats()) for i in range(7)]
+    assert loaded.batcher.load()["active"] + loaded.batcher.load()["waiting"] == 7
+    start = time.monotonic()
+    with pytest.raises(QueueFull) as caught:
+        next(small_engine.chat([{"role": "user", "content": "one more"}], greedy(4)))
+    assert time.monotonic() - start < 5
+    assert "busy" in str(caught.value) and "try again" in str(caught.value)
+    assert isinstance(caught.value, ModelBusy)  # what the UI already shows as a message
+    for stop in stops:
+        stop.set()
+    for stream in streams:
+        list(stream)  # each ends (stopped or never started) instead of hanging
+    reply = small_engine.generate_text([{"role": "user", "content": "again"}], greedy(4))
+    assert reply.stats.new_tokens == 4
+
+
+def test_a_switch_waits_for_streaming_replies_and_never_corrupts_them(small_engine):
+    loaded = small_engine.manager.loaded
+    prompt = [9, 8, 7, 6]
+    stop = threading.Event()
+    got: dict = {}
+
+    def reply():
+        with small_engine.manager.use():  # what engine.chat holds while it streams
+            got["tokens"], got["stats"] = submit(loaded, prompt, greedy(5000), stop)
+
+    thread = threading.Thread(target=reply)
+    thread.start()
+    while small_engine.manager.loaded.batcher.load()["active"] == 0:
+        time.sleep(0.01)
+    with pytest.raises(ModelBusy):  # busy_timeout_s is 1 s: the reply is still streaming
+        small_engine.load(cpu_request("fp16"))
+    stop.set()
+    thread.join(timeout=300)
+    assert small_engine.status()["mode"] == "fp32"
+    assert got["stats"].finish_reason == "stop" and len(got["tokens"]) > 100
+    assert got["tokens"][:100] == alone(loaded, prompt, greedy(100))
