@@ -48,15 +48,17 @@ def available_placements() -> list[str]:
 def unavailable_reason(target: str) -> str | None:
     if target == "cpu":
         return None
+    if target in STRATEGIES:
+        # Without a GPU accelerate still places by strategy over the CPU and, past the CPU
+        # cap, an offload folder on disk: real offloading that runs (and is tested) anywhere.
+        return None
+    if not target.startswith("cuda:"):
+        return f"unknown placement {target!r}; choose cpu, cuda:N or one of {', '.join(STRATEGIES)}"
     if not torch.cuda.is_available():
         return f"placement {target!r} needs a CUDA GPU and this machine has none"
-    if target.startswith("cuda:"):
-        index = target.removeprefix("cuda:")
-        if not index.isdigit() or int(index) >= torch.cuda.device_count():
-            return f"no such GPU {target!r}: this machine has {torch.cuda.device_count()}"
-        return None
-    if target not in STRATEGIES:
-        return f"unknown placement {target!r}; choose cpu, cuda:N or one of {', '.join(STRATEGIES)}"
+    index = target.removeprefix("cuda:")
+    if not index.isdigit() or int(index) >= torch.cuda.device_count():
+        return f"no such GPU {target!r}: this machine has {torch.cuda.device_count()}"
     return None
 
 
@@ -149,10 +151,14 @@ def estimate_fit(config, mode: Mode, placement: Placement, *, context_tokens: in
     else:
         gpu_room = sum(v for d, v in caps.items() if d != "cpu")
         fits = placement.offload_folder is not None or gpu_room + caps["cpu"] >= need
-        plan = f"{target}: split over the GPUs"
-        if need > gpu_room:
-            plan += ", rest offloaded to the CPU" + (
-                " and disk" if placement.offload_folder else "")
+        spill = []
+        if gpu_room and need > gpu_room:
+            spill.append("CPU")
+        if placement.offload_folder and need > gpu_room + caps["cpu"]:
+            spill.append("disk")
+        plan = f"{target}: " + ("split over the GPUs" if gpu_room else "no GPU")
+        if spill:
+            plan += ", offloaded to the " + " and ".join(spill)
     return FitEstimate(weights, kv, context_tokens, free, fits, plan,
                        caps_gb=dict(placement.max_memory_gb))
 

@@ -71,6 +71,8 @@ def test_gpu_placement_without_a_gpu_is_refused(engine):
     from model_utils.manager import LoadError, LoadRequest
     from model_utils.placement import Placement
 
-    for target in ("cuda:0", "auto", "balanced"):
+    # Only cuda:N needs a GPU: accelerate's strategies place over the CPU and disk without one
+    # (tests/model_utils/test_offload.py).
+    for target in ("cuda:0", "cuda:1"):
         with pytest.raises(LoadError, match="needs a CUDA GPU and this machine has none"):
             engine.load(LoadRequest(mode="bf16", placement=Placement(target)))
