@@ -379,7 +379,8 @@ def save_chart(rows: list[BenchRow], path: Path) -> None:
 def run(args: argparse.Namespace) -> list[BenchRow]:
     batches = [int(b) for b in args.batch.split(",")]
     engine = Engine(compile=not args.no_compile, compile_mode=args.compile_mode,
-                    max_batch=args.max_batch or max(batches))
+                    max_batch=args.max_batch or max(batches),
+                    compiled_rows=args.compiled_rows)
     model_name = args.model
     if args.random_from_config:
         device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -414,6 +415,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-batch", type=int, default=None,
                         help="rows of the engine's batch (default: the largest --batch)")
     parser.add_argument("--no-compile", action="store_true", help="benchmark the eager path")
+    parser.add_argument("--compiled-rows", type=int, default=1,
+                        help="batched steps of up to this many rows are torch.compile'd before "
+                             "capture, larger ones capture the plain forward (64: compile all)")
     parser.add_argument("--compile-mode", default="default",
                         choices=["default", "max-autotune-no-cudagraphs"],
                         help="torch.compile mode of the fast path's decode step")

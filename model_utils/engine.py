@@ -51,7 +51,8 @@ class Engine:
     def __init__(self, *, models_dir: str | Path | None = None, cache_dir: Path | None = None,
                  trust_remote_code: bool = False, log_prompts: bool = False,
                  busy_timeout_s: float = 30.0, compile: bool = True,
-                 compile_mode: str = "default", max_batch: int = 8, max_queue: int = 64):
+                 compile_mode: str = "default", max_batch: int = 8, max_queue: int = 64,
+                 compiled_rows: int = 1):
         self.registry = ModelRegistry(models_dir, cache_dir=cache_dir)
         self.manager = ModelManager(self.registry, trust_remote_code=trust_remote_code,
                                     busy_timeout_s=busy_timeout_s)
@@ -59,6 +60,9 @@ class Engine:
         self.log_prompts = log_prompts
         self.compile = compile
         self.compile_mode = compile_mode  # torch.compile mode of the fast path's step
+        # Batched steps of up to this many rows are torch.compile'd before their CUDA graph is
+        # captured; larger ones capture the plain forward (see fast_path.GraphedBatchStep).
+        self.compiled_rows = compiled_rows
         # Concurrent replies are decoded together, up to max_batch at once; max_queue more may
         # wait for a place, and one more is refused with batching.QueueFull.
         self.max_batch, self.max_queue = max_batch, max_queue
@@ -85,7 +89,8 @@ class Engine:
         if not self.compile:
             why = "eager path: compilation turned off (--no-compile)"
         elif applies:
-            step = fast_path.GraphedBatchStep(loaded.model, self.compile_mode)
+            step = fast_path.GraphedBatchStep(loaded.model, self.compile_mode,
+                                              compiled_rows=self.compiled_rows)
             path = "static-cache+cuda-graphs (batched)"
             why = "compiled path: batched static KV cache + CUDA graphs"
         loaded.decode_path, loaded.decode_path_reason = path, \
