@@ -138,9 +138,10 @@ class BatchKV:
         """Move rows [0, active) so that they end at slot new_j (>= the longest's length)."""
         span = min(self.j, new_j)  # what can hold live tokens of some row
         if active and span and new_j != self.j:
+            old, new = slice(self.j - span, self.j), slice(new_j - span, new_j)
             for store in (*self.keys, *self.values):
-                store[:active, :, new_j - span:new_j] = store[:active, :, self.j - span:self.j].clone()
-            self.mask[:active, new_j - span:new_j] = self.mask[:active, self.j - span:self.j].clone()
+                store[:active, :, new] = store[:active, :, old].clone()  # ranges may overlap
+            self.mask[:active, new] = self.mask[:active, old].clone()
         self.mask[:active, :new_j - span] = False
         self.mask[:active, new_j:] = False
         self._set_index(new_j)

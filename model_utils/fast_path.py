@@ -179,9 +179,10 @@ class GraphedBatchStep:
     load); and under torch.compile transformers' sdpa repeats the KV heads of a GQA model
     (repeat_kv copies the whole KV window of every layer on every step: ~13 GB written, then
     read, per step at 32 rows x 1024 slots for Qwen2.5-7B, against 15 GB of weights), where
-    its plain forward packs the query heads instead. A CUDA graph of the plain forward still removes the per-kernel launch cost, which
-    is what made eager decoding slow. Measured with every shape compiled: 918.6 tok/s for 8
-    streams, 1733.7 for 32; the plain-forward graphs for 2+ rows are not measured yet.
+    its plain forward packs the query heads instead. A CUDA graph of the plain forward still
+    removes the per-kernel launch cost, which is what made eager decoding slow. Measured with
+    every shape compiled: 918.6 tok/s for 8 streams, 1733.7 for 32; the plain-forward graphs
+    for 2+ rows are not measured yet.
     """
 
     def __init__(self, model, inductor_mode: str = "default", compiled_rows: int = 1):
