@@ -118,18 +118,20 @@ class BatchKV:
                     use_cache=True, logits_to_keep=1)
 
     # -- bookkeeping between steps ----------------------------------------------------------
-    def place(self, row: int, prompt_cache, prompt_len: int, active: int) -> None:
-        """Copy a prefilled prompt (a batch-1 cache) into `row`, ending at the write index.
-        `active` rows [0, active) hold replies already; `row` is the next free one."""
+    def place(self, row: int, prompt_cache, prompt_len: int, active: int, *,
+              source: int = 0) -> None:
+        """Copy a prefilled prompt into `row`, ending at the write index: the last prompt_len
+        slots of row `source` of prompt_cache (prompts are left-padded when prefilled
+        together). `active` rows [0, active) hold replies already; `row` is the next free."""
         if active == 0:
             self._set_index(prompt_len)  # nobody to move: a new epoch
         elif prompt_len > self.j:
             self.relayout(prompt_len, active)
         start = self.j - prompt_len
         for store, layer in zip(self.keys, prompt_cache.layers):
-            store[row, :, start:self.j] = layer.keys[0]
+            store[row, :, start:self.j] = layer.keys[source, :, -prompt_len:]
         for store, layer in zip(self.values, prompt_cache.layers):
-            store[row, :, start:self.j] = layer.values[0]
+            store[row, :, start:self.j] = layer.values[source, :, -prompt_len:]
         self.mask[row] = False
         self.mask[row, start:self.j] = True
         self.pos[row, 0] = prompt_len

@@ -7,8 +7,9 @@ the loop below is ours; the model, its StaticLayer cache and its masks are trans
 
 The loop runs on the engine's DecodeWorker (every model call on one thread) while there is work:
 
-    admit   waiting requests take free rows: each prompt is prefilled alone (batch 1, the same
-            forward as a single reply), its first token sampled, its KV copied into the batch
+    admit   waiting requests take free rows: their prompts are prefilled (together, left-
+            padded, when several wait; alone it is the very forward of a single reply), each
+            first token sampled, each prompt's KV copied into its row of the batch cache
     drop    requests whose stop event is set (Stop, a closed tab, a vanished client) leave
     step    one forward for all active rows (batch_cache.BatchKV), then each row is sampled
             with its own settings, its token pushed to its own queue; finished rows leave
@@ -41,6 +42,8 @@ log = logging.getLogger(__name__)
 MAX_BATCH_LIMIT = 64
 # Share of the memory free after loading that the batch KV cache may take (per device).
 KV_MEMORY_SHARE = 0.5
+# Most (padded) prompt tokens prefilled in one forward: bounds its activation memory.
+PREFILL_TOKENS = 8192
 _DONE = object()
 
 
@@ -92,6 +95,7 @@ class BatchScheduler:
         self._admitted = 0  # requests taken off the queue and not finished (under _lock)
         self._running = False  # the loop is posted or running (under _lock)
         self.peak_rows = 0
+        self._ended: list[tuple[Request, object]] = []  # (request, its end marker), see _finish
 
     @staticmethod
     def check_limits(max_batch: int, max_queue: int) -> None:
@@ -154,6 +158,7 @@ class BatchScheduler:
         except BaseException as error:  # a bug: fail everyone rather than hang them
             log.exception("batch loop failed")
             self._fail_all(error)
+            self._flush_ended()
             with self._lock:
                 waiting, self._waiting = list(self._waiting), deque()
                 self._running = False
@@ -161,15 +166,18 @@ class BatchScheduler:
                 request.out.put(error)
 
     def _iterate(self) -> bool:
-        self._admit()
-        self._drop(i for i, r in enumerate(self.rows) if r.stop.is_set())
-        if self.rows:
-            try:
-                self._step()
-            except Exception as error:  # noqa: BLE001 - e.g. out of memory: these replies fail
-                log.exception("batched decode step failed")
-                self._fail_all(error)
-            return True
+        try:
+            self._admit()
+            self._drop(i for i, r in enumerate(self.rows) if r.stop.is_set())
+            if self.rows:
+                try:
+                    self._step()
+                except Exception as error:  # noqa: BLE001 - e.g. out of memory: they fail
+                    log.exception("batched decode step failed")
+                    self._fail_all(error)
+                return True
+        finally:
+            self._flush_ended()
         with self._lock:
             if self._waiting:
                 return True
@@ -177,43 +185,64 @@ class BatchScheduler:
             return False
 
     def _admit(self) -> None:
-        while len(self.rows) < (self.kv.rows if self.kv else self.max_batch):
-            with self._lock:
-                if not self._waiting:
-                    return
-                request = self._waiting.popleft()
+        """Give free rows to waiting requests; their prompts are prefilled together."""
+        capacity = self.kv.rows if self.kv else self.max_batch
+        group: list[Request] = []
+        with self._lock:
+            while self._waiting and len(self.rows) + len(group) < capacity:
+                group.append(self._waiting.popleft())
                 self._admitted += 1
-            if request.stop.is_set():
-                self._finish(request, "stop")
-                continue
+        for request in [r for r in group if r.stop.is_set()]:
+            self._finish(request, "stop")
+        group = [r for r in group if not r.stop.is_set()]
+        for chunk in _prefill_chunks(group):
             try:
-                self._prefill(request)
-            except Exception as error:  # noqa: BLE001 - this request fails, the others go on
+                self._prefill(chunk)
+            except Exception as error:  # noqa: BLE001 - these requests fail, the others go on
                 log.exception("prefill failed")
-                self._finish(request, "error", error)
+                for request in chunk:
+                    self._finish(request, "error", error)
 
-    def _prefill(self, request: Request) -> None:
+    def _prefill(self, requests: list[Request]) -> None:
+        """Prefill prompts in one forward (left-padded when several), sample each one's first
+        token, and copy each one's KV into a free row of the batch cache.
+
+        One prompt alone runs exactly the forward of a single-stream reply (no mask, no
+        padding); several share one forward, which is what keeps the time to first token
+        short when many requests arrive at once (each prefill is a full pass over the weights).
+        """
         from transformers import DynamicCache
 
-        settings = request.settings
-        if settings.seed is not None and settings.temperature > 0:
-            request.generator = torch.Generator(device=self.device).manual_seed(settings.seed)
-        if settings.repetition_penalty != 1.0:
-            request.seen = torch.tensor(request.input_ids, dtype=torch.long, device=self.device)
-        ids = torch.tensor([request.input_ids], dtype=torch.long, device=self.device)
+        for request in requests:
+            settings = request.settings
+            if settings.seed is not None and settings.temperature > 0:
+                request.generator = torch.Generator(device=self.device).manual_seed(
+                    settings.seed)
+            if settings.repetition_penalty != 1.0:
+                request.seen = torch.tensor(request.input_ids, dtype=torch.long,
+                                            device=self.device)
+        lengths = [len(r.input_ids) for r in requests]
+        width = max(lengths)
+        ids = torch.zeros(len(requests), width, dtype=torch.long)
+        positions = torch.zeros(len(requests), width, dtype=torch.long)
+        mask = torch.zeros(len(requests), width, dtype=torch.long)
+        for i, (request, length) in enumerate(zip(requests, lengths)):
+            ids[i, width - length:] = torch.tensor(request.input_ids)
+            positions[i, width - length:] = torch.arange(length)
+            mask[i, width - length:] = 1
         cache = DynamicCache(config=self.model.config)
-        out = self.model(input_ids=ids, position_ids=torch.arange(ids.shape[1],
-                         device=self.device)[None], cache=cache, use_cache=True,
-                         logits_to_keep=1)
-        logits = out.logits[:, -1]
-        token = self._sample(logits, [request])[0]
-        if not self._accept(request, token):
-            return
-        if self.kv is None:
-            self.kv = self._allocate(cache)
-        request.length = len(request.input_ids)
-        self.kv.place(len(self.rows), cache, request.length, len(self.rows))
-        self.rows.append(request)
+        out = self.model(input_ids=ids.to(self.device), position_ids=positions.to(self.device),
+                         attention_mask=mask.to(self.device) if len(requests) > 1 else None,
+                         cache=cache, use_cache=True, logits_to_keep=1)
+        tokens = self._sample(out.logits[:, -1], requests)
+        for i, (request, token, length) in enumerate(zip(requests, tokens, lengths)):
+            if not self._accept(request, token):
+                continue
+            if self.kv is None:
+                self.kv = self._allocate(cache)
+            request.length = length
+            self.kv.place(len(self.rows), cache, length, len(self.rows), source=i)
+            self.rows.append(request)
         self.peak_rows = max(self.peak_rows, len(self.rows))
 
     def _allocate(self, prompt_cache) -> BatchKV:
@@ -320,7 +349,15 @@ class BatchScheduler:
         stats.total_s = time.perf_counter() - request.arrived
         with self._lock:
             self._admitted -= 1
-        request.out.put(error if error is not None else _DONE)
+        self._ended.append((request, error if error is not None else _DONE))
+
+    def _flush_ended(self) -> None:
+        """End the streams of requests finished in this iteration. Deferred to its end, after
+        this iteration's last tensor work (rows moving), so that a caller that exits as soon as
+        its reply ends (the CLI) never tears the process down under a running torch op."""
+        ended, self._ended = self._ended, []
+        for request, marker in ended:
+            request.out.put(marker)
 
     def _fail_all(self, error: BaseException) -> None:
         for request in self.rows:
@@ -338,6 +375,19 @@ class EagerStep:
 
     def __call__(self, kv: BatchKV, b: int, w: int) -> torch.Tensor:
         return self.model(**kv.inputs(b, w)).logits[:, -1]
+
+
+def _prefill_chunks(requests: list[Request]) -> Iterator[list[Request]]:
+    """Groups of requests prefilled in one forward: at most PREFILL_TOKENS padded tokens."""
+    chunk: list[Request] = []
+    for request in sorted(requests, key=lambda r: len(r.input_ids)):
+        width = len(request.input_ids)  # the longest so far, as the list is sorted
+        if chunk and (len(chunk) + 1) * width > PREFILL_TOKENS:
+            yield chunk
+            chunk = []
+        chunk.append(request)
+    if chunk:
+        yield chunk
 
 
 def _tokens(request: Request) -> Iterator[int]:

@@ -116,6 +116,22 @@ def test_rows_joining_leaving_and_moving_keep_every_reply_exact(small_engine):
     assert loaded.batcher.load()["active"] == 0
 
 
+def test_prompts_prefilled_together_give_the_replies_they_get_alone(small_engine):
+    """Requests that wait together are prefilled in one left-padded forward."""
+    loaded = small_engine.manager.loaded
+    sampled = GenerationSettings(max_new_tokens=30, min_new_tokens=30, temperature=0.7,
+                                 top_p=0.9, top_k=0, repetition_penalty=1.0, seed=3)
+    cases = [([5 + i for i in range(60)], greedy(30)), ([300, 301, 302], sampled),
+             ([(11 * i) % 500 + 3 for i in range(17)], greedy(30))]
+    expected = [alone(loaded, p, s) for p, s in cases]
+    # Keep the worker busy so that all three are waiting when the loop starts.
+    small_engine.worker.post(lambda: time.sleep(0.3))
+    streams = [loaded.batcher.submit(p, s, eos_ids=eos_ids(loaded), stop=threading.Event(),
+                                     stats=ReplyStats()) for p, s in cases]
+    assert loaded.batcher.load()["waiting"] == 3
+    assert [list(stream) for stream in streams] == expected
+
+
 def test_stop_frees_the_place_within_a_step_and_the_others_complete(small_engine):
     loaded = small_engine.manager.loaded
     prompts = [[10 + i, 20 + i, 30 + i] for i in range(4)]
