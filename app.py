@@ -51,7 +51,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--trust-remote-code", action="store_true",
                    help="allow model repos to run their own Python code (CLI only)")
     p.add_argument("--max-queue", type=int, default=64,
-                   help="most requests waiting in the queue before new ones are refused")
+                   help="most chat requests waiting for a place before new ones are refused")
+    p.add_argument("--max-batch", type=int, default=8,
+                   help="most chat replies decoded together as one batch (1-64)")
     return p.parse_args(argv)
 
 
@@ -139,8 +141,12 @@ def main(argv: list[str] | None = None) -> int:
     import ui
     from model_utils.engine import Engine
 
-    engine = Engine(models_dir=args.models_dir, trust_remote_code=args.trust_remote_code,
-                    log_prompts=args.log_prompts)
+    try:
+        engine = Engine(models_dir=args.models_dir, trust_remote_code=args.trust_remote_code,
+                        log_prompts=args.log_prompts, max_batch=args.max_batch,
+                        max_queue=args.max_queue)
+    except ValueError as error:  # --max-batch / --max-queue out of range
+        _parser_error(str(error))
     if args.model.startswith(("/", ".", "~")) or Path(args.model).expanduser().is_dir():
         # The operator named this folder on the command line: it may be loaded from the UI too.
         engine.registry.allow_root(args.model)
@@ -148,11 +154,15 @@ def main(argv: list[str] | None = None) -> int:
     load_initial_model(engine, args, info)
 
     demo = ui.build(engine, admin=args.admin, info=info)
-    demo.queue(max_size=args.max_queue, default_concurrency_limit=1)
+    # The engine keeps its own bounded queue and answers "busy" past it, so gradio lets every
+    # request through to it (the reply handlers' concurrency is max_batch + max_queue).
+    reply_slots = ui.reply_concurrency(engine)
+    demo.queue(max_size=reply_slots + 16, default_concurrency_limit=1)
     try:
         _app, local_url, share_url = demo.launch(
             server_name=args.host, server_port=args.port, share=args.share,
             auth=logins or None, prevent_thread_lock=True, ssr_mode=False, css=ui.CSS,
+            max_threads=reply_slots + 40,
             footer_links=["api", "settings"])
     except OSError as error:  # the port is taken, or the address is not this machine's
         log.error("cannot serve on %s:%s: %s", args.host, args.port, error)

@@ -17,7 +17,7 @@ from model_utils.engine import Engine
 from .api import register_api
 from .bench_panel import build_bench_panel
 from .chat_panel import build_chat_panel
-from .common import AppInfo
+from .common import AppInfo, reply_concurrency
 from .memory_panel import build_memory_panel
 from .model_actions import headline
 from .model_panel import build_model_panel
@@ -62,4 +62,4 @@ def build(engine: Engine, *, admin: str | None = None, info: AppInfo | None = No
     return demo
 
 
-__all__ = ["AppInfo", "PanelBuilder", "build"]
+__all__ = ["AppInfo", "PanelBuilder", "build", "reply_concurrency"]

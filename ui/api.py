@@ -20,7 +20,7 @@ import gradio as gr
 from model_utils.engine import Engine
 
 from . import model_actions as actions
-from .common import user_error
+from .common import reply_concurrency, user_error
 from .conversation import ConversationError, validate_history
 from .replies import make_settings, stats_line, stream
 
@@ -90,7 +90,7 @@ def register_api(engine: Engine, *, admin: str | None = None) -> None:
                                              "device_map")}
         return {**engine.memory_snapshot().as_dict(), "model": model}
 
-    gr.api(chat, api_name="chat", concurrency_id="reply", concurrency_limit=1)
+    gr.api(chat, api_name="chat", concurrency_id="reply", concurrency_limit=reply_concurrency(engine))
     gr.api(load_model, api_name="load_model", concurrency_id="model", concurrency_limit=1)
     gr.api(unload_model, api_name="unload_model", concurrency_id="model", concurrency_limit=1)
     gr.api(status, api_name="status", concurrency_limit=None)

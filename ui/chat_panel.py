@@ -12,7 +12,7 @@ import gradio as gr
 
 from model_utils.engine import Engine
 
-from .common import DEMO_NOTICE, user_error
+from .common import DEMO_NOTICE, reply_concurrency, user_error
 from .conversation import (
     MAX_IMPORT_BYTES,
     ConversationError,
@@ -151,11 +151,11 @@ def _wire(c: dict, engine: Engine, signals: StopSignals, export_dir: Path, demo:
     for trigger in (c["message"].submit, c["send"].click):
         reply_events.append(trigger(
             respond, [c["message"], c["conversation"], *settings_inputs], stream_outputs,
-            concurrency_id="reply", concurrency_limit=1, api_visibility="private",
+            concurrency_id="reply", concurrency_limit=reply_concurrency(engine), api_visibility="private",
             show_progress="minimal"))
     reply_events.append(c["regenerate"].click(
         regenerate, [c["conversation"], *settings_inputs], stream_outputs,
-        concurrency_id="reply", concurrency_limit=1, api_visibility="private",
+        concurrency_id="reply", concurrency_limit=reply_concurrency(engine), api_visibility="private",
         show_progress="minimal"))
 
     def stop_reply(request: gr.Request) -> None:

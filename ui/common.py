@@ -23,6 +23,12 @@ def user_error(message: str) -> gr.Error:
     return gr.Error(text, print_exception=False)
 
 
+def reply_concurrency(engine) -> int:
+    """How many chat handlers may run at once: every reply the engine decodes together plus
+    every one it lets wait. Past that the engine itself says "busy" (batching.QueueFull)."""
+    return engine.max_batch + engine.max_queue
+
+
 def require_admin(admin: str | None, request: gr.Request | None, action: str) -> None:
     """Raise unless this request may change the loaded model.
 
