@@ -109,6 +109,11 @@ class BatchScheduler:
                stop: threading.Event, stats: ReplyStats) -> Iterator[int]:
         """Queue one reply; returns the iterator of its token ids. Raises QueueFull when
         max_batch replies are decoding and max_queue more are waiting."""
+        if not input_ids or len(input_ids) + settings.max_new_tokens > self.context_tokens:
+            # Checked here: a reply that outgrew its row would fail the whole batch's step.
+            raise ValueError(f"{len(input_ids)} prompt tokens + max_new_tokens "
+                             f"{settings.max_new_tokens} do not fit the context window "
+                             f"({self.context_tokens}), or the prompt is empty")
         request = Request(list(input_ids), settings, set(eos_ids), stop, stats)
         stats.prompt_tokens = len(input_ids)
         stats.decode_path = self.path_name

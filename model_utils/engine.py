@@ -108,7 +108,7 @@ class Engine:
         start = time.perf_counter()
         self.worker.call(loaded.batcher.warm_up)
         failed = getattr(loaded.batcher.step_fn, "failed", None)
-        if failed:
+        if failed:  # the one-row step did not capture: replies run uncaptured
             loaded.decode_path = "eager"
             loaded.decode_path_reason = f"eager path: compiling failed ({failed})"
         log.info("batched step ready for %s in %.1f s", loaded.display_name,
@@ -132,6 +132,11 @@ class Engine:
         if report:
             status["unloaded"] = {"model": report.model, "leftover": report.leftover}
         return status
+
+    def queue_status(self) -> dict | None:
+        """{active, waiting, max_batch, max_queue} of the loaded model's batch, or None."""
+        loaded = self.manager.loaded
+        return loaded.batcher.load() if loaded is not None and loaded.batcher else None
 
     def estimate(self, request: LoadRequest) -> FitEstimate:
         return self.manager.estimate(request)

@@ -47,6 +47,13 @@ def run_together(jobs: list) -> list:
     return results
 
 
+def wait_until(condition, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
 def submit(loaded, prompt, settings, stop=None) -> tuple[list[int], ReplyStats]:
     stats = ReplyStats()
     tokens = list(loaded.batcher.submit(prompt, settings, eos_ids=eos_ids(loaded),
@@ -160,8 +167,7 @@ def test_stop_frees_the_place_within_a_step_and_the_others_complete(small_engine
     second = threading.Thread(target=stopped_after, args=(1, 400))
     third = threading.Thread(target=complete, args=(2, 60))
     first.start(), second.start(), third.start()
-    while loaded.batcher.load()["active"] < 3:
-        time.sleep(0.01)
+    wait_until(lambda: loaded.batcher.load()["active"] == 3)
     fourth = threading.Thread(target=complete, args=(3, 30))
     fourth.start()
     for t in (first, second, third, fourth):
@@ -182,16 +188,13 @@ def test_closing_the_chat_stream_frees_its_place(small_engine):
     next(stream)
     assert batcher.load()["active"] == 1
     stream.close()
-    deadline = time.monotonic() + 10
-    while batcher.load()["active"] and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert batcher.load()["active"] == 0
+    wait_until(lambda: batcher.load()["active"] == 0)
 
 
 def test_a_full_queue_refuses_at_once_with_a_busy_error(small_engine):
     loaded = small_engine.manager.loaded
     stops = [threading.Event() for _ in range(7)]
-    streams = [loaded.batcher.submit([5 + i, 6, 7], greedy(5000), eos_ids=eos_ids(loaded),
+    streams = [loaded.batcher.submit([5 + i, 6, 7], greedy(4000), eos_ids=eos_ids(loaded),
                                      stop=stops[i], stats=ReplyStats()) for i in range(7)]
     assert loaded.batcher.load()["active"] + loaded.batcher.load()["waiting"] == 7
     start = time.monotonic()
@@ -216,12 +219,11 @@ def test_a_switch_waits_for_streaming_replies_and_never_corrupts_them(small_engi
 
     def reply():
         with small_engine.manager.use():  # what engine.chat holds while it streams
-            got["tokens"], got["stats"] = submit(loaded, prompt, greedy(5000), stop)
+            got["tokens"], got["stats"] = submit(loaded, prompt, greedy(4000), stop)
 
     thread = threading.Thread(target=reply)
     thread.start()
-    while small_engine.manager.loaded.batcher.load()["active"] == 0:
-        time.sleep(0.01)
+    wait_until(lambda: loaded.batcher.load()["active"] == 1 or "stats" in got)
     with pytest.raises(ModelBusy):  # busy_timeout_s is 1 s: the reply is still streaming
         small_engine.load(cpu_request("fp16"))
     stop.set()
@@ -229,3 +231,11 @@ def test_a_switch_waits_for_streaming_replies_and_never_corrupts_them(small_engi
     assert small_engine.status()["mode"] == "fp32"
     assert got["stats"].finish_reason == "stop" and len(got["tokens"]) > 100
     assert got["tokens"][:100] == alone(loaded, prompt, greedy(100))
+
+
+def test_a_reply_that_cannot_fit_its_row_is_refused_before_it_joins(small_engine):
+    loaded = small_engine.manager.loaded
+    with pytest.raises(ValueError, match="context window"):
+        loaded.batcher.submit([5] * 100, greedy(4000), eos_ids=eos_ids(loaded),
+                              stop=threading.Event(), stats=ReplyStats())
+    assert loaded.batcher.load()["waiting"] == 0
