@@ -239,12 +239,19 @@ class BatchScheduler:
         out = self.model(input_ids=ids.to(self.device), position_ids=positions.to(self.device),
                          attention_mask=mask.to(self.device) if len(requests) > 1 else None,
                          cache=cache, use_cache=True, logits_to_keep=1)
-        tokens = self._sample(out.logits[:, -1], requests)
+        if self.kv is None:
+            self.kv = self._allocate(cache)
+        # Memory may give the cache fewer rows than max_batch: the surplus waits again.
+        keep = self.kv.rows - len(self.rows)
+        if keep < len(requests):
+            with self._lock:
+                self._waiting.extendleft(reversed(requests[keep:]))
+                self._admitted -= len(requests) - keep
+            requests, lengths = requests[:keep], lengths[:keep]
+        tokens = self._sample(out.logits[:len(requests), -1], requests)
         for i, (request, token, length) in enumerate(zip(requests, tokens, lengths)):
             if not self._accept(request, token):
                 continue
-            if self.kv is None:
-                self.kv = self._allocate(cache)
             request.length = length
             self.kv.place(len(self.rows), cache, length, len(self.rows), source=i)
             self.rows.append(request)

@@ -239,3 +239,25 @@ def test_a_reply_that_cannot_fit_its_row_is_refused_before_it_joins(small_engine
         loaded.batcher.submit([5] * 100, greedy(4000), eos_ids=eos_ids(loaded),
                               stop=threading.Event(), stats=ReplyStats())
     assert loaded.batcher.load()["waiting"] == 0
+
+
+def test_with_memory_for_fewer_rows_the_surplus_waits_its_turn(demo_path, monkeypatch):
+    import model_utils.batching as batching
+
+    row_bytes = 4 * 2 * 2 * 32 * 4 * 4096  # demo: layers x (K, V) x kv heads x dim x fp32 x slots
+    monkeypatch.setattr(batching, "_free_bytes",
+                        lambda device: int(2.5 * row_bytes / batching.KV_MEMORY_SHARE))
+    engine = Engine(max_batch=8)
+    engine.load(cpu_request("fp32"))
+    try:
+        loaded = engine.manager.loaded
+        prompts = [[10 + i, 11, 12 + i] for i in range(5)]
+        expected = [alone(loaded, p, greedy(20)) for p in prompts]
+        engine.worker.post(lambda: time.sleep(0.3))  # all five wait when the loop starts
+        streams = [loaded.batcher.submit(p, greedy(20), eos_ids=eos_ids(loaded),
+                                         stop=threading.Event(), stats=ReplyStats())
+                   for p in prompts]
+        assert [list(stream) for stream in streams] == expected
+        assert loaded.batcher.kv.rows == loaded.batcher.peak_rows == 2
+    finally:
+        engine.unload()
