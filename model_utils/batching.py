@@ -197,16 +197,23 @@ class BatchScheduler:
             while self._waiting and len(self.rows) + len(group) < capacity:
                 group.append(self._waiting.popleft())
                 self._admitted += 1
-        for request in [r for r in group if r.stop.is_set()]:
-            self._finish(request, "stop")
-        group = [r for r in group if not r.stop.is_set()]
-        for chunk in _prefill_chunks(group):
+        starting = []
+        for request in group:  # one look at each stop event: every request goes one way
+            if request.stop.is_set():
+                self._finish(request, "stop")
+            else:
+                starting.append(request)
+        for chunk in _prefill_chunks(starting):
             try:
                 self._prefill(chunk)
             except Exception as error:  # noqa: BLE001 - these requests fail, the others go on
                 log.exception("prefill failed")
-                for request in chunk:
-                    self._finish(request, "error", error)
+                with self._lock:
+                    requeued = set(self._waiting)
+                for request in chunk:  # those not already placed, ended or sent back to wait
+                    if request not in self.rows and not request.stats.finish_reason \
+                            and request not in requeued:
+                        self._finish(request, "error", error)
 
     def _prefill(self, requests: list[Request]) -> None:
         """Prefill prompts in one forward (left-padded when several), sample each one's first
