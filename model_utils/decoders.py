@@ -20,35 +20,43 @@ def input_device(model) -> torch.device:
 
 
 class EagerDecoder:
+    """A dynamic cache that grows each step (what plain model.generate uses)."""
+
     name = "eager"
 
-    def __init__(self, model):
+    def __init__(self, model, step_fn=None):
         self.model = model
+        self.step_fn = step_fn or model  # what runs the 1-token steps (compiled or not)
         self.device = input_device(model)
         self.sample_device = self.device
         self.cache = None
         self.position = 0
 
-    @torch.inference_mode()
-    def prefill(self, input_ids: list[int], *, max_new_tokens: int) -> torch.Tensor:
+    def _new_cache(self, tokens: int):
         from transformers import DynamicCache
 
-        self.cache = DynamicCache(config=self.model.config)
+        return DynamicCache(config=self.model.config)
+
+    @torch.inference_mode()
+    def prefill(self, input_ids: list[int], *, max_new_tokens: int) -> torch.Tensor:
+        # The prompt always runs eagerly: its length varies from reply to reply.
+        self.cache = self._new_cache(len(input_ids) + max_new_tokens)
         ids = torch.tensor([input_ids], dtype=torch.long, device=self.device)
         self.position = ids.shape[1]
-        return self._forward(ids, torch.arange(self.position, device=self.device)[None])
+        out = self.model(input_ids=ids, position_ids=torch.arange(self.position,
+                         device=self.device)[None], cache=self.cache, use_cache=True,
+                         logits_to_keep=1)
+        return out.logits[0, -1].to(self.sample_device)
 
     @torch.inference_mode()
     def step(self, token: int) -> torch.Tensor:
         ids = torch.tensor([[token]], dtype=torch.long, device=self.device)
         positions = torch.tensor([[self.position]], device=self.device)
         self.position += 1
-        return self._forward(ids, positions)
-
-    def _forward(self, ids, positions) -> torch.Tensor:
-        out = self.model(input_ids=ids, position_ids=positions, cache=self.cache,
-                         use_cache=True, logits_to_keep=1)
-        return out.logits[0, -1].to(self.sample_device)
+        out = self.step_fn(input_ids=ids, position_ids=positions, cache=self.cache,
+                           use_cache=True, logits_to_keep=1)
+        # A CUDA graph's output buffer is overwritten by its next replay: copy what we keep.
+        return out.logits[0, -1].to(self.sample_device, copy=True)
 
 
 # Cache lengths are rounded up to one of these, so a new prompt length or max_new_tokens reuses
@@ -82,39 +90,15 @@ class StaticCaches:
         return cache
 
 
-class StaticDecoder:
-    """Prefill eagerly (prompt lengths vary), then decode one token at a time with fixed shapes.
-
-    `step_fn` is the model's forward, or its torch.compile'd version whose CUDA graph replays
-    every step; it is shared by all replies of a loaded model (see fast_path.FastPath).
-    """
+class StaticDecoder(EagerDecoder):
+    """Prefill eagerly, then decode one token at a time with fixed shapes into a preallocated
+    cache of a bucketed length, so that `step_fn` can be a captured CUDA graph; it is shared by
+    all replies of a loaded model (see fast_path.FastPath)."""
 
     def __init__(self, model, caches: StaticCaches, step_fn=None, name: str = "static-cache"):
-        self.model = model
+        super().__init__(model, step_fn)
         self.caches = caches
-        self.step_fn = step_fn or model
         self.name = name
-        self.device = input_device(model)
-        self.sample_device = self.device
-        self.cache = None
-        self.position = 0
 
-    @torch.inference_mode()
-    def prefill(self, input_ids: list[int], *, max_new_tokens: int) -> torch.Tensor:
-        self.cache = self.caches.get(cache_bucket(len(input_ids) + max_new_tokens))
-        ids = torch.tensor([input_ids], dtype=torch.long, device=self.device)
-        self.position = ids.shape[1]
-        out = self.model(input_ids=ids, position_ids=torch.arange(self.position,
-                         device=self.device)[None], cache=self.cache, use_cache=True,
-                         logits_to_keep=1)
-        return out.logits[0, -1].to(self.sample_device)
-
-    @torch.inference_mode()
-    def step(self, token: int) -> torch.Tensor:
-        ids = torch.tensor([[token]], dtype=torch.long, device=self.device)
-        positions = torch.tensor([[self.position]], device=self.device)
-        self.position += 1
-        out = self.step_fn(input_ids=ids, position_ids=positions, cache=self.cache,
-                           use_cache=True, logits_to_keep=1)
-        # A CUDA graph's output buffer is overwritten by its next replay: copy what we keep.
-        return out.logits[0, -1].to(self.sample_device, copy=True)
+    def _new_cache(self, tokens: int):
+        return self.caches.get(cache_bucket(tokens))
