@@ -39,6 +39,25 @@ def support(loaded) -> tuple[bool, str]:
     return True, "compiled path: static KV cache + CUDA graphs (torch.compile reduce-overhead)"
 
 
+def capture_graph(run, restore, pool):
+    """(graph, output) of `run` captured as one CUDA graph in memory pool `pool`.
+
+    Three warm-up runs first, on a side stream (compilation, autotuning, allocator); they move the
+    cache's write index, so `restore` puts it back before the capture records the real step.
+    """
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            run()
+    torch.cuda.current_stream().wait_stream(side)
+    restore()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        output = run()
+    return graph, output
+
+
 class GraphedStep:
     """The compiled forward captured by hand as one CUDA graph per static cache.
 
@@ -73,19 +92,11 @@ class GraphedStep:
             return self.compiled(input_ids=token, position_ids=position, cache=cache,
                                  use_cache=True, logits_to_keep=1).logits
 
-        # Warm-up runs (compilation, autotuning, allocator) belong on a side stream.
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(3):
-                run()
-        torch.cuda.current_stream().wait_stream(side)
-        # The warm-up advanced the cache by 3 slots; put it back where this reply stands.
-        for layer, length in zip(cache.layers, lengths):
-            layer.cumulative_length.copy_(length)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            logits = run()
+        def restore():  # back to where this reply stands
+            for layer, length in zip(cache.layers, lengths):
+                layer.cumulative_length.copy_(length)
+
+        graph, logits = capture_graph(run, restore, self._pool)
         self._pool = graph.pool()
         entry = (graph, token, position, logits)
         self._graphs[id(cache)] = entry
@@ -226,18 +237,9 @@ class GraphedBatchStep:
         def run():
             return forward(**inputs).logits[:, -1]
 
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(3):
-                run()
-        torch.cuda.current_stream().wait_stream(side)
-        # The warm-up wrote slots j..j+2 (each later step overwrites its slot before reading it)
-        # and moved the write index: put it back.
-        kv.set_index_after_capture()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            logits = run()
+        # The warm-up writes slots j..j+2 (each later step overwrites its slot before reading
+        # it) and moves the write index, which set_index_after_capture puts back.
+        graph, logits = capture_graph(run, kv.set_index_after_capture, self._pool)
         self._pool = graph.pool()
         log.info("captured the batched step (%s) for %d rows x %d slots in %.1f s",
                  "compiled" if forward is self.compiled else "plain forward", b, w,
