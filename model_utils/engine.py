@@ -230,7 +230,3 @@ class Engine:
         for final in self.chat(messages, settings, **kwargs):
             pass
         return final
-
-
-def cuda_available() -> bool:
-    return torch.cuda.is_available()
