@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from . import batch_cache, fast_path
+from . import attention, batch_cache, fast_path
 from .batching import BatchScheduler, EagerStep
 from .chat import prepare_prompt, render_prompt, split_reasoning, supports_thinking
 from .decoders import EagerDecoder
@@ -73,6 +73,7 @@ class Engine:
         self.manager.on_unloaded = self._forget_compiled
 
     def _prepare_decoding(self, loaded: LoadedModel, progress: Progress) -> None:
+        attention.use_packed_decode(loaded.model)
         batches, why_not = batch_cache.support(loaded.model)
         if not batches:
             # Replies take turns on the single-stream path (compiled where it applies).
