@@ -24,13 +24,14 @@ from __future__ import annotations
 
 import torch
 
+from .attention import NAME as PACKED_SDPA
 from .decoders import CACHE_BUCKETS
 
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 SUPPORTED_LAYERS = {"full_attention", "sliding_attention"}
 # Attention implementations whose mask we can build ourselves: sdpa takes a boolean mask (True =
 # attend), eager an additive float one. Others (flash, flex) want their own formats.
-MASK_KINDS = {"sdpa": "bool", "eager": "float"}
+MASK_KINDS = {"sdpa": "bool", PACKED_SDPA: "bool", "eager": "float"}
 
 
 def bucket(value: int, buckets: tuple[int, ...]) -> int:
@@ -155,16 +156,21 @@ class BatchKV:
             store[dst, :, start:self.j] = store[src, :, start:self.j]
         self.mask[dst] = self.mask[src]
         self.pos[dst] = self.pos[src]
+        self.ids[dst] = self.ids[src]
 
-    def prepare_step(self, tokens: list[int], longest: int) -> tuple[int, int]:
-        """Set up one decode step writing `tokens` (one per active row, at slot j).
-        `longest`: the most tokens any active row holds. Returns the view (b, w) to run."""
-        active = len(tokens)
+    def set_token(self, row: int, token: int) -> None:
+        """The next input of `row` (a new reply's first token). Later inputs are written on the
+        device by the step that samples them (see batching.BatchScheduler._launch)."""
+        self.ids[row, 0] = token
+
+    def prepare_step(self, active: int, longest: int) -> tuple[int, int]:
+        """Set up one decode step for rows [0, active), whose input tokens are in `ids`, writing
+        at slot j. `longest`: the most tokens any active row holds. Returns the view (b, w) to
+        run. Nothing here waits for the device."""
         if self.j + 1 > self.length or \
                 bucket(self.j + 1, self.windows) > bucket(longest + 1, self.windows):
             self.relayout(longest, active)
         b, w = bucket(active, self.row_buckets), bucket(self.j + 1, self.windows)
-        self.ids[:active, 0] = torch.tensor(tokens, dtype=torch.long)
         self.mask[:b, self.j] = True  # padding rows attend to their own slot: no empty softmax
         self._masks.refresh(b, w, self.j)
         return b, w

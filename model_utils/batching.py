@@ -12,7 +12,10 @@ The loop runs on the engine's DecodeWorker (every model call on one thread) whil
             first token sampled, each prompt's KV copied into its row of the batch cache
     drop    requests whose stop event is set (Stop, a closed tab, a vanished client) leave
     step    one forward for all active rows (batch_cache.BatchKV), then each row is sampled
-            with its own settings, its token pushed to its own queue; finished rows leave
+            with its own settings, on the device: the sampled tokens are the next step's inputs
+            there, and the next step is launched before the host reads them (it pushes each
+            token to its request's queue while the GPU runs the step after), so the GPU does
+            not wait for Python between steps; finished rows leave
 
 so a request joins or leaves between two steps and never waits for the batch to finish. The
 number of requests admitted or waiting is bounded (max_batch + max_queue): one more gets
@@ -34,7 +37,7 @@ import torch
 
 from .batch_cache import BatchKV, bucket, kv_bytes_per_row
 from .decoders import input_device
-from .generation import GenerationSettings, ReplyStats, sample_next
+from .generation import GenerationSettings, ReplyStats, sample_token
 from .manager import ModelBusy
 
 log = logging.getLogger(__name__)
@@ -63,10 +66,15 @@ class Request:
     out: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
     generator: torch.Generator | None = None
     seen: torch.Tensor | None = None  # prompt + reply ids, for the repetition penalty
-    new_tokens: int = 0
+    eos: torch.Tensor | None = None  # eos_ids on the device, for min_new_tokens
+    new_tokens: int = 0  # handed to the reader
+    sampled: int = 0  # sampled on the device: new_tokens plus those of a step in flight
     first_at: float = 0.0
-    last_token: int = 0  # sampled, not yet in the cache
-    length: int = 0  # tokens in the cache
+    length: int = 0  # tokens in the cache, counting a step in flight
+
+    @property
+    def finished(self) -> bool:
+        return bool(self.stats.finish_reason)
 
     @property
     def greedy(self) -> bool:
@@ -96,6 +104,7 @@ class BatchScheduler:
         self._running = False  # the loop is posted or running (under _lock)
         self.peak_rows = 0
         self._ended: list[tuple[Request, object]] = []  # (request, its end marker), see _finish
+        self._readback: TokenReadback | None = None  # made with the cache
 
     @staticmethod
     def check_limits(max_batch: int, max_queue: int) -> None:
@@ -145,7 +154,7 @@ class BatchScheduler:
             kv = self.kv
             for b in sorted({bucket(min(r, kv.rows), kv.row_buckets) for r in row_counts}):
                 kv.relayout(0, 0)
-                kv.prepare_step([0] * b, 0)
+                kv.prepare_step(b, 0)
                 self.step_fn(kv, b, kv.windows[0])
             kv.relayout(0, 0)
 
@@ -176,7 +185,7 @@ class BatchScheduler:
             self._drop(i for i, r in enumerate(self.rows) if r.stop.is_set())
             if self.rows:
                 try:
-                    self._step()
+                    self._decode()
                 except Exception as error:  # noqa: BLE001 - e.g. out of memory: they fail
                     log.exception("batched decode step failed")
                     self._fail_all(error)
@@ -233,6 +242,8 @@ class BatchScheduler:
             if settings.repetition_penalty != 1.0:
                 request.seen = torch.tensor(request.input_ids, dtype=torch.long,
                                             device=self.device)
+            if settings.min_new_tokens and request.eos_ids:
+                request.eos = torch.tensor(sorted(request.eos_ids), device=self.device)
         lengths = [len(r.input_ids) for r in requests]
         width = max(lengths)
         ids = torch.zeros(len(requests), width, dtype=torch.long)
@@ -255,12 +266,14 @@ class BatchScheduler:
                 self._waiting.extendleft(reversed(requests[keep:]))
                 self._admitted -= len(requests) - keep
             requests, lengths = requests[:keep], lengths[:keep]
-        tokens = self._sample(out.logits[:len(requests), -1], requests)
+        tokens = self._sample(out.logits[:len(requests), -1], requests).tolist()
         for i, (request, token, length) in enumerate(zip(requests, tokens, lengths)):
             if not self._accept(request, token):
                 continue
             request.length = length
-            self.kv.place(len(self.rows), cache, length, len(self.rows), source=i)
+            row = len(self.rows)
+            self.kv.place(row, cache, length, row, source=i)
+            self.kv.set_token(row, token)
             self.rows.append(request)
         self.peak_rows = max(self.peak_rows, len(self.rows))
 
@@ -276,49 +289,80 @@ class BatchScheduler:
                         self.max_batch, self.context_tokens)
         log.info("batch cache: %d rows x %d tokens, %.3f GB", rows, self.context_tokens,
                  rows * sum(per_row.values()) / 2**30)
+        self._readback = TokenReadback(self.device, rows)
         return BatchKV(self.model, prompt_cache, rows=rows, length=self.context_tokens,
                        device=self.device)
 
-    def _step(self) -> None:
-        kv = self.kv
-        b, w = kv.prepare_step([r.last_token for r in self.rows],
-                               max(r.length for r in self.rows))
+    def _decode(self) -> None:
+        """Decode the current rows until one finishes, is stopped, or a request waits to join.
+
+        Each step is launched before the previous one's tokens are read, so the GPU runs step
+        n + 1 while the host hands out step n's tokens. When the rows must change, the step in
+        flight is read too (its tokens count for the rows still going on; a row that finished
+        one step earlier wastes that one step) and the finished rows leave.
+        """
+        launched = self._launch()
+        while True:
+            following = self._launch() if self._may_go_on() else None
+            self._collect(launched)
+            if following is None:
+                break
+            if self._must_regroup():
+                self._collect(following)
+                break
+            launched = following
+        self._drop([i for i, r in enumerate(self.rows) if r.finished], finished=True)
+
+    def _may_go_on(self) -> bool:
+        """Launch another step before reading the one in flight? Not when that one ends a row
+        (its last token by max_new_tokens), a row was stopped, or a request waits."""
+        return not self._waiting and not any(
+            r.sampled >= r.settings.max_new_tokens or r.stop.is_set() for r in self.rows)
+
+    def _must_regroup(self) -> bool:
+        return bool(self._waiting) or any(r.finished or r.stop.is_set() for r in self.rows)
+
+    def _launch(self) -> _Launched:
+        """Queue one step for every active row and the sampling of its tokens; nothing waits
+        for the device. The tokens become the next step's inputs on the device."""
+        kv, rows = self.kv, list(self.rows)
+        b, w = kv.prepare_step(len(rows), max(r.length for r in rows))
         logits = self.step_fn(kv, b, w)  # [b, V]
         kv.advance(b)
-        for request in self.rows:
+        for request in rows:
             request.length += 1
-            request.stats.batched_with = max(request.stats.batched_with, len(self.rows))
-        tokens = self._sample(logits[:len(self.rows)], self.rows)
-        # Every row is pushed before any leaves, so that a finished row's move does not
-        # reorder rows still to be sampled.
-        done = [i for i, (r, t) in enumerate(zip(self.rows, tokens)) if not self._accept(r, t)]
-        self._drop(done, finished=True)
+            request.stats.batched_with = max(request.stats.batched_with, len(rows))
+        tokens = self._sample(logits[:len(rows)], rows)
+        kv.ids[:len(rows), 0].copy_(tokens)
+        return _Launched(rows, self._readback.start(tokens))
 
-    def _sample(self, logits: torch.Tensor, requests: list[Request]) -> list[int]:
-        """logits [n, V] -> one token per request, each with its own settings.
+    def _collect(self, launched: _Launched) -> None:
+        """Hand out the tokens of a launched step (waiting for it if it still runs)."""
+        for request, token in zip(launched.rows, launched.read()):
+            if not request.finished:  # a row that ended one step earlier: its token is void
+                self._accept(request, token)
+
+    def _sample(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        """logits [n, V] -> one token per request on the device, each with its own settings.
 
         Greedy rows (the common case for benchmarks, and what the equality tests compare) are
-        one argmax and one host sync for all of them; others go through sample_next, the same
-        function a single reply uses.
+        one argmax for all of them; others go through sample_token, the same function a single
+        reply uses. The repetition penalty's record of seen tokens grows here, on the device.
         """
         masked = [i for i, r in enumerate(requests)
-                  if r.new_tokens < r.settings.min_new_tokens and r.eos_ids]
+                  if r.sampled < r.settings.min_new_tokens and r.eos is not None]
         if masked:
             logits = logits.float()
-            eos = torch.tensor(sorted(requests[masked[0]].eos_ids), device=logits.device)
-            rows = torch.tensor(masked, device=logits.device)
-            logits[rows[:, None], eos[None, :]] = -math.inf
-        tokens: list[int | None] = [None] * len(requests)
-        greedy = [i for i, r in enumerate(requests) if r.greedy]
-        if greedy:
-            picked = logits.argmax(-1) if len(greedy) == len(requests) else \
-                logits[torch.tensor(greedy, device=logits.device)].argmax(-1)
-            for i, token in zip(greedy, picked.tolist()):
-                tokens[i] = token
+            for i in masked:
+                logits[i].index_fill_(0, requests[i].eos, -math.inf)
+        tokens = logits.argmax(-1)
         for i, request in enumerate(requests):
-            if tokens[i] is None:
-                seen = request.seen if request.seen is not None else logits.new_empty(0).long()
-                tokens[i] = sample_next(logits[i], request.settings, seen, request.generator)
+            request.sampled += 1
+            if not request.greedy:
+                seen = request.seen if request.seen is not None else tokens.new_empty(0)
+                tokens[i] = sample_token(logits[i], request.settings, seen, request.generator)
+            if request.seen is not None:
+                request.seen = torch.cat([request.seen, tokens[i:i + 1]])
         return tokens
 
     def _accept(self, request: Request, token: int) -> bool:
@@ -337,10 +381,7 @@ class BatchScheduler:
             self._finish(request, "eos")
             return False
         request.new_tokens = stats.new_tokens = n + 1
-        request.last_token = token
         request.out.put(token)
-        if request.seen is not None:
-            request.seen = torch.cat([request.seen, request.seen.new_tensor([token])])
         if request.new_tokens >= request.settings.max_new_tokens:
             self._finish(request, "length")
             return False
@@ -380,8 +421,46 @@ class BatchScheduler:
 
     def _fail_all(self, error: BaseException) -> None:
         for request in self.rows:
-            self._finish(request, "error", error)
+            if not request.finished:
+                self._finish(request, "error", error)
         self.rows = []
+
+
+@dataclass(eq=False)
+class _Launched:
+    rows: list[Request]  # the rows of the step, in order
+    read: Callable[[], list[int]]  # their tokens, once the step has run
+
+
+class TokenReadback:
+    """Copies a step's sampled tokens to the host without stopping the device.
+
+    On CUDA the copy goes into one of two pinned buffers (at most two steps are in flight)
+    and an event marks when it has landed; reading waits for that event only, while the
+    step launched after it keeps the GPU busy. On the CPU the tokens are there already.
+    """
+
+    def __init__(self, device: torch.device, rows: int):
+        self.cuda = device.type == "cuda"
+        if self.cuda:
+            self.buffers = [torch.empty(rows, dtype=torch.long, pin_memory=True)
+                            for _ in range(2)]
+            self.events = [torch.cuda.Event(), torch.cuda.Event()]
+            self.turn = 0
+
+    def start(self, tokens: torch.Tensor) -> Callable[[], list[int]]:
+        if not self.cuda:
+            return tokens.tolist
+        buffer, event = self.buffers[self.turn][:len(tokens)], self.events[self.turn]
+        self.turn ^= 1
+        buffer.copy_(tokens, non_blocking=True)
+        event.record()
+
+        def read() -> list[int]:
+            event.synchronize()
+            return buffer.tolist()
+
+        return read
 
 
 class EagerStep:

@@ -91,15 +91,17 @@ def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: 
     return logits.scatter(0, seen, scores)
 
 
-def sample_next(logits: torch.Tensor, settings: GenerationSettings, seen: torch.Tensor,
-                generator: torch.Generator | None) -> int:
-    """logits [V] -> the next token id, in transformers' order: penalty, temperature, top-k,
-    top-p. Temperature 0 is greedy (argmax), which is what the equality tests compare."""
+def sample_token(logits: torch.Tensor, settings: GenerationSettings, seen: torch.Tensor,
+                 generator: torch.Generator | None) -> torch.Tensor:
+    """logits [V] -> the next token id as a 0-d tensor on logits' device, in transformers'
+    order: penalty, temperature, top-k, top-p. Temperature 0 is greedy (argmax), which is what
+    the equality tests compare. Nothing here waits for the device, so a batch can feed its next
+    step with tokens the host has not read yet."""
     logits = logits.float()
     if settings.repetition_penalty != 1.0:
         logits = apply_repetition_penalty(logits, seen, settings.repetition_penalty)
     if settings.temperature == 0:
-        return int(logits.argmax())
+        return logits.argmax()
     logits = logits / settings.temperature
     if settings.top_k:
         kth = torch.topk(logits, min(settings.top_k, logits.numel())).values[-1]
@@ -111,7 +113,13 @@ def sample_next(logits: torch.Tensor, settings: GenerationSettings, seen: torch.
         drop = (cumulative - sorted_logits.softmax(-1)) >= settings.top_p
         logits = logits.scatter(0, order, sorted_logits.masked_fill(drop, -math.inf))
     probs = logits.softmax(-1)
-    return int(torch.multinomial(probs, 1, generator=generator))
+    return torch.multinomial(probs, 1, generator=generator)[0]
+
+
+def sample_next(logits: torch.Tensor, settings: GenerationSettings, seen: torch.Tensor,
+                generator: torch.Generator | None) -> int:
+    """sample_token, read on the host."""
+    return int(sample_token(logits, settings, seen, generator))
 
 
 # -- streaming text -----------------------------------------------------------------------------
