@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import defaultdict
 from collections.abc import Iterator
 
@@ -64,7 +65,7 @@ def stream(engine: Engine, messages: list[dict], settings: GenerationSettings, *
     updates = engine.chat(messages, settings, system_prompt=system_prompt or None,
                           thinking=thinking, stop=stop)
     try:
-        yield from updates
+        yield from paced(updates)
     except INPUT_ERRORS as error:
         raise user_error(str(error)) from error
     except Exception as error:  # a bug or a device error: keep the server and the model up
@@ -73,6 +74,22 @@ def stream(engine: Engine, messages: list[dict], settings: GenerationSettings, *
     finally:
         stop.set()
         updates.close()
+
+
+# Streamed updates per reply are at most one per this many seconds (the first and the last
+# always go out). Each update carries the whole text so far, so skipping some loses nothing,
+# and at 100+ tokens/s per reply one update per token would spend the server's time (and its
+# Python lock, which the decode loop needs too) re-sending text faster than anyone reads it.
+UPDATE_INTERVAL_S = 0.05
+
+
+def paced(updates: Iterator[ChatUpdate]) -> Iterator[ChatUpdate]:
+    last = None
+    for update in updates:
+        now = time.monotonic()
+        if update.done or last is None or now - last >= UPDATE_INTERVAL_S:
+            last = now
+            yield update
 
 
 class StopSignals:
