@@ -11,8 +11,8 @@ end it reports:
 - lost: replies whose stream ended without the final update (done=True with stats);
 - truncated: replies that ended for another reason than EOS or max_new_tokens, that hit the
   length limit short of max_new_tokens, or whose final text is shorter than what was streamed;
-- aggregate tokens/s (new tokens of all replies over the wall time of the whole run) and
-  latency percentiles: time to first streamed text as the client sees it (TTFT), the server's
+- aggregate tokens/s (new tokens of all replies over the wall time of the whole run), each
+  reply's decode speed as the server measured it (median and slowest), and latency percentiles: time to first streamed text as the client sees it (TTFT), the server's
   own TTFT, and the time to the whole reply.
 
 The exit status is 0 only when errors, lost and truncated are all 0 (1 otherwise, 2 for bad
@@ -37,6 +37,9 @@ MAX_CLIENTS = 64
 MAX_REQUESTS = 100
 MAX_NEW_TOKENS = 4096
 MAX_TIMEOUT_S = 3600
+MAX_PROMPT_WORDS = 4096
+FILLER = ("The waves rolled in from the grey horizon while the old sailor mended his nets "
+          "and watched the gulls circle above the harbour.")
 
 
 @dataclass
@@ -48,6 +51,8 @@ class Result:
     lost: bool = False
     truncated: str = ""  # why, when the reply looks cut short
     new_tokens: int = 0
+    prompt_tokens: int = 0
+    tok_s: float | None = None  # the server's decode speed for this reply
     finish_reason: str = ""
     ttft_s: float | None = None  # client side: submission to the first streamed update
     server_ttft_ms: float | None = None
@@ -68,6 +73,9 @@ class Report:
     wall_s: float = 0.0
     new_tokens: int = 0
     aggregate_tok_s: float = 0.0
+    prompt_tokens_p50: float | None = None
+    reply_tok_s_p50: float | None = None  # each user's decode speed, as the server measured it
+    reply_tok_s_min: float | None = None
     ttft_p50_s: float | None = None
     ttft_p99_s: float | None = None
     server_ttft_p50_ms: float | None = None
@@ -126,6 +134,8 @@ def one_request(client, result: Result, message: str, settings: dict, deadline: 
         return
     stats = final["stats"]
     result.new_tokens = int(stats.get("new_tokens") or 0)
+    result.prompt_tokens = int(stats.get("prompt_tokens") or 0)
+    result.tok_s = stats.get("tok_s")
     result.finish_reason = stats.get("finish_reason") or ""
     result.server_ttft_ms = stats.get("ttft_ms")
     wanted = settings["max_new_tokens"]
@@ -157,6 +167,10 @@ def run_client(index: int, args: argparse.Namespace, results: list[Result], dead
             continue
         message = (f"Load test, client {index}, request {result.request}: "
                    "tell me a long story about the sea.")
+        words = message.split()
+        while len(words) < args.prompt_words:
+            words += FILLER.split()
+        message = " ".join(words[:max(args.prompt_words, len(message.split()))])
         try:
             one_request(client, result, message, settings, deadline, jobs, lock)
         except Exception as error:  # noqa: BLE001 - counted, the run goes on
@@ -172,6 +186,10 @@ def summarize(args: argparse.Namespace, results: list[Result], wall_s: float) ->
     report.truncated = sum(bool(r.truncated) for r in done)
     report.new_tokens = sum(r.new_tokens for r in done)
     report.aggregate_tok_s = round(report.new_tokens / max(wall_s, 1e-9), 2)
+    report.prompt_tokens_p50 = percentile([r.prompt_tokens for r in done], 50)
+    speeds = [r.tok_s for r in done if r.tok_s]
+    report.reply_tok_s_p50 = percentile(speeds, 50)
+    report.reply_tok_s_min = min(speeds) if speeds else None
     ttft = [r.ttft_s for r in done if r.ttft_s is not None]
     server = [r.server_ttft_ms for r in done if r.server_ttft_ms is not None]
     total = [r.total_s for r in done if r.total_s is not None]
@@ -193,7 +211,10 @@ def print_report(report: Report) -> None:
     print(f"replies {report.replies}, errors {report.errors}, lost {report.lost}, "
           f"truncated {report.truncated}")
     print(f"{report.new_tokens} new tokens in {report.wall_s:.2f} s: "
-          f"{report.aggregate_tok_s:.1f} tok/s aggregate")
+          f"{report.aggregate_tok_s:.1f} tok/s aggregate; prompts of "
+          f"{fmt(report.prompt_tokens_p50)} tokens (p50)")
+    print(f"each reply's decode speed (server): p50 {fmt(report.reply_tok_s_p50, ' tok/s')}, "
+          f"slowest {fmt(report.reply_tok_s_min, ' tok/s')}")
     print(f"TTFT (client) p50 {fmt(report.ttft_p50_s, ' s')}, p99 {fmt(report.ttft_p99_s, ' s')};"
           f" server TTFT p50 {fmt(report.server_ttft_p50_ms, ' ms')}, "
           f"p99 {fmt(report.server_ttft_p99_ms, ' ms')}")
@@ -224,6 +245,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="requests per client, sent one after another")
     parser.add_argument("--max-new-tokens", type=bounded_int(1, MAX_NEW_TOKENS), default=32)
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    parser.add_argument("--prompt-words", type=bounded_int(0, MAX_PROMPT_WORDS), default=0,
+                        help="lengthen each message to this many words (tokens per word "
+                             "depend on the tokenizer; the report gives the server's count)")
     parser.add_argument("--timeout", type=bounded_int(1, MAX_TIMEOUT_S), default=300,
                         help="seconds for the whole run")
     parser.add_argument("--auth", metavar="USER:PASSWORD",

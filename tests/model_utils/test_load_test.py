@@ -64,13 +64,17 @@ def load_test(*args: str) -> subprocess.CompletedProcess:
 def test_a_small_bounded_load_has_no_errors_lost_or_truncated_replies(app_url, tmp_path):
     out = tmp_path / "load.json"
     result = load_test("--url", app_url, "--clients", "4", "--requests", "2",
-                       "--max-new-tokens", "16", "--timeout", "240", "--json", str(out))
+                       "--max-new-tokens", "16", "--prompt-words", "35", "--timeout", "240",
+                       "--json", str(out))
     assert result.returncode == 0, result.stdout + result.stderr
     report = json.loads(out.read_text())["report"]
     assert report["replies"] == 8
     assert (report["errors"], report["lost"], report["truncated"]) == (0, 0, 0)
     assert report["new_tokens"] > 0 and report["aggregate_tok_s"] > 0
     assert 0 < report["ttft_p50_s"] <= report["ttft_p99_s"]
+    # 35 words are about 128 tokens of the demo tokenizer, with the chat template around them
+    assert 110 <= report["prompt_tokens_p50"] <= 150
+    assert 0 < report["reply_tok_s_min"] <= report["reply_tok_s_p50"]
     assert "errors 0, lost 0, truncated 0" in result.stdout
 
 
