@@ -31,6 +31,7 @@ import torch
 
 from .decoders import input_device
 from .engine import Engine, eos_ids
+from .fast_path import COMPILE_MODES
 from .generation import GenerationSettings, ReplyStats, decode_tokens
 from .manager import LoadRequest
 from .memory import GB
@@ -419,7 +420,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="batched steps of up to this many rows are torch.compile'd before "
                              "capture, larger ones capture the plain forward (64: compile all)")
     parser.add_argument("--compile-mode", default="default",
-                        choices=["default", "max-autotune-no-cudagraphs"],
+                        choices=COMPILE_MODES,
                         help="torch.compile mode of the fast path's decode step")
     parser.add_argument("--out", default="results.json", help="JSON file to write")
     parser.add_argument("--chart", help="PNG chart (default: next to --out)")

@@ -104,6 +104,10 @@ class GraphedStep:
 
 
 STRATEGIES = ("graphed", "reduce-overhead", "reduce-overhead-partial")
+# torch.compile modes offered for the decode step. The autotuned one benchmarks matmul kernels
+# for each shape while warming up: about a minute more per load (less once inductor's cache
+# has them), 200 against 192 tok/s for one bf16 7B stream on the H200 (BENCHMARKS.md, run E).
+COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")
 
 
 class FastPath:

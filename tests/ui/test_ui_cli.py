@@ -15,7 +15,7 @@ from .conftest import ROOT
 
 FLAGS = ["--model", "--mode", "--placement", "--host", "--port", "--share", "--auth",
          "--auth-file", "--admin", "--models-dir", "--log-file", "--log-prompts",
-         "--trust-remote-code", "--max-queue"]
+         "--trust-remote-code", "--max-queue", "--max-batch", "--compile-mode"]
 
 
 def run_app(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
@@ -53,6 +53,19 @@ def test_bad_login_flags_exit_2(args, expected):
     result = run_app(*args)
     assert result.returncode == 2
     assert expected in result.stderr
+
+
+def test_compile_mode_offers_the_engine_modes_and_refuses_others():
+    sys.path.insert(0, str(ROOT))
+    import app
+
+    from model_utils.fast_path import COMPILE_MODES
+
+    for mode in COMPILE_MODES:
+        assert app.parse_args(["--compile-mode", mode]).compile_mode == mode
+    result = run_app("--compile-mode", "fastest")
+    assert result.returncode == 2
+    assert "--compile-mode" in result.stderr
 
 
 def test_starts_without_a_model_when_the_startup_load_fails(start_app):
