@@ -437,7 +437,10 @@ class TokenReadback:
 
     On CUDA the copy goes into one of two pinned buffers (at most two steps are in flight)
     and an event marks when it has landed; reading waits for that event only, while the
-    step launched after it keeps the GPU busy. On the CPU the tokens are there already.
+    step launched after it keeps the GPU busy. The events block rather than spin: the
+    waiting thread sleeps instead of burning a CPU core that the web server's threads need,
+    and the moment it takes to wake up is hidden behind the step already queued. On the CPU
+    the tokens are there already.
     """
 
     def __init__(self, device: torch.device, rows: int):
@@ -445,7 +448,7 @@ class TokenReadback:
         if self.cuda:
             self.buffers = [torch.empty(rows, dtype=torch.long, pin_memory=True)
                             for _ in range(2)]
-            self.events = [torch.cuda.Event(), torch.cuda.Event()]
+            self.events = [torch.cuda.Event(blocking=True), torch.cuda.Event(blocking=True)]
             self.turn = 0
 
     def start(self, tokens: torch.Tensor) -> Callable[[], list[int]]:
