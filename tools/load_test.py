@@ -12,7 +12,9 @@ end it reports:
 - truncated: replies that ended for another reason than EOS or max_new_tokens, that hit the
   length limit short of max_new_tokens, or whose final text is shorter than what was streamed;
 - aggregate tokens/s (new tokens of all replies over the wall time of the whole run), each
-  reply's decode speed as the server measured it (median and slowest), and latency percentiles: time to first streamed text as the client sees it (TTFT), the server's
+  reply's decode speed as the server measured it (median and slowest), latency percentiles, and
+  what the web layer adds (the client's whole-reply time minus the server's own, and how many
+  streamed updates a reply arrived in): time to first streamed text as the client sees it (TTFT), the server's
   own TTFT, and the time to the whole reply.
 
 The exit status is 0 only when errors, lost and truncated are all 0 (1 otherwise, 2 for bad
@@ -57,6 +59,7 @@ class Result:
     ttft_s: float | None = None  # client side: submission to the first streamed update
     server_ttft_ms: float | None = None
     total_s: float | None = None
+    server_total_s: float | None = None  # the server's own time for the reply
     updates: int = 0
 
 
@@ -82,6 +85,10 @@ class Report:
     server_ttft_p99_ms: float | None = None
     latency_p50_s: float | None = None
     latency_p99_s: float | None = None
+    # What the web layer adds: the client's whole-reply time minus the server's own.
+    serving_overhead_p50_s: float | None = None
+    serving_overhead_p99_s: float | None = None
+    updates_per_reply_p50: float | None = None
     error_samples: list[str] = field(default_factory=list)
     truncated_samples: list[str] = field(default_factory=list)
 
@@ -136,6 +143,7 @@ def one_request(client, result: Result, message: str, settings: dict, deadline: 
     result.new_tokens = int(stats.get("new_tokens") or 0)
     result.prompt_tokens = int(stats.get("prompt_tokens") or 0)
     result.tok_s = stats.get("tok_s")
+    result.server_total_s = stats.get("total_s")
     result.finish_reason = stats.get("finish_reason") or ""
     result.server_ttft_ms = stats.get("ttft_ms")
     wanted = settings["max_new_tokens"]
@@ -197,6 +205,11 @@ def summarize(args: argparse.Namespace, results: list[Result], wall_s: float) ->
     report.server_ttft_p50_ms = percentile(server, 50)
     report.server_ttft_p99_ms = percentile(server, 99)
     report.latency_p50_s, report.latency_p99_s = percentile(total, 50), percentile(total, 99)
+    overhead = [r.total_s - r.server_total_s for r in done
+                if r.total_s is not None and r.server_total_s is not None]
+    report.serving_overhead_p50_s = percentile(overhead, 50)
+    report.serving_overhead_p99_s = percentile(overhead, 99)
+    report.updates_per_reply_p50 = percentile([r.updates for r in done], 50)
     report.error_samples = sorted({r.error for r in results if r.error})[:5]
     report.truncated_samples = sorted({r.truncated for r in done if r.truncated})[:5]
     return report
@@ -219,7 +232,10 @@ def print_report(report: Report) -> None:
           f" server TTFT p50 {fmt(report.server_ttft_p50_ms, ' ms')}, "
           f"p99 {fmt(report.server_ttft_p99_ms, ' ms')}")
     print(f"whole reply p50 {fmt(report.latency_p50_s, ' s')}, "
-          f"p99 {fmt(report.latency_p99_s, ' s')}")
+          f"p99 {fmt(report.latency_p99_s, ' s')}; of which the web layer (client time minus "
+          f"the server's) p50 {fmt(report.serving_overhead_p50_s, ' s')}, "
+          f"p99 {fmt(report.serving_overhead_p99_s, ' s')}; "
+          f"{fmt(report.updates_per_reply_p50)} streamed updates per reply (p50)")
     for sample in report.error_samples:
         print(f"error: {sample}")
     for sample in report.truncated_samples:

@@ -75,6 +75,8 @@ def test_a_small_bounded_load_has_no_errors_lost_or_truncated_replies(app_url, t
     # 35 words are about 128 tokens of the demo tokenizer, with the chat template around them
     assert 110 <= report["prompt_tokens_p50"] <= 150
     assert 0 < report["reply_tok_s_min"] <= report["reply_tok_s_p50"]
+    assert 0 <= report["serving_overhead_p50_s"] <= report["serving_overhead_p99_s"]
+    assert report["updates_per_reply_p50"] >= 1
     assert "errors 0, lost 0, truncated 0" in result.stdout
 
 
