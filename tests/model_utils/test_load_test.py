@@ -93,3 +93,11 @@ def test_it_refuses_any_host_but_loopback(url):
 def test_it_stays_bounded(flag, value):
     result = load_test(flag, value)
     assert result.returncode == 2 and "must be between" in result.stderr
+
+
+def test_clients_that_cannot_connect_are_errors_and_the_run_ends():
+    result = load_test("--url", "http://127.0.0.1:9", "--clients", "3", "--requests", "2",
+                       "--timeout", "60")
+    assert result.returncode == 1
+    assert "replies 0, errors 6" in result.stdout
+    assert "connect:" in result.stdout
