@@ -1,9 +1,10 @@
 """The fast path for single-stream decoding on a CUDA GPU: static KV cache + CUDA graphs.
 
 Plain model.generate spends most of each token launching kernels from Python (a 7B model decodes
-at 4-15 % of the H200's memory-bandwidth bound). Here the decode step has fixed shapes (one token,
-a preallocated cache of a bucketed length), so torch.compile(mode="reduce-overhead") captures it
-once as a CUDA graph and every later token is one graph replay.
+at 4-15 % of the H200's memory-bandwidth bound). Here the decode step has fixed shapes (one token
+per row, a preallocated cache of a bucketed length), so it is torch.compile'd once, captured as a
+CUDA graph, and every later token is one graph replay (GraphedStep for a single-stream decoder,
+GraphedBatchStep for the batch scheduler, which serves every reply of a model it can batch).
 
 It applies only where it can: one CUDA device holding every weight, a mode that compiles. Else the
 eager path is used and the status says why.
