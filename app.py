@@ -145,6 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     # Heavy imports after the checks: --help and refused flags answer at once.
     import ui
     from model_utils.engine import Engine
+    from model_utils.manager import freeze_long_lived
 
     try:
         engine = Engine(models_dir=args.models_dir, trust_remote_code=args.trust_remote_code,
@@ -173,6 +174,7 @@ def main(argv: list[str] | None = None) -> int:
         log.error("cannot serve on %s:%s: %s", args.host, args.port, error)
         return 1
     log.info("serving on %s", local_url)
+    freeze_long_lived()  # the web server's objects too: no long GC pauses while serving
     if args.share:
         if share_url:
             log.info("public share link: %s", share_url)

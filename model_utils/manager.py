@@ -92,6 +92,7 @@ def memory_counters() -> dict[str, float]:
 
 
 def _release_freed_memory() -> None:
+    gc.unfreeze()  # see freeze_long_lived: what was frozen with the old model may be garbage now
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.synchronize()
@@ -100,6 +101,18 @@ def _release_freed_memory() -> None:
     # process RSS (what the memory panel shows) really drops after an unload.
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
+def freeze_long_lived() -> None:
+    """Exempt everything alive after a load (the model, its tokenizer, the web server) from the
+    garbage collector's full passes. With a model loaded the process tracks ~500 000 objects and
+    one full pass over them took 205 ms (demo model, development machine): a pause of every
+    thread, the decode loop's included, whenever enough new objects have survived. After
+    gc.freeze() a full pass only scans what came later (measured: under 1 ms). Called after each
+    load, and by app.py once the web server is up. An unload unfreezes first, so that the old
+    model's reference cycles are collected."""
+    gc.collect()
+    gc.freeze()
 
 
 # glibc serves big allocations from their own mappings, returned to the OS on free, but it
@@ -328,6 +341,7 @@ class ModelManager:
         self._loaded = loaded
         if self.on_loaded is not None:
             self.on_loaded(loaded, progress)
+        freeze_long_lived()
         after = memory_counters()
         log.info("loaded %s mode=%s placement=%s in %.2f s; from_pretrained(%s, %s); "
                  "footprint %.3f GB; device map %s; memory before %s after %s",

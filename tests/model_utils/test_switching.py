@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import weakref
 
 import psutil
@@ -84,6 +85,16 @@ def test_switch_chain_answers_and_gives_memory_back(wide_models_dir):
     engine.unload()
     assert previous() is None
     assert psutil.Process().memory_info().rss - baseline <= RSS_BOUND_MB * MB
+
+
+def test_a_loaded_model_skips_full_gc_passes_and_is_still_freed_on_unload():
+    engine = Engine()
+    engine.load(cpu_request("fp32"))
+    assert gc.get_freeze_count() > 10_000  # the model, its tokenizer, and all before them
+    model = weakref.ref(engine.manager.loaded.model)
+    engine.unload()
+    assert gc.get_freeze_count() == 0
+    assert model() is None
 
 
 # -- a failed switch keeps the previous model -------------------------------------------------
