@@ -13,8 +13,12 @@ mask function, so the model builds exactly the masks it builds for sdpa.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.nn.functional as F
+
+log = logging.getLogger(__name__)
 
 NAME = "sdpa_packed_gqa"
 
@@ -69,9 +73,14 @@ def register() -> None:
 
 def use_packed_decode(model) -> bool:
     """Switch an sdpa model to packed_sdpa (same results, less memory traffic when compiled).
-    Returns whether it applies."""
+    Returns whether it applies; a model that refuses the switch (one whose attention does not
+    go through transformers' attention interface) keeps plain sdpa."""
     if model.config._attn_implementation != "sdpa":
         return False
     register()
-    model.set_attn_implementation(NAME)
+    try:
+        model.set_attn_implementation(NAME)
+    except Exception as error:  # noqa: BLE001 - an optimization, never a reason to fail a load
+        log.info("keeping sdpa attention: %s", error)
+        return False
     return model.config._attn_implementation == NAME
