@@ -160,6 +160,10 @@ def main(argv: list[str] | None = None) -> int:
     load_initial_model(engine, args, info)
 
     demo = ui.build(engine, admin=args.admin, info=info)
+    # gradio switches matplotlib's backend around every event; done first inside a request,
+    # the import (and, on a new machine, building matplotlib's font cache) stalled that
+    # request's server for 0.4-0.9 s. Pay it here, before serving.
+    import matplotlib.pyplot  # noqa: F401
     # The engine keeps its own bounded queue and answers "busy" past it, so gradio lets every
     # request through to it (the reply handlers' concurrency is max_batch + max_queue).
     reply_slots = ui.reply_concurrency(engine)
