@@ -169,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     reply_slots = ui.reply_concurrency(engine)
     demo.queue(max_size=reply_slots + 16, default_concurrency_limit=1)
     try:
-        _app, local_url, share_url = demo.launch(
+        app, local_url, share_url = demo.launch(
             server_name=args.host, server_port=args.port, share=args.share,
             auth=logins or None, prevent_thread_lock=True, ssr_mode=False, css=ui.CSS,
             max_threads=reply_slots + 40,
@@ -178,6 +178,7 @@ def main(argv: list[str] | None = None) -> int:
         log.error("cannot serve on %s:%s: %s", args.host, args.port, error)
         return 1
     log.info("serving on %s", local_url)
+    ui.register_openai_api(app, engine, logins)
     freeze_long_lived()  # the web server's objects too: no long GC pauses while serving
     if args.share:
         if share_url:

@@ -21,6 +21,7 @@ from .common import AppInfo, reply_concurrency
 from .memory_panel import build_memory_panel
 from .model_actions import headline
 from .model_panel import build_model_panel
+from .openai_api import register_openai_api
 
 # An extra tab: (title, builder). The builder runs inside the tab and gets the engine.
 PanelBuilder = Callable[[Engine], dict]
@@ -62,4 +63,4 @@ def build(engine: Engine, *, admin: str | None = None, info: AppInfo | None = No
     return demo
 
 
-__all__ = ["AppInfo", "PanelBuilder", "build", "reply_concurrency"]
+__all__ = ["AppInfo", "PanelBuilder", "build", "register_openai_api", "reply_concurrency"]
