@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
-# Many users through the HTTP API (BENCHMARKS.md, run F): the app serving a model of a published
-# shape with random weights, tools/load_test.py at 1, 8 and 32 clients, then one plain
+# Many users through the HTTP APIs (BENCHMARKS.md, run F): the app serving a model of a published
+# shape with random weights, tools/load_test.py at 1, 8 and 32 clients through gradio's /chat
+# and through /v1/chat/completions, then one plain
 # model.generate stream on the same host, so that the ratio compares like with like.
 #
 #   benchmarks/http_load.sh CONFIG_JSON OUT_DIR [extra app.py flags...]
 #   benchmarks/http_load.sh qwen2.5-7b-instruct.config.json results/ --compile-mode default
 #
 # On a CUDA machine the model is built and served on cuda:0 in bf16, else on the CPU in fp32.
-# Writes OUT_DIR/load-N-clients.json, OUT_DIR/server.log and prints each report.
+# Writes OUT_DIR/load-{gradio,openai}-N-clients.json, OUT_DIR/server.log, prints each report.
 set -eu
 config=${1:?usage: benchmarks/http_load.sh CONFIG_JSON OUT_DIR [app flags]}
 out=${2:?usage: benchmarks/http_load.sh CONFIG_JSON OUT_DIR [app flags]}
@@ -32,10 +33,12 @@ for _ in $(seq 600); do  # loading includes compiling the decode step (about a m
     sleep 1
 done
 
-for clients in 1 8 32; do
-    "$python" tools/load_test.py --url "http://127.0.0.1:$port" --clients "$clients" \
-        --requests 2 --max-new-tokens 256 --prompt-words 35 --timeout 600 \
-        --json "$out/load-$clients-clients.json" || true  # the report says what failed
+for api in gradio openai; do  # gradio_client on /chat, then /v1/chat/completions
+    for clients in 1 8 32; do
+        "$python" tools/load_test.py --url "http://127.0.0.1:$port" --api "$api" \
+            --clients "$clients" --requests 2 --max-new-tokens 256 --prompt-words 35 \
+            --timeout 600 --json "$out/load-$api-$clients-clients.json" || true  # see report
+    done
 done
 kill $app
 wait $app 2>/dev/null || true

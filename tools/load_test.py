@@ -1,19 +1,22 @@
-"""Load test of a running chat app: N clients x M requests against its /chat endpoint.
+"""Load test of a running chat app: N clients x M requests against its /chat endpoint (through
+gradio_client) or its OpenAI-compatible /v1/chat/completions (--api openai).
 
     python tools/load_test.py --url http://127.0.0.1:7860 --clients 8 --requests 4 \\
         --max-new-tokens 64 --json load.json
 
-Each client is its own gradio_client session (as separate browser tabs or scripts would be) and
-sends its requests one after another, each to a distinct message, streaming the reply. At the
-end it reports:
+Each client is its own session (as separate browser tabs or scripts would be) and sends its
+requests one after another, each to a distinct message, streaming the reply. At the end it
+reports:
 
 - errors: requests that raised (an error status, a refused or dropped connection, a timeout);
-- lost: replies whose stream ended without the final update (done=True with stats);
+- lost: replies whose stream ended without the final update (done=True with stats; with
+  --api openai, without [DONE] and the usage);
 - truncated: replies that ended for another reason than EOS or max_new_tokens, that hit the
   length limit short of max_new_tokens, or whose final text is shorter than what was streamed;
 - aggregate tokens/s (new tokens of all replies over the wall time from the moment every
   client is connected to the last reply's end), each
-  reply's decode speed as the server measured it (median and slowest), latency percentiles, and
+  reply's decode speed (as the server measured it; with --api openai as the client saw it),
+  median and slowest, latency percentiles, and
   what the web layer adds (the client's whole-reply time minus the server's own, and how many
   streamed updates a reply arrived in): time to first streamed text as the client sees it (TTFT), the server's
   own TTFT, and the time to the whole reply.
@@ -79,7 +82,7 @@ class Report:
     new_tokens: int = 0
     aggregate_tok_s: float = 0.0
     prompt_tokens_p50: float | None = None
-    reply_tok_s_p50: float | None = None  # each user's decode speed, as the server measured it
+    reply_tok_s_p50: float | None = None  # each user's decode speed (server's; openai: client's)
     reply_tok_s_min: float | None = None
     ttft_p50_s: float | None = None
     ttft_p99_s: float | None = None
@@ -161,27 +164,90 @@ def one_request(client, result: Result, message: str, settings: dict, deadline: 
     result.server_total_s = stats.get("total_s")
     result.finish_reason = stats.get("finish_reason") or ""
     result.server_ttft_ms = stats.get("ttft_ms")
-    wanted = settings["max_new_tokens"]
+    judge(result, settings["max_new_tokens"])
+    if not result.truncated and len(final.get("answer") or "") < longest:
+        result.truncated = "the final answer is shorter than a streamed one"
+    result.ok = not result.truncated
+
+
+def judge(result: Result, wanted: int) -> None:
+    """Mark a reply that ended for another reason than EOS or its full max_new_tokens."""
     if result.finish_reason not in ("eos", "length"):
         result.truncated = f"finished by {result.finish_reason or 'nothing'}"
     elif result.finish_reason == "length" and result.new_tokens != wanted:
         result.truncated = f"{result.new_tokens} of {wanted} tokens at the length limit"
-    elif len(final.get("answer") or "") < longest:
-        result.truncated = "the final answer is shorter than a streamed one"
     result.ok = not result.truncated
+
+
+def one_openai_request(client, result: Result, message: str, settings: dict,
+                       deadline: float) -> None:
+    """The same request through /v1/chat/completions, streamed as server-sent events. The
+    server's own timings are not in that format: TTFT and decode speed are the client's."""
+    body = {"messages": [{"role": "user", "content": message}], "stream": True,
+            "max_tokens": settings["max_new_tokens"], "temperature": settings["temperature"],
+            "enable_thinking": False, "stream_options": {"include_usage": True}}
+    start = time.perf_counter()
+    first_at = last_at = None
+    finish, usage, ended = None, None, False
+    with client.stream("POST", "/v1/chat/completions", json=body) as response:
+        if response.status_code != 200:
+            raise RuntimeError(f"HTTP {response.status_code}: {response.read()[:300]!r}")
+        for line in response.iter_lines():
+            now = time.perf_counter()
+            if now > deadline:
+                raise TimeoutError("the run's --timeout passed before the reply ended")
+            if not line.startswith("data: "):
+                continue
+            if line == "data: [DONE]":
+                ended = True
+                break
+            event = json.loads(line[len("data: "):])
+            if "error" in event:
+                raise RuntimeError(event["error"].get("message"))
+            usage = event.get("usage") or usage
+            for choice in event.get("choices", []):
+                delta = choice.get("delta", {})
+                if delta.get("content") or delta.get("reasoning_content"):
+                    first_at = first_at or now
+                    last_at = now
+                    result.updates += 1
+                finish = choice.get("finish_reason") or finish
+    result.total_s = time.perf_counter() - start
+    if not ended or usage is None:
+        result.lost = True
+        return
+    result.ttft_s = first_at - start if first_at else None
+    result.new_tokens = int(usage.get("completion_tokens") or 0)
+    result.prompt_tokens = int(usage.get("prompt_tokens") or 0)
+    if first_at and last_at > first_at:
+        result.tok_s = (result.new_tokens - 1) / (last_at - first_at)
+    result.finish_reason = {"stop": "eos"}.get(finish, finish or "")
+    judge(result, settings["max_new_tokens"])
+
+
+def connect(args: argparse.Namespace):
+    """One client: a gradio_client session, or an HTTP client that has listed the models."""
+    if args.api == "gradio":
+        from gradio_client import Client
+
+        return Client(args.url, verbose=False, auth=args.auth, download_files=False)
+    import httpx
+
+    headers = {"Authorization": f"Bearer {args.auth[0]}:{args.auth[1]}"} if args.auth else {}
+    client = httpx.Client(base_url=args.url, headers=headers, timeout=args.timeout)
+    client.get("/v1/models").raise_for_status()
+    return client
 
 
 def run_client(index: int, args: argparse.Namespace, results: list[Result], deadline: float,
                jobs: list, lock: threading.Lock, connected: threading.Barrier) -> None:
     """Connect, wait until every client has (so that all start sending together, as users
     whose pages are already open), then send this client's requests one after another."""
-    from gradio_client import Client
-
     mine = [Result(index, r) for r in range(args.requests)]
     results.extend(mine)  # list.extend is atomic under the GIL
     client = None
     try:
-        client = Client(args.url, verbose=False, auth=args.auth, download_files=False)
+        client = connect(args)
     except Exception as error:  # noqa: BLE001 - the report names it
         for result in mine:
             result.error = f"connect: {type(error).__name__}: {error}"
@@ -203,7 +269,10 @@ def run_client(index: int, args: argparse.Namespace, results: list[Result], dead
             words += FILLER.split()
         message = " ".join(words[:max(args.prompt_words, len(message.split()))])
         try:
-            one_request(client, result, message, settings, deadline, jobs, lock)
+            if args.api == "gradio":
+                one_request(client, result, message, settings, deadline, jobs, lock)
+            else:
+                one_openai_request(client, result, message, settings, deadline)
         except Exception as error:  # noqa: BLE001 - counted, the run goes on
             result.error = f"{type(error).__name__}: {str(error)[:300]}"
 
@@ -249,7 +318,7 @@ def print_report(report: Report) -> None:
     print(f"{report.new_tokens} new tokens in {report.wall_s:.2f} s: "
           f"{report.aggregate_tok_s:.1f} tok/s aggregate; prompts of "
           f"{fmt(report.prompt_tokens_p50)} tokens (p50)")
-    print(f"each reply's decode speed (server): p50 {fmt(report.reply_tok_s_p50, ' tok/s')}, "
+    print(f"each reply's decode speed: p50 {fmt(report.reply_tok_s_p50, ' tok/s')}, "
           f"slowest {fmt(report.reply_tok_s_min, ' tok/s')}")
     print(f"TTFT (client) p50 {fmt(report.ttft_p50_s, ' s')}, p99 {fmt(report.ttft_p99_s, ' s')};"
           f" server TTFT p50 {fmt(report.server_ttft_p50_ms, ' ms')}, "
@@ -284,6 +353,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="requests per client, sent one after another")
     parser.add_argument("--max-new-tokens", type=bounded_int(1, MAX_NEW_TOKENS), default=32)
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    parser.add_argument("--api", choices=("gradio", "openai"), default="gradio",
+                        help="gradio: the /chat endpoint through gradio_client; openai: "
+                             "/v1/chat/completions, streamed as server-sent events")
     parser.add_argument("--prompt-words", type=bounded_int(0, MAX_PROMPT_WORDS), default=0,
                         help="lengthen each message to this many words (tokens per word "
                              "depend on the tokenizer; the report gives the server's count)")

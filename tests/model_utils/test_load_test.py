@@ -101,3 +101,17 @@ def test_clients_that_cannot_connect_are_errors_and_the_run_ends():
     assert result.returncode == 1
     assert "replies 0, errors 6" in result.stdout
     assert "connect:" in result.stdout
+
+
+def test_the_same_load_through_the_openai_endpoint(app_url, tmp_path):
+    out = tmp_path / "load.json"
+    result = load_test("--url", app_url, "--api", "openai", "--clients", "3", "--requests", "2",
+                       "--max-new-tokens", "16", "--prompt-words", "35", "--timeout", "240",
+                       "--json", str(out))
+    assert result.returncode == 0, result.stdout + result.stderr
+    report = json.loads(out.read_text())["report"]
+    assert (report["replies"], report["errors"], report["lost"], report["truncated"]) == \
+        (6, 0, 0, 0)
+    assert report["new_tokens"] == 6 * 16  # greedy demo replies run to max_new_tokens
+    assert 110 <= report["prompt_tokens_p50"] <= 150
+    assert 0 < report["ttft_p50_s"] <= report["ttft_p99_s"]
