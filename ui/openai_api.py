@@ -114,7 +114,7 @@ class ChatCall:
 
     @classmethod
     def parse(cls, body: dict) -> ChatCall:
-        if body.get("n", 1) != 1:
+        if body.get("n") not in (None, 1):
             raise ApiError(400, "only n=1 is supported", param="n")
         if body.get("stop"):
             raise ApiError(400, "stop sequences are not supported", param="stop")
@@ -260,6 +260,7 @@ async def stream_events(call: ChatCall, model: str, first: ChatUpdate,
     finally:
         call.stop.set()
         paced_updates.close()
+        updates.close()  # ends engine.chat even if the stream never started (logs the reply)
 
 
 def _prepend(first: ChatUpdate, updates: Iterator[ChatUpdate]) -> Iterator[ChatUpdate]:
