@@ -25,7 +25,8 @@ The exit status is 0 only when errors, lost and truncated are all 0 (1 otherwise
 arguments). It only talks to this machine: a URL whose host is not a loopback address (or
 "localhost") is refused before anything is sent; and it is bounded: at most 64 clients x 100
 requests, max_new_tokens <= 4096, and --timeout seconds for the whole run, after which the
-requests still running are cancelled and counted as errors. Needs only gradio_client.
+requests still running are cancelled and counted as errors. Needs only gradio_client (and
+httpx, which comes with it).
 """
 
 from __future__ import annotations
