@@ -137,3 +137,12 @@ def test_with_logins_a_login_is_required(start_app):
         basic = base64.b64encode(b"ann:secret").decode()
         assert client.get("/v1/models", headers={"Authorization": f"Basic {basic}"}) \
             .status_code == 200
+
+
+def test_without_a_model_a_reply_is_503_and_no_model_is_listed(start_app):
+    app = start_app("--model", "/nonexistent/model")
+    with httpx.Client(base_url=app.url, timeout=60) as client:
+        assert client.get("/v1/models").json()["data"] == []
+        response = client.post("/v1/chat/completions", json={"messages": MESSAGES, **GREEDY})
+        assert response.status_code == 503
+        assert "no model is loaded" in response.json()["error"]["message"]
