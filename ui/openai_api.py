@@ -75,6 +75,8 @@ def register_openai_api(app: FastAPI, engine: Engine,
             check_login(request, logins)
             body = await read_json(request)
             call = ChatCall.parse(body)
+            log.info("openai chat: %d messages, stream=%s, settings %s", len(call.messages),
+                     call.stream, call.settings.as_dict())
             updates = engine.chat(call.messages, call.settings, system_prompt=call.system,
                                   thinking=call.thinking, stop=call.stop)
             # The first update is awaited here, so that refused input becomes an HTTP error.
@@ -83,6 +85,10 @@ def register_openai_api(app: FastAPI, engine: Engine,
             return error.response()
         except INPUT_ERRORS as error:
             return api_error_for(error).response()
+        except Exception as error:  # noqa: BLE001 - a bug or a device error: the app stays up
+            log.exception("openai reply failed")
+            return ApiError(500, f"the reply failed: {type(error).__name__}: {error}",
+                            kind="server_error").response()
         model = engine.status().get("model", "")
         if call.stream:
             return StreamingResponse(stream_events(call, model, first, updates),
