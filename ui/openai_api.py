@@ -49,11 +49,20 @@ class ApiError(Exception):
         super().__init__(message)
         self.status, self.kind, self.param = status, kind, param
 
+    def body(self) -> dict:
+        return {"error": {"message": str(self), "type": self.kind, "param": self.param,
+                          "code": None}}
+
     def response(self) -> JSONResponse:
         headers = {"Retry-After": "1"} if self.status == 503 else None
-        return JSONResponse({"error": {"message": str(self), "type": self.kind,
-                                       "param": self.param, "code": None}},
-                            status_code=self.status, headers=headers)
+        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+
+
+def failure(error: Exception) -> ApiError:
+    """An unexpected error while replying (a bug, a device error), logged with its trace."""
+    log.exception("openai reply failed")
+    return ApiError(500, f"the reply failed: {type(error).__name__}: {error}",
+                    kind="server_error")
 
 
 def register_openai_api(app: FastAPI, engine: Engine,
@@ -86,9 +95,7 @@ def register_openai_api(app: FastAPI, engine: Engine,
         except INPUT_ERRORS as error:
             return api_error_for(error).response()
         except Exception as error:  # noqa: BLE001 - a bug or a device error: the app stays up
-            log.exception("openai reply failed")
-            return ApiError(500, f"the reply failed: {type(error).__name__}: {error}",
-                            kind="server_error").response()
+            return failure(error).response()
         model = engine.status().get("model", "")
         if call.stream:
             return StreamingResponse(stream_events(call, model, first, updates),
@@ -97,9 +104,7 @@ def register_openai_api(app: FastAPI, engine: Engine,
         try:
             final = await anyio.to_thread.run_sync(last_update, first, updates)
         except Exception as error:  # noqa: BLE001 - a device error mid-reply: say so
-            log.exception("openai reply failed")
-            return ApiError(500, f"the reply failed: {type(error).__name__}: {error}",
-                            kind="server_error").response()
+            return failure(error).response()
         finally:
             call.stop.set()
         return completion(call, model, final)
@@ -259,10 +264,7 @@ async def stream_events(call: ChatCall, model: str, first: ChatUpdate,
                 break
         yield "data: [DONE]\n\n"
     except Exception as error:  # noqa: BLE001 - the stream has started: report in band
-        log.exception("openai stream failed")
-        data = {"error": {"message": f"the reply failed: {type(error).__name__}: {error}",
-                          "type": "server_error", "param": None, "code": None}}
-        yield f"data: {json.dumps(data)}\n\n"
+        yield f"data: {json.dumps(failure(error).body())}\n\n"
     finally:
         call.stop.set()
         paced_updates.close()
