@@ -106,7 +106,7 @@ def _release_freed_memory() -> None:
 def freeze_long_lived() -> None:
     """Exempt everything alive after a load (the model, its tokenizer, the web server) from the
     garbage collector's full passes. With a model loaded the process tracks ~500 000 objects and
-    one full pass over them took 205 ms (demo model, development machine): a pause of every
+    one full pass over them took 205 ms (demo model, a 2-core CPU machine): a pause of every
     thread, the decode loop's included, whenever enough new objects have survived. After
     gc.freeze() a full pass only scans what came later (measured: under 1 ms). Called after each
     load, and by app.py once the web server is up. An unload unfreezes first, so that the old
