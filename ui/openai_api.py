@@ -136,6 +136,8 @@ class ChatCall:
         system = turns.pop(0)["content"] if turns and turns[0]["role"] == "system" else None
         if not turns or turns[-1]["role"] != "user":
             raise ApiError(400, "messages must end with a user message", param="messages")
+        if not turns[-1]["content"].strip():
+            raise ApiError(400, "the last user message is empty", param="messages")
         values = {"max_new_tokens": body.get("max_completion_tokens", body.get("max_tokens"))}
         for name in ("temperature", "top_p", "top_k", "repetition_penalty", "seed"):
             values[name] = body.get(name)

@@ -84,6 +84,8 @@ def test_a_streamed_reply_adds_up_to_the_whole_reply(http):
     ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]},
      "messages", "end with a user message"),
     ({"messages": [{"role": "robot", "content": "hi"}]}, "messages", "role"),
+    ({"messages": [{"role": "user", "content": "  "}]}, "messages", "is empty"),
+    ({"messages": [{"role": "user", "content": "word " * 20000}]}, None, "context window"),
     ({"messages": MESSAGES, "stop": ["\n"]}, "stop", "not supported"),
     ({"messages": MESSAGES, "n": 2}, "n", "n=1"),
 ])
