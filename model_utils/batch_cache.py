@@ -68,13 +68,29 @@ def kv_bytes_per_row(prompt_cache, length: int) -> dict[torch.device, int]:
     return per_device
 
 
+def static_cache(keys: list[torch.Tensor], values: list[torch.Tensor],
+                 indices: list[torch.Tensor]):
+    """A transformers Cache whose StaticLayers use the given storage ([b, kv_heads, w, d] per
+    layer, views allowed) and write at the given device indices (their cumulative_length)."""
+    from transformers.cache_utils import Cache, StaticLayer
+
+    layers = []
+    for k, v, index in zip(keys, values, indices):
+        layer = StaticLayer(max_cache_len=k.shape[2])
+        layer.keys, layer.values = k, v
+        layer.cumulative_length = index
+        layer.device = k.device
+        layer.batch_size, layer.num_heads = k.shape[0], k.shape[1]
+        layer.k_head_dim, layer.v_head_dim = k.shape[3], v.shape[3]
+        layer.is_initialized = True
+        layers.append(layer)
+    return Cache(layers=layers)
+
+
 class BatchKV:
     """K/V storage, masks, positions and input ids for up to `rows` replies of `length` slots."""
 
     def __init__(self, model, prompt_cache, *, rows: int, length: int, device: torch.device):
-        from transformers.cache_utils import Cache, StaticLayer
-
-        self._cache_cls, self._layer_cls = Cache, StaticLayer
         self.rows, self.length, self.device = rows, length, device
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
@@ -98,17 +114,8 @@ class BatchKV:
         """A transformers Cache over rows [0, b) and slots [0, w), sharing this storage."""
         key = (b, w)
         if key not in self._views:
-            layers = []
-            for k, v, index in zip(self.keys, self.values, self.index):
-                layer = self._layer_cls(max_cache_len=w)
-                layer.keys, layer.values = k[:b, :, :w], v[:b, :, :w]
-                layer.cumulative_length = index
-                layer.device = k.device
-                layer.batch_size, layer.num_heads = b, k.shape[1]
-                layer.k_head_dim, layer.v_head_dim = k.shape[3], v.shape[3]
-                layer.is_initialized = True
-                layers.append(layer)
-            self._views[key] = self._cache_cls(layers=layers)
+            self._views[key] = static_cache([k[:b, :, :w] for k in self.keys],
+                                            [v[:b, :, :w] for v in self.values], self.index)
         return self._views[key]
 
     def inputs(self, b: int, w: int) -> dict:
@@ -120,19 +127,20 @@ class BatchKV:
 
     # -- bookkeeping between steps ----------------------------------------------------------
     def place(self, row: int, prompt_cache, prompt_len: int, active: int, *,
-              source: int = 0) -> None:
-        """Copy a prefilled prompt into `row`, ending at the write index: the last prompt_len
-        slots of row `source` of prompt_cache (prompts are left-padded when prefilled
-        together). `active` rows [0, active) hold replies already; `row` is the next free."""
+              source: int = 0, end: int | None = None) -> None:
+        """Copy a prefilled prompt into `row`, ending at the write index: the prompt_len slots
+        of row `source` of prompt_cache that end at slot `end` (default: its last slot, as
+        prompts prefilled together are left-padded; a padded prefill's prompt ends earlier).
+        `active` rows [0, active) hold replies already; `row` is the next free."""
         if active == 0:
             self._set_index(prompt_len)  # nobody to move: a new epoch
         elif prompt_len > self.j:
             self.relayout(prompt_len, active)
         start = self.j - prompt_len
-        for store, layer in zip(self.keys, prompt_cache.layers):
-            store[row, :, start:self.j] = layer.keys[source, :, -prompt_len:]
-        for store, layer in zip(self.values, prompt_cache.layers):
-            store[row, :, start:self.j] = layer.values[source, :, -prompt_len:]
+        for layer, k, v in zip(prompt_cache.layers, self.keys, self.values):
+            stop = layer.keys.shape[2] if end is None else end
+            k[row, :, start:self.j] = layer.keys[source, :, stop - prompt_len:stop]
+            v[row, :, start:self.j] = layer.values[source, :, stop - prompt_len:stop]
         self.mask[row] = False
         self.mask[row, start:self.j] = True
         self.pos[row, 0] = prompt_len

@@ -39,6 +39,7 @@ from .batch_cache import BatchKV, bucket, kv_bytes_per_row
 from .decoders import input_device
 from .generation import GenerationSettings, ReplyStats, sample_token
 from .manager import ModelBusy
+from .prefill import PaddedPrefill
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +48,9 @@ MAX_BATCH_LIMIT = 64
 KV_MEMORY_SHARE = 0.5
 # Most (padded) prompt tokens prefilled in one forward: bounds its activation memory.
 PREFILL_TOKENS = 8192
+# Up to this many prompts admitted together are prefilled one by one through the padded prefill
+# (one CUDA-graph replay each); more share one eager forward (see _prefill).
+PADDED_PREFILL_GROUP = 4
 _DONE = object()
 
 
@@ -105,6 +109,7 @@ class BatchScheduler:
         self.peak_rows = 0
         self._ended: list[tuple[Request, object]] = []  # (request, its end marker), see _finish
         self._readback: TokenReadback | None = None  # made with the cache
+        self.padded_prefill: PaddedPrefill | None = None  # see use_padded_prefill
 
     @staticmethod
     def check_limits(max_batch: int, max_queue: int) -> None:
@@ -142,21 +147,31 @@ class BatchScheduler:
         """Compile and capture the step for the row buckets of `row_counts` ahead of any reply,
         so that a new batch size does not stall the replies decoding. Call on the worker
         thread (engine.worker.call), where no loop is running: it uses the cache's rows."""
-        from transformers import DynamicCache
-
         with torch.inference_mode():
             if self.kv is None:
-                cache = DynamicCache(config=self.model.config)
-                ids = torch.zeros(1, 16, dtype=torch.long, device=self.device)
-                self.model(input_ids=ids, position_ids=torch.arange(16, device=self.device)[None],
-                           cache=cache, use_cache=True, logits_to_keep=1)
+                _, cache = self._forward_prompts([[0] * 16])
                 self.kv = self._allocate(cache)
+                # The first masked forward of several prompts also has first-call costs (a
+                # group of 8 waited 0.68 s for it on the H200): met here, not by users.
+                self._forward_prompts([[0] * 16, [0] * 12])
             kv = self.kv
             for b in sorted({bucket(min(r, kv.rows), kv.row_buckets) for r in row_counts}):
                 kv.relayout(0, 0)
                 kv.prepare_step(b, 0)
                 self.step_fn(kv, b, kv.windows[0])
             kv.relayout(0, 0)
+
+    def use_padded_prefill(self, *, capture: bool) -> float:
+        """Prefill short prompts through prefill.PaddedPrefill (captured as CUDA graphs when
+        `capture`), set up now; returns the seconds it took. On the worker thread, after
+        warm_up (which allocates the cache)."""
+        padded = PaddedPrefill(self.model, self.kv, capture=capture)
+        if not padded.buckets:  # a context shorter than the smallest bucket
+            return 0.0
+        with torch.inference_mode():
+            seconds = padded.warm_up()
+        self.padded_prefill = padded
+        return seconds
 
     def load(self) -> dict:
         with self._lock:
@@ -212,9 +227,9 @@ class BatchScheduler:
                 self._finish(request, "stop")
             else:
                 starting.append(request)
-        for chunk in _prefill_chunks(starting):
+        for chunk, padded in self._prefill_groups(starting):
             try:
-                self._prefill(chunk)
+                self._prefill(chunk, padded)
             except Exception as error:  # noqa: BLE001 - these requests fail, the others go on
                 log.exception("prefill failed")
                 with self._lock:
@@ -224,16 +239,28 @@ class BatchScheduler:
                             and request not in requeued:
                         self._finish(request, "error", error)
 
-    def _prefill(self, requests: list[Request]) -> None:
-        """Prefill prompts in one forward (left-padded when several), sample each one's first
-        token, and copy each one's KV into a free row of the batch cache.
+    def _prefill_groups(self, requests: list[Request]) -> Iterator[tuple[list[Request], bool]]:
+        """(requests, padded): how admitted prompts are prefilled.
 
-        One prompt alone runs exactly the forward of a single-stream reply (no mask, no
-        padding); several share one forward, which is what keeps the time to first token
-        short when many requests arrive at once (each prefill is a full pass over the weights).
+        When a few are admitted, those that fit the padded prefill (a CUDA graph per prompt-
+        length bucket, see prefill.py) go through it one by one: a chat arriving while others
+        decode costs them a few milliseconds. The others share eager forwards (_prefill_chunks):
+        many arriving at once are one pass over the weights, which keeps their time to first
+        token short.
         """
-        from transformers import DynamicCache
+        padded = self.padded_prefill
+        if padded and len(requests) <= PADDED_PREFILL_GROUP:
+            fitting = [r for r in requests if padded.fits(len(r.input_ids))]
+            for request in fitting:
+                yield [request], True
+            requests = [r for r in requests if r not in fitting]
+        for chunk in _prefill_chunks(requests):
+            yield chunk, False
 
+    def _prefill(self, requests: list[Request], padded: bool = False) -> None:
+        """Prefill prompts (through the padded prefill: one), sample each one's first token,
+        and copy each one's KV into a free row of the batch cache. Prompts prefilled together
+        are left-padded; one alone is exactly the forward of a single reply."""
         for request in requests:
             settings = request.settings
             if settings.seed is not None and settings.temperature > 0:
@@ -244,38 +271,61 @@ class BatchScheduler:
                                             device=self.device)
             if settings.min_new_tokens and request.eos_ids:
                 request.eos = torch.tensor(sorted(request.eos_ids), device=self.device)
-        lengths = [len(r.input_ids) for r in requests]
+        if padded:
+            logits, cache, end = self.padded_prefill(requests[0].input_ids)
+            self._start(requests, logits, cache, end=end)
+            return
+        logits, cache = self._forward_prompts([r.input_ids for r in requests])
+        self._start(requests, logits, cache)
+
+    def _forward_prompts(self, prompts: list[list[int]]):
+        """(logits [n, V] of each prompt's last token, a DynamicCache of their KV): one eager
+        forward, the prompts left-padded to the longest, masked when there are several."""
+        from transformers import DynamicCache
+
+        lengths = [len(p) for p in prompts]
         width = max(lengths)
-        ids = torch.zeros(len(requests), width, dtype=torch.long)
-        positions = torch.zeros(len(requests), width, dtype=torch.long)
-        mask = torch.zeros(len(requests), width, dtype=torch.long)
-        for i, (request, length) in enumerate(zip(requests, lengths)):
-            ids[i, width - length:] = torch.tensor(request.input_ids)
+        ids = torch.zeros(len(prompts), width, dtype=torch.long)
+        positions = torch.zeros(len(prompts), width, dtype=torch.long)
+        mask = torch.zeros(len(prompts), width, dtype=torch.long)
+        for i, (prompt, length) in enumerate(zip(prompts, lengths)):
+            ids[i, width - length:] = torch.tensor(prompt)
             positions[i, width - length:] = torch.arange(length)
             mask[i, width - length:] = 1
         cache = DynamicCache(config=self.model.config)
         out = self.model(input_ids=ids.to(self.device), position_ids=positions.to(self.device),
-                         attention_mask=mask.to(self.device) if len(requests) > 1 else None,
+                         attention_mask=mask.to(self.device) if len(prompts) > 1 else None,
                          cache=cache, use_cache=True, logits_to_keep=1)
+        return out.logits[:, -1], cache
+
+    def _start(self, requests: list[Request], logits: torch.Tensor, cache, *,
+               end: int | None = None) -> None:
+        """Sample the first tokens of prefilled requests (logits [n, V], prompt KV in row i of
+        `cache`, ending at slot `end`) and give each a row. Memory may give the cache fewer
+        rows than max_batch: the surplus waits again."""
         if self.kv is None:
             self.kv = self._allocate(cache)
-        # Memory may give the cache fewer rows than max_batch: the surplus waits again.
         keep = self.kv.rows - len(self.rows)
         if keep < len(requests):
-            with self._lock:
-                self._waiting.extendleft(reversed(requests[keep:]))
-                self._admitted -= len(requests) - keep
-            requests, lengths = requests[:keep], lengths[:keep]
-        tokens = self._sample(out.logits[:len(requests), -1], requests).tolist()
-        for i, (request, token, length) in enumerate(zip(requests, tokens, lengths)):
+            self._wait_again(requests[keep:])
+            requests = requests[:keep]
+        tokens = self._sample(logits[:len(requests)], requests).tolist()
+        for i, (request, token) in enumerate(zip(requests, tokens)):
             if not self._accept(request, token):
                 continue
-            request.length = length
+            request.length = len(request.input_ids)
             row = len(self.rows)
-            self.kv.place(row, cache, length, row, source=i)
+            self.kv.place(row, cache, request.length, row, source=i, end=end)
             self.kv.set_token(row, token)
             self.rows.append(request)
         self.peak_rows = max(self.peak_rows, len(self.rows))
+
+    def _wait_again(self, requests: list[Request]) -> None:
+        """Put admitted requests back at the head of the queue, in order."""
+        if requests:
+            with self._lock:
+                self._waiting.extendleft(reversed(requests))
+                self._admitted -= len(requests)
 
     def _allocate(self, prompt_cache) -> BatchKV:
         """The batch cache: max_batch rows of context_tokens slots, fewer if memory is short."""

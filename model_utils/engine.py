@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from . import attention, batch_cache, fast_path
+from . import attention, batch_cache, fast_path, prefill
 from .batching import BatchScheduler, EagerStep
 from .chat import prepare_prompt, render_prompt, split_reasoning, supports_thinking
 from .decoders import EagerDecoder
@@ -121,6 +121,15 @@ class Engine:
             self.worker.call(lambda: batcher.warm_up(range(2, self.max_batch + 1)))
             if getattr(batcher.step_fn, "failed", None):  # those shapes decode uncaptured
                 log.warning("some batch sizes run uncaptured: %s", batcher.step_fn.failed)
+        padded, why_not = prefill.support(loaded.model)
+        if padded:
+            progress(0.95, "capturing the prefill of short prompts")
+            self.worker.call(lambda: batcher.use_padded_prefill(capture=True))
+            if batcher.padded_prefill:
+                loaded.decode_path_reason += "; prompts up to " \
+                    f"{batcher.padded_prefill.buckets[-1]} tokens prefilled by CUDA graphs"
+        else:
+            log.info("prompts are prefilled eagerly (%s)", why_not)
         log.info("batched step ready for %s in %.1f s", loaded.display_name,
                  time.perf_counter() - start)
 

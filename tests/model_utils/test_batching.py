@@ -95,12 +95,11 @@ def test_eight_concurrent_greedy_chats_get_the_reply_they_get_alone(load_demo):
     assert all(r.stats.batched_with >= 2 for r in together)
 
 
-def test_rows_joining_leaving_and_moving_keep_every_reply_exact(small_engine):
+def joining_and_leaving(loaded) -> None:
     """Three rows for seven requests: requests wait, join at different cache offsets, leave
     at different times (rows move), a 1100-token prompt pushes the write index past the first
     window and the others are moved back once it is gone. Sampled requests use their own seed
     and the repetition penalty; each must equal the single-stream decoder's reply."""
-    loaded = small_engine.manager.loaded
     sampled = GenerationSettings(max_new_tokens=40, temperature=0.8, top_p=0.9, top_k=20,
                                  repetition_penalty=1.3, seed=7)
     cases = [
@@ -121,6 +120,36 @@ def test_rows_joining_leaving_and_moving_keep_every_reply_exact(small_engine):
         assert stats.new_tokens == len(tokens)
     assert loaded.batcher.peak_rows == 3
     assert loaded.batcher.load()["active"] == 0
+
+
+def test_rows_joining_leaving_and_moving_keep_every_reply_exact(small_engine):
+    joining_and_leaving(small_engine.manager.loaded)
+
+
+def test_the_padded_prefill_gives_the_replies_of_an_unpadded_one(small_engine):
+    """The prefill a GPU replays as CUDA graphs (prompts right-padded to a bucket length, one
+    preallocated row, prefill.py), run eagerly here: every reply as above must be unchanged,
+    the padded prefill must really have served the short prompts, and the 1100-token prompt
+    (longer than any bucket) the eager one."""
+    loaded = small_engine.manager.loaded
+    batcher = loaded.batcher
+    small_engine.worker.call(lambda: batcher.use_padded_prefill(capture=False))
+    padded = batcher.padded_prefill
+    served = []
+    original = padded.__call__
+
+    class Counting(type(padded)):
+        def __call__(self, input_ids):
+            served.append(len(input_ids))
+            return original(input_ids)
+
+    padded.__class__ = Counting
+    try:
+        assert padded.buckets == (64, 128, 256, 512, 1024)
+        joining_and_leaving(loaded)
+    finally:
+        batcher.padded_prefill = None
+    assert sorted(served) == [2, 5, 9, 17, 40, 300]
 
 
 def test_prompts_prefilled_together_give_the_replies_they_get_alone(small_engine):
