@@ -9,6 +9,7 @@
 #
 # On a CUDA machine the model is built and served on cuda:0 in bf16, else on the CPU in fp32.
 # Writes OUT_DIR/load-{gradio,openai}-N-clients.json, OUT_DIR/server.log, prints each report.
+# LOAD_TIMEOUT (seconds, default 600) bounds each load test.
 set -eu
 config=${1:?usage: benchmarks/http_load.sh CONFIG_JSON OUT_DIR [app flags]}
 out=${2:?usage: benchmarks/http_load.sh CONFIG_JSON OUT_DIR [app flags]}
@@ -37,7 +38,7 @@ for api in gradio openai; do  # gradio_client on /chat, then /v1/chat/completion
     for clients in 1 8 32; do
         "$python" tools/load_test.py --url "http://127.0.0.1:$port" --api "$api" \
             --clients "$clients" --requests 2 --max-new-tokens 256 --prompt-words 35 \
-            --timeout 600 --json "$out/load-$api-$clients-clients.json" || true  # see report
+            --timeout "${LOAD_TIMEOUT:-600}" --json "$out/load-$api-$clients-clients.json" || true
     done
 done
 kill $app
