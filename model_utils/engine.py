@@ -19,6 +19,7 @@ from . import attention, batch_cache, fast_path, prefill
 from .batching import BatchScheduler, EagerStep
 from .chat import prepare_prompt, render_prompt, split_reasoning, supports_thinking
 from .decoders import EagerDecoder
+from .fused_qkv import fuse_qkv
 from .generation import GenerationSettings, IncrementalDetokenizer, ReplyStats, decode_tokens
 from .manager import LoadedModel, LoadRequest, ModelManager, Progress
 from .memory import MemoryHistory, MemorySnapshot
@@ -90,10 +91,12 @@ class Engine:
         if not self.compile:
             why = "eager path: compilation turned off (--no-compile)"
         elif applies:
+            fused = fuse_qkv(loaded.model)  # before compiling: the step traces the fused forward
             step = fast_path.GraphedBatchStep(loaded.model, self.compile_mode,
                                               compiled_rows=self.compiled_rows)
             path = "static-cache+cuda-graphs (batched)"
-            why = "compiled path: batched static KV cache + CUDA graphs"
+            why = "compiled path: batched static KV cache + CUDA graphs" + \
+                  (", one q/k/v matmul per layer" if fused else "")
         loaded.decode_path, loaded.decode_path_reason = path, \
             f"{why}; up to {self.max_batch} concurrent replies decoded together"
         loaded.batcher = BatchScheduler(loaded.model, post=self.worker.post,
