@@ -7,9 +7,9 @@ the loop below is ours; the model, its StaticLayer cache and its masks are trans
 
 The loop runs on the engine's DecodeWorker (every model call on one thread) while there is work:
 
-    admit   waiting requests take free rows: their prompts are prefilled (together, left-
-            padded, when several wait; alone it is the very forward of a single reply), each
-            first token sampled, each prompt's KV copied into its row of the batch cache
+    admit   waiting requests take free rows: their prompts are prefilled (on a GPU one CUDA
+            graph replay each, see _prefill_groups; else together, left-padded, when several
+            wait), each first token sampled, each prompt's KV copied into its row of the cache
     drop    requests whose stop event is set (Stop, a closed tab, a vanished client) leave
     step    one forward for all active rows (batch_cache.BatchKV), then each row is sampled
             with its own settings, on the device: the sampled tokens are the next step's inputs
@@ -48,9 +48,6 @@ MAX_BATCH_LIMIT = 64
 KV_MEMORY_SHARE = 0.5
 # Most (padded) prompt tokens prefilled in one forward: bounds its activation memory.
 PREFILL_TOKENS = 8192
-# Up to this many prompts admitted together are prefilled one by one through the padded prefill
-# (one CUDA-graph replay each); more share one eager forward (see _prefill).
-PADDED_PREFILL_GROUP = 4
 _DONE = object()
 
 
@@ -242,14 +239,17 @@ class BatchScheduler:
     def _prefill_groups(self, requests: list[Request]) -> Iterator[tuple[list[Request], bool]]:
         """(requests, padded): how admitted prompts are prefilled.
 
-        When a few are admitted, those that fit the padded prefill (a CUDA graph per prompt-
-        length bucket, see prefill.py) go through it one by one: a chat arriving while others
-        decode costs them a few milliseconds. The others share eager forwards (_prefill_chunks):
-        many arriving at once are one pass over the weights, which keeps their time to first
-        token short.
+        Every prompt that fits the padded prefill (a CUDA graph per prompt-length bucket, see
+        prefill.py) goes through it, one replay each: a chat arriving while others decode costs
+        them a few milliseconds, and no prompt meets a shape seen for the first time. The
+        others share eager forwards (_prefill_chunks), which is also the whole story on the CPU.
+        Why not an eager forward for a group: on the H200 a group of prompts arriving together
+        was one pass over the weights, but each new group size was a new shape, and its Python
+        launches competed with the web server's threads: groups of 7-15 waited 0.7-1.8 s for
+        their first token (BENCHMARKS.md, runs G-J), where a replay per prompt takes ~9 ms.
         """
         padded = self.padded_prefill
-        if padded and len(requests) <= PADDED_PREFILL_GROUP:
+        if padded:
             fitting = [r for r in requests if padded.fits(len(r.input_ids))]
             for request in fitting:
                 yield [request], True
