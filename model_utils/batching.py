@@ -148,8 +148,8 @@ class BatchScheduler:
             if self.kv is None:
                 _, cache = self._forward_prompts([[0] * 16])
                 self.kv = self._allocate(cache)
-                # The first masked forward of several prompts also has first-call costs (a
-                # group of 8 waited 0.68 s for it on the H200): met here, not by users.
+                # The first masked forward of several prompts (eager groups: the CPU, and
+                # prompts longer than the prefill graphs) has first-call costs of its own.
                 self._forward_prompts([[0] * 16, [0] * 12])
             kv = self.kv
             for b in sorted({bucket(min(r, kv.rows), kv.row_buckets) for r in row_counts}):
