@@ -243,10 +243,11 @@ class BatchScheduler:
         prefill.py) goes through it, one replay each: a chat arriving while others decode costs
         them a few milliseconds, and no prompt meets a shape seen for the first time. The
         others share eager forwards (_prefill_chunks), which is also the whole story on the CPU.
-        Why not an eager forward for a group: on the H200 a group of prompts arriving together
-        was one pass over the weights, but each new group size was a new shape, and its Python
-        launches competed with the web server's threads: groups of 7-15 waited 0.7-1.8 s for
-        their first token (BENCHMARKS.md, runs G-J), where a replay per prompt takes ~9 ms.
+        Why not one eager forward for a group, which is one pass over the weights: on the H200
+        groups of 7-15 prompts prefilled that way waited 0.7-1.8 s for their first token
+        (BENCHMARKS.md, runs G-J; the cause is not pinned down: a shape not seen before, or
+        hundreds of Python launches beside the web server's threads), where a replay per prompt
+        takes ~9 ms and has neither.
         """
         padded = self.padded_prefill
         if padded:
