@@ -10,20 +10,20 @@ from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 from model_utils.fused_qkv import fuse_qkv
 
 
-def tiny_qwen2():
-    config = Qwen2Config(vocab_size=300, hidden_size=64, intermediate_size=128,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=256)
-    torch.manual_seed(0)
+def tiny(config_class, seed: int):
+    config = config_class(vocab_size=300, hidden_size=64, intermediate_size=128,
+                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                          max_position_embeddings=256)
+    torch.manual_seed(seed)
     return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+
+
+def tiny_qwen2():  # q/k/v projections with biases
+    return tiny(Qwen2Config, 0)
 
 
 def tiny_llama():
-    config = LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=128,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=256)
-    torch.manual_seed(1)
-    return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    return tiny(LlamaConfig, 1)
 
 
 def qwen3_demo(demo_path):
