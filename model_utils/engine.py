@@ -124,13 +124,16 @@ class Engine:
             self.worker.call(lambda: batcher.warm_up(range(2, self.max_batch + 1)))
             if getattr(batcher.step_fn, "failed", None):  # those shapes decode uncaptured
                 log.warning("some batch sizes run uncaptured: %s", batcher.step_fn.failed)
-        padded, why_not = prefill.support(loaded.model)
-        if padded:
+        applies, why_not = prefill.support(loaded.model)
+        if applies:
             progress(0.95, "capturing the prefill of short prompts")
             self.worker.call(lambda: batcher.use_padded_prefill(capture=True))
-            if batcher.padded_prefill:
-                loaded.decode_path_reason += "; prompts up to " \
-                    f"{batcher.padded_prefill.buckets[-1]} tokens prefilled by CUDA graphs"
+            padded = batcher.padded_prefill
+            if padded:
+                note = f"; prompts up to {padded.buckets[-1]} tokens prefilled by CUDA graphs"
+                if padded.uncaptured:
+                    note += f" (buckets {padded.uncaptured} failed to capture: eager)"
+                loaded.decode_path_reason += note
         else:
             log.info("prompts are prefilled eagerly (%s)", why_not)
         log.info("batched step ready for %s in %.1f s", loaded.display_name,

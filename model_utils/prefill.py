@@ -61,6 +61,7 @@ class PaddedPrefill:
         self.indices = [torch.zeros((), dtype=torch.long, device=k.device) for k in kv.keys]
         self._entries: dict[int, _Bucket] = {}
         self._pool = None  # one CUDA-graph memory pool for every bucket (replayed one at a time)
+        self.uncaptured: list[int] = []  # buckets whose capture failed: they run eagerly
 
     def fits(self, tokens: int) -> bool:
         return bool(self.buckets) and tokens <= self.buckets[-1]
@@ -96,6 +97,7 @@ class PaddedPrefill:
             graph, logits = capture_graph(entry.forward, lambda: None, self._pool)
         except Exception:  # noqa: BLE001 - this bucket's prompts are prefilled uncaptured
             log.exception("capturing the prefill of %d tokens failed", entry.size)
+            self.uncaptured.append(entry.size)
             return
         self._pool = graph.pool()
 
