@@ -76,3 +76,19 @@ def test_gpu_placement_without_a_gpu_is_refused(engine):
     for target in ("cuda:0", "cuda:1"):
         with pytest.raises(LoadError, match="needs a CUDA GPU and this machine has none"):
             engine.load(LoadRequest(mode="bf16", placement=Placement(target)))
+
+
+def test_a_4bit_weight_counts_its_block_scales(load_demo):
+    """The footprint shown is what the weights hold: nf4's per-block absmax is memory too
+    (model.get_memory_footprint() leaves it out: 0.4 GB for a 7B model)."""
+    from model_utils.manager import stored_bytes
+    from model_utils.memory import GB
+
+    engine = load_demo("nf4")
+    model = engine.manager.loaded.model
+    weight = model.model.layers[0].self_attn.q_proj.weight
+    state = weight.quant_state
+    values = state.shape.numel()
+    # packed 4-bit values, one float32 absmax per block, the 16-entry nf4 code
+    assert stored_bytes(weight) == values // 2 + values // state.blocksize * 4 + 16 * 4
+    assert engine.status()["footprint_gb"] * GB > model.get_memory_footprint()
