@@ -109,6 +109,11 @@ class BatchKV:
         self._masks = _ModelMasks(model, self.mask)
         self._views: dict[tuple[int, int], object] = {}
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the K/V storage."""
+        return sum(t.numel() * t.element_size() for t in self.keys + self.values)
+
     # -- what a forward pass reads ---------------------------------------------------------
     def view(self, b: int, w: int):
         """A transformers Cache over rows [0, b) and slots [0, w), sharing this storage."""

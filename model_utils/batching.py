@@ -158,17 +158,22 @@ class BatchScheduler:
                 self.step_fn(kv, b, kv.windows[0])
             kv.relayout(0, 0)
 
-    def use_padded_prefill(self, *, capture: bool) -> float:
-        """Prefill short prompts through prefill.PaddedPrefill (captured as CUDA graphs when
-        `capture`), set up now; returns the seconds it took. On the worker thread, after
-        warm_up (which allocates the cache)."""
-        padded = PaddedPrefill(self.model, self.kv, capture=capture)
+    def use_padded_prefill(self, *, capture: bool, pool=None) -> float:
+        """Prefill short prompts through prefill.PaddedPrefill (captured as CUDA graphs in
+        `pool` when `capture`), set up now; returns the seconds it took. On the worker thread,
+        after warm_up (which allocates the cache)."""
+        padded = PaddedPrefill(self.model, self.kv, capture=capture, pool=pool)
         if not padded.buckets:  # a context shorter than the smallest bucket
             return 0.0
         with torch.inference_mode():
             seconds = padded.warm_up()
         self.padded_prefill = padded
         return seconds
+
+    def cache_bytes(self) -> int:
+        """Bytes of the caches replies decode in: the batch cache and the prefill row."""
+        return (self.kv.nbytes if self.kv else 0) + \
+            (self.padded_prefill.nbytes if self.padded_prefill else 0)
 
     def load(self) -> dict:
         with self._lock:

@@ -22,7 +22,7 @@ from .decoders import EagerDecoder
 from .fused_qkv import fuse_qkv
 from .generation import GenerationSettings, IncrementalDetokenizer, ReplyStats, decode_tokens
 from .manager import LoadedModel, LoadRequest, ModelManager, Progress
-from .memory import MemoryHistory, MemorySnapshot
+from .memory import GB, MemoryHistory, MemorySnapshot, torch_cuda_gb
 from .placement import FitEstimate
 from .registry import ModelRegistry
 from .worker import DecodeWorker
@@ -74,6 +74,7 @@ class Engine:
         self.manager.on_unloaded = self._forget_compiled
 
     def _prepare_decoding(self, loaded: LoadedModel, progress: Progress) -> None:
+        self._record_memory(loaded, "weights")
         attention.use_packed_decode(loaded.model)
         batches, why_not = batch_cache.support(loaded.model)
         if not batches:
@@ -93,7 +94,8 @@ class Engine:
         elif applies:
             fused = fuse_qkv(loaded.model)  # before compiling: the step traces the fused forward
             step = fast_path.GraphedBatchStep(loaded.model, self.compile_mode,
-                                              compiled_rows=self.compiled_rows)
+                                              compiled_rows=self.compiled_rows,
+                                              pool=fast_path.shared_pool())
             path = "static-cache+cuda-graphs (batched)"
             why = "compiled path: batched static KV cache + CUDA graphs" + \
                   (", one q/k/v matmul per layer" if fused else "")
@@ -124,20 +126,37 @@ class Engine:
             self.worker.call(lambda: batcher.warm_up(range(2, self.max_batch + 1)))
             if getattr(batcher.step_fn, "failed", None):  # those shapes decode uncaptured
                 log.warning("some batch sizes run uncaptured: %s", batcher.step_fn.failed)
+        self._record_memory(loaded, "decode graphs")
         applies, why_not = prefill.support(loaded.model)
         if applies:
             progress(0.95, "capturing the prefill of short prompts")
-            self.worker.call(lambda: batcher.use_padded_prefill(capture=True))
+            pool = getattr(batcher.step_fn, "pool", None)  # the decode steps' graph pool
+            self.worker.call(lambda: batcher.use_padded_prefill(capture=True, pool=pool))
             padded = batcher.padded_prefill
             if padded:
                 note = f"; prompts up to {padded.buckets[-1]} tokens prefilled by CUDA graphs"
                 if padded.uncaptured:
                     note += f" (buckets {padded.uncaptured} failed to capture: eager)"
                 loaded.decode_path_reason += note
+            self._record_memory(loaded, "prefill graphs")
         else:
             log.info("prompts are prefilled eagerly (%s)", why_not)
         log.info("batched step ready for %s in %.1f s", loaded.display_name,
                  time.perf_counter() - start)
+        # The warm-up's eager forwards left blocks in the allocator's cache: give them back,
+        # so that the memory panels show what serving holds (graph pools stay reserved).
+        torch.cuda.empty_cache()
+        self._record_memory(loaded, "ready")
+
+    @staticmethod
+    def _record_memory(loaded: LoadedModel, stage: str) -> None:
+        """Note CUDA memory after a step of the load (status, server.log): what the weights,
+        the caches and the captured graphs each cost."""
+        memory = torch_cuda_gb()
+        if memory:
+            loaded.memory_stages[stage] = memory
+            log.info("memory after %s: %s", stage,
+                     ", ".join(f"{k} {v}" for k, v in memory.items()))
 
     def _forget_compiled(self) -> None:
         # Wait for the decode loop to let go of the unloaded model's batch cache.
@@ -167,7 +186,14 @@ class Engine:
         return self.manager.estimate(request)
 
     def status(self) -> dict:
-        return self.manager.status()
+        status = self.manager.status()
+        loaded = self.manager.loaded
+        if loaded is not None and status.get("loaded"):
+            if loaded.batcher is not None:
+                status["kv_cache_gb"] = round(loaded.batcher.cache_bytes() / GB, 4)
+            if loaded.memory_stages:
+                status["memory_stages"] = dict(loaded.memory_stages)
+        return status
 
     def memory_snapshot(self) -> MemorySnapshot:
         return self.memory.record()

@@ -40,6 +40,17 @@ def support(loaded) -> tuple[bool, str]:
     return True, "compiled path: static KV cache + CUDA graphs (torch.compile reduce-overhead)"
 
 
+def shared_pool():
+    """One CUDA-graph memory pool for every graph of a loaded model.
+
+    A graph keeps the memory of its intermediate tensors in its pool; graphs in separate pools
+    each hold their own. The decode steps and the prompt prefills are replayed one at a time on
+    the decode worker and exchange data only through persistent buffers (the caches, ids,
+    positions, masks, each graph's output), which stay allocated, so they can share one pool:
+    its size is the largest graph's intermediates, not their sum."""
+    return torch.cuda.graph_pool_handle()
+
+
 def capture_graph(run, restore, pool):
     """(graph, output) of `run` captured as one CUDA graph in memory pool `pool`.
 
@@ -198,13 +209,14 @@ class GraphedBatchStep:
     compiled. Attention reads each KV head once in both (attention.packed_sdpa).
     """
 
-    def __init__(self, model, inductor_mode: str = "default", compiled_rows: int = 1):
+    def __init__(self, model, inductor_mode: str = "default", compiled_rows: int = 1,
+                 pool=None):
         self.model = model
         self.compiled = torch.compile(model.forward, mode=inductor_mode, fullgraph=True,
                                       dynamic=False)
         self.compiled_rows = compiled_rows
         self._graphs: dict[tuple, tuple] = {}
-        self._pool = None
+        self.pool = pool  # CUDA-graph memory pool, see shared_pool
         self.failed: str | None = None
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
 
@@ -248,8 +260,8 @@ class GraphedBatchStep:
 
         # The warm-up writes slots j..j+2 (each later step overwrites its slot before reading
         # it) and moves the write index, which set_index_after_capture puts back.
-        graph, logits = capture_graph(run, kv.set_index_after_capture, self._pool)
-        self._pool = graph.pool()
+        graph, logits = capture_graph(run, kv.set_index_after_capture, self.pool)
+        self.pool = graph.pool()
         log.info("captured the batched step (%s) for %d rows x %d slots in %.1f s",
                  "compiled" if forward is self.compiled else "plain forward", b, w,
                  time.perf_counter() - start)

@@ -61,6 +61,19 @@ def _nvml_usage() -> dict[int, tuple[float, float]]:
     return usage
 
 
+def torch_cuda_gb() -> dict[str, float]:
+    """This process's CUDA memory over every device: tensors (allocated), what the allocator
+    holds including CUDA-graph pools (reserved), and the allocated peak since the last reset.
+    Empty without CUDA."""
+    if not torch.cuda.is_available():
+        return {}
+    devices = range(torch.cuda.device_count())
+    return {"allocated_gb": round(sum(torch.cuda.memory_allocated(i) for i in devices) / GB, 3),
+            "reserved_gb": round(sum(torch.cuda.memory_reserved(i) for i in devices) / GB, 3),
+            "peak_allocated_gb": round(sum(torch.cuda.max_memory_allocated(i)
+                                           for i in devices) / GB, 3)}
+
+
 def take_snapshot() -> MemorySnapshot:
     gpus = []
     note = ""

@@ -48,7 +48,7 @@ class PaddedPrefill:
     """
 
     def __init__(self, model, kv: BatchKV, *, capture: bool,
-                 buckets: tuple[int, ...] = PREFILL_BUCKETS):
+                 buckets: tuple[int, ...] = PREFILL_BUCKETS, pool=None):
         self.model = model
         self.kv = kv
         self.capture = capture
@@ -60,8 +60,13 @@ class PaddedPrefill:
         self.values = [v.new_zeros(1, v.shape[1], slots, v.shape[3]) for v in kv.values]
         self.indices = [torch.zeros((), dtype=torch.long, device=k.device) for k in kv.keys]
         self._entries: dict[int, _Bucket] = {}
-        self._pool = None  # one CUDA-graph memory pool for every bucket (replayed one at a time)
+        self.pool = pool  # CUDA-graph memory pool (fast_path.shared_pool), or one of its own
         self.uncaptured: list[int] = []  # buckets whose capture failed: they run eagerly
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the one-row cache the prompts are prefilled into."""
+        return sum(t.numel() * t.element_size() for t in self.keys + self.values)
 
     def fits(self, tokens: int) -> bool:
         return bool(self.buckets) and tokens <= self.buckets[-1]
@@ -94,12 +99,12 @@ class PaddedPrefill:
 
         start = time.perf_counter()
         try:
-            graph, logits = capture_graph(entry.forward, lambda: None, self._pool)
+            graph, logits = capture_graph(entry.forward, lambda: None, self.pool)
         except Exception:  # noqa: BLE001 - this bucket's prompts are prefilled uncaptured
             log.exception("capturing the prefill of %d tokens failed", entry.size)
             self.uncaptured.append(entry.size)
             return
-        self._pool = graph.pool()
+        self.pool = graph.pool()
 
         def replay():
             graph.replay()

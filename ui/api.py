@@ -84,10 +84,10 @@ def register_api(engine: Engine, *, admin: str | None = None) -> None:
 
     def memory() -> dict:
         """A memory snapshot now: gpus (NVML used/total, torch allocated/reserved), cpu_used_gb,
-        cpu_total_gb, process_rss_gb, note, and the loaded model's weights (model)."""
+        cpu_total_gb, process_rss_gb, note, and the loaded model's weights and caches (model)."""
         current = engine.status()
         model = {k: current.get(k) for k in ("loaded", "model", "mode", "footprint_gb",
-                                             "device_map")}
+                                             "kv_cache_gb", "device_map")}
         return {**engine.memory_snapshot().as_dict(), "model": model}
 
     gr.api(chat, api_name="chat", concurrency_id="reply", concurrency_limit=reply_concurrency(engine))

@@ -68,6 +68,13 @@ def memory_cards(snapshot: MemorySnapshot, status: dict) -> str:
                           for d, e in (status.get("device_map") or {}).items())
         model_rows = (_row("model", f"{status['model']} ({status['mode']})")
                       + _row("weights", f"{fmt_gb(status.get('footprint_gb'))} ({where})"))
+        if status.get("kv_cache_gb"):  # allocated with the first reply where not warmed up
+            model_rows += _row("KV caches", fmt_gb(status["kv_cache_gb"]))
+        ready = (status.get("memory_stages") or {}).get("ready")
+        if ready:  # after the decode and prefill graphs were captured
+            model_rows += _row("ready to serve (allocated / reserved)",
+                               f"{fmt_gb(ready['allocated_gb'])} / "
+                               f"{fmt_gb(ready['reserved_gb'])}")
     else:
         model_rows = _row("model", "none loaded")
     cards.append(_CARD.format(title="Loaded model", rows=model_rows))
