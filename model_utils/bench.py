@@ -48,7 +48,11 @@ class BenchRow:
     decode_path: str
     load_s: float
     weights_gb: float
-    peak_gb: dict
+    peak_gb: dict  # per device: the most tensors held at once, from the load to the last reply
+    peak_reserved_gb: dict  # the same for the allocator (caches, CUDA-graph pools)
+    kv_gb: float | None  # the engine's K/V caches (batch cache and prefill row)
+    over_weights_kv_pct: float | None  # peak over weights + KV caches, CUDA only
+    memory_stages: dict  # CUDA memory after each step of the load (engine status)
     ttft_ms: float
     tok_s: float  # per stream, decode phase
     aggregate_tok_s: float  # batch > 1: all tokens / wall time from submission to the last one
@@ -61,7 +65,11 @@ class BenchRow:
     speedup: float  # aggregate tokens/s, engine over peer
     ttft_ratio: float  # engine TTFT over peer TTFT
     greedy_match: bool
-    first_mismatch: int | None
+    first_mismatch: list  # per compared prompt: the first token that differs, None when equal
+    # The same comparison for transformers' own static KV cache (generate with
+    # cache_implementation="static", uncompiled) against its default cache: how far two correct
+    # implementations of greedy decoding agree in this precision.
+    peer_static_first_mismatch: list
     batch_match: bool | None = None  # concurrent streams == the engine's single streams
 
 
@@ -109,13 +117,13 @@ def reset_peaks() -> None:
         torch.cuda.reset_peak_memory_stats(i)
 
 
-def peaks_gb() -> dict:
+def peaks_gb(reserved: bool = False) -> dict:
     if not torch.cuda.is_available():
         import psutil
 
-        return {"cpu_rss": round(psutil.Process().memory_info().rss / GB, 3)}
-    return {f"cuda:{i}": round(torch.cuda.max_memory_allocated(i) / GB, 3)
-            for i in range(torch.cuda.device_count())}
+        return {} if reserved else {"cpu_rss": round(psutil.Process().memory_info().rss / GB, 3)}
+    peak = torch.cuda.max_memory_reserved if reserved else torch.cuda.max_memory_allocated
+    return {f"cuda:{i}": round(peak(i) / GB, 3) for i in range(torch.cuda.device_count())}
 
 
 def greedy(new_tokens: int) -> GenerationSettings:
@@ -202,6 +210,16 @@ def peer_generate(model, prompts: list[list[int]], new_tokens: int) -> tuple[lis
     return tokens, ttft * 1000, (new_tokens - 1) / max(total - ttft, 1e-9)
 
 
+def peer_static_tokens(model, prompt: list[int], new_tokens: int) -> list[int]:
+    """Greedy tokens of model.generate with transformers' own static KV cache, uncompiled."""
+    ids = torch.tensor([prompt], device=input_device(model))
+    with torch.inference_mode():
+        out = model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                             do_sample=False, pad_token_id=0, attention_mask=torch.ones_like(ids),
+                             cache_implementation="static", disable_compile=True)
+    return out[0, ids.shape[1]:].tolist()
+
+
 def sync() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
@@ -248,7 +266,10 @@ def measure_peer(model, prompts: list[list[int]], batches: list[int], new_tokens
             tok_s = statistics.median(r[2] for r in runs)
             runs_by_batch[1] = {"tokens": [r[0][0] for r in runs], "tok_s": tok_s,
                                 "aggregate": tok_s,
-                                "ttft_ms": statistics.median(r[1] for r in runs)}
+                                "ttft_ms": statistics.median(r[1] for r in runs),
+                                "static_tokens": [peer_static_tokens(model, prompts[i],
+                                                                     new_tokens)
+                                                  for i in range(match_prompts)]}
         else:
             _, ttft, tok_s = peer_generate(model, prompts[:b], new_tokens)
             runs_by_batch[b] = {"ttft_ms": ttft, "tok_s": tok_s, "aggregate": tok_s * b}
@@ -256,16 +277,26 @@ def measure_peer(model, prompts: list[list[int]], batches: list[int], new_tokens
 
 
 def make_rows(status: dict, batches: list[int], mine: dict, theirs: dict, *, peak: dict,
-              stream_tok_s: float | None, peer_load_s: float) -> list[BenchRow]:
+              peak_reserved: dict, stream_tok_s: float | None,
+              peer_load_s: float) -> list[BenchRow]:
+    plain = theirs.get(1, {})
     mismatches = [first_mismatch(x, y) for x, y in zip(mine.get(1, {}).get("tokens", []),
-                                                       theirs.get(1, {}).get("tokens", []))]
+                                                       plain.get("tokens", []))]
+    static_mismatches = [first_mismatch(x, y) for x, y in zip(plain.get("static_tokens", []),
+                                                              plain.get("tokens", []))]
+    kv_gb = status.get("kv_cache_gb")
+    over = None
+    if torch.cuda.is_available() and kv_gb is not None:
+        over = round((sum(peak.values()) / (status["footprint_gb"] + kv_gb) - 1) * 100, 1)
     rows = []
     for b in batches:
         m, t = mine[b], theirs[b]
         rows.append(BenchRow(
             mode=status["mode"], batch=b, decode_path=status["decode_path"],
             load_s=round(status["load_s"], 2), weights_gb=round(status["footprint_gb"], 3),
-            peak_gb=peak, ttft_ms=round(m["ttft_ms"], 2), tok_s=round(m["tok_s"], 2),
+            peak_gb=peak, peak_reserved_gb=peak_reserved, kv_gb=kv_gb,
+            over_weights_kv_pct=over, memory_stages=status.get("memory_stages", {}),
+            ttft_ms=round(m["ttft_ms"], 2), tok_s=round(m["tok_s"], 2),
             aggregate_tok_s=round(m["aggregate"], 2),
             x_one_plain=round(m["aggregate"] / theirs[1]["tok_s"], 2) if 1 in theirs else None,
             stream_tok_s=round(stream_tok_s, 2) if (b == 1 and stream_tok_s) else None,
@@ -274,7 +305,7 @@ def make_rows(status: dict, batches: list[int], mine: dict, theirs: dict, *, pea
             speedup=round(m["aggregate"] / max(t["aggregate"], 1e-9), 2),
             ttft_ratio=round(m["ttft_ms"] / max(t["ttft_ms"], 1e-9), 2),
             greedy_match=all(x is None for x in mismatches),
-            first_mismatch=next((x for x in mismatches if x is not None), None),
+            first_mismatch=mismatches, peer_static_first_mismatch=static_mismatches,
             batch_match=m.get("batch_match"),
         ))
     return rows
@@ -292,7 +323,8 @@ def bench_mode(engine: Engine, model_name: str, mode: str, placement: Placement,
     prompts = random_prompts(max(max(batches), match_prompts), prompt_tokens, vocab)
     mine = measure_engine(engine, prompts, batches, new_tokens, match_prompts)
     stream_tok_s = engine_streaming_tok_s(engine, new_tokens) if 1 in batches else None
-    peak = peaks_gb()
+    peak, peak_reserved = peaks_gb(), peaks_gb(reserved=True)
+    status = engine.status()  # now with the caches allocated by the first reply (CPU)
     engine.unload()
 
     # The peer: what the tutorials do, in the same process on the same prompts.
@@ -312,8 +344,8 @@ def bench_mode(engine: Engine, model_name: str, mode: str, placement: Placement,
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-    return make_rows(status, batches, mine, theirs, peak=peak, stream_tok_s=stream_tok_s,
-                     peer_load_s=peer_load_s)
+    return make_rows(status, batches, mine, theirs, peak=peak, peak_reserved=peak_reserved,
+                     stream_tok_s=stream_tok_s, peer_load_s=peer_load_s)
 
 
 def bench_loaded(engine: Engine, *, prompt_tokens: int = 32, new_tokens: int = 64,
@@ -334,17 +366,19 @@ def bench_loaded(engine: Engine, *, prompt_tokens: int = 32, new_tokens: int = 6
         prompts = random_prompts(max(max(batches), match_prompts), prompt_tokens, vocab)
         reset_peaks()
         mine = measure_engine(engine, prompts, batches, new_tokens, match_prompts)
-        peak = peaks_gb()
+        peak, peak_reserved = peaks_gb(), peaks_gb(reserved=True)
+        status = engine.status()
         theirs = engine.worker.call(
             lambda: measure_peer(loaded.model, prompts, batches, new_tokens, match_prompts))
-    return make_rows(status, batches, mine, theirs, peak=peak, stream_tok_s=None,
-                     peer_load_s=status["load_s"])
+    return make_rows(status, batches, mine, theirs, peak=peak, peak_reserved=peak_reserved,
+                     stream_tok_s=None, peer_load_s=status["load_s"])
 
 
 # -- output -------------------------------------------------------------------------------------
 COLUMNS = ["mode", "batch", "decode_path", "load_s", "weights_gb", "ttft_ms", "peer_ttft_ms",
            "tok_s", "peer_tok_s", "aggregate_tok_s", "peer_aggregate_tok_s", "speedup",
-           "x_one_plain", "stream_tok_s", "greedy_match", "batch_match"]
+           "x_one_plain", "stream_tok_s", "greedy_match", "batch_match",
+           "over_weights_kv_pct"]
 
 
 def markdown_table(rows: list[BenchRow]) -> str:

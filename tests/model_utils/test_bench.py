@@ -9,7 +9,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 FIELDS = {"mode", "batch", "load_s", "weights_gb", "peak_gb", "ttft_ms", "tok_s",
-          "aggregate_tok_s", "peer_tok_s", "speedup", "greedy_match"}
+          "aggregate_tok_s", "peer_tok_s", "speedup", "greedy_match", "kv_gb",
+          "first_mismatch", "peer_static_first_mismatch"}
 
 
 def test_bench_writes_table_json_and_chart(tmp_path):
@@ -27,6 +28,9 @@ def test_bench_writes_table_json_and_chart(tmp_path):
     for row in rows:
         assert FIELDS <= row.keys()
         assert row["greedy_match"] is True, row
+        assert row["first_mismatch"] == [None, None]
+        assert len(row["peer_static_first_mismatch"]) == 2  # a reference, measured
+        assert row["kv_gb"] > 0  # the batch cache the replies were decoded in
         assert row["tok_s"] > 0 and row["peer_tok_s"] > 0
     assert out.with_suffix(".png").stat().st_size > 1000
 
