@@ -244,10 +244,11 @@ class BatchScheduler:
     def _prefill_groups(self, requests: list[Request]) -> Iterator[tuple[list[Request], bool]]:
         """(requests, padded): how admitted prompts are prefilled.
 
-        Every prompt that fits the padded prefill (a CUDA graph per prompt-length bucket, see
-        prefill.py) goes through it, one replay each: a chat arriving while others decode costs
-        them a few milliseconds, and no prompt meets a shape seen for the first time. The
-        others share eager forwards (_prefill_chunks), which is also the whole story on the CPU.
+        Every prompt that fits the padded prefill (a CUDA graph per rows x prompt-length bucket,
+        see prefill.py) goes through it, those arriving together in groups of up to 8 that one
+        replay can take: a chat arriving while others decode costs them a few milliseconds, and
+        no prompt meets a shape seen for the first time. The others share eager forwards
+        (_prefill_chunks), which is also the whole story on the CPU.
         Why not one eager forward for a group, which is one pass over the weights: on the H200
         groups of 7-15 prompts prefilled that way waited 0.7-1.8 s for their first token
         (BENCHMARKS.md, runs G-J; the cause is not pinned down: a shape not seen before, or
@@ -257,16 +258,23 @@ class BatchScheduler:
         padded = self.padded_prefill
         if padded:
             fitting = [r for r in requests if padded.fits(len(r.input_ids))]
+            group: list[Request] = []
             for request in fitting:
-                yield [request], True
+                lengths = [len(r.input_ids) for r in group + [request]]
+                if group and not padded.fit_together(lengths):
+                    yield group, True
+                    group = []
+                group.append(request)
+            if group:
+                yield group, True
             requests = [r for r in requests if r not in fitting]
         for chunk in _prefill_chunks(requests):
             yield chunk, False
 
     def _prefill(self, requests: list[Request], padded: bool = False) -> None:
-        """Prefill prompts (through the padded prefill: one), sample each one's first token,
-        and copy each one's KV into a free row of the batch cache. Prompts prefilled together
-        are left-padded; one alone is exactly the forward of a single reply."""
+        """Prefill prompts, sample each one's first token, and copy each one's KV into a free
+        row of the batch cache. Prompts prefilled together eagerly are left-padded (one alone is
+        exactly the forward of a single reply); the padded prefill right-pads them."""
         for request in requests:
             settings = request.settings
             if settings.seed is not None and settings.temperature > 0:
@@ -278,8 +286,8 @@ class BatchScheduler:
             if settings.min_new_tokens and request.eos_ids:
                 request.eos = torch.tensor(sorted(request.eos_ids), device=self.device)
         if padded:
-            logits, cache, end = self.padded_prefill(requests[0].input_ids)
-            self._start(requests, logits, cache, end=end)
+            logits, cache, ends = self.padded_prefill([r.input_ids for r in requests])
+            self._start(requests, logits, cache, ends=ends)
             return
         logits, cache = self._forward_prompts([r.input_ids for r in requests])
         self._start(requests, logits, cache)
@@ -305,10 +313,10 @@ class BatchScheduler:
         return out.logits[:, -1], cache
 
     def _start(self, requests: list[Request], logits: torch.Tensor, cache, *,
-               end: int | None = None) -> None:
+               ends: list[int] | None = None) -> None:
         """Sample the first tokens of prefilled requests (logits [n, V], prompt KV in row i of
-        `cache`, ending at slot `end`) and give each a row. Memory may give the cache fewer
-        rows than max_batch: the surplus waits again."""
+        `cache`, ending at slot ends[i], default its last) and give each a row. Memory may give
+        the cache fewer rows than max_batch: the surplus waits again."""
         if self.kv is None:
             self.kv = self._allocate(cache)
         keep = self.kv.rows - len(self.rows)
@@ -321,7 +329,8 @@ class BatchScheduler:
                 continue
             request.length = len(request.input_ids)
             row = len(self.rows)
-            self.kv.place(row, cache, request.length, row, source=i, end=end)
+            self.kv.place(row, cache, request.length, row, source=i,
+                          end=ends[i] if ends else None)
             self.kv.set_token(row, token)
             self.rows.append(request)
         self.peak_rows = max(self.peak_rows, len(self.rows))

@@ -134,9 +134,11 @@ class Engine:
             self.worker.call(lambda: batcher.use_padded_prefill(capture=True, pool=pool))
             padded = batcher.padded_prefill
             if padded:
-                note = f"; prompts up to {padded.buckets[-1]} tokens prefilled by CUDA graphs"
+                note = (f"; prompts up to {padded.buckets[-1]} tokens prefilled by CUDA graphs, "
+                        f"up to {max(rows for rows, _ in padded.shapes)} at once")
                 if padded.uncaptured:
-                    note += f" (buckets {padded.uncaptured} failed to capture: eager)"
+                    shapes = ", ".join(f"{r}x{n}" for r, n in padded.uncaptured)
+                    note += f" (prompts x tokens {shapes} failed to capture: eager)"
                 loaded.decode_path_reason += note
             self._record_memory(loaded, "prefill graphs")
         else:

@@ -6,12 +6,17 @@ Python one by one (24-42 ms measured for that prompt, BENCHMARKS.md run E). Whil
 reply already decoding waits. Here the prompt is right-padded to a bucket length and written
 into a preallocated one-row cache; ids, positions, the causal mask, the cache and the index of
 the logits to keep are persistent buffers, so each bucket's forward is captured once (at load)
-and every prompt of that size is one graph replay.
+and every prompt of that size is one graph replay. Prompts arriving together share a replay: up to
+8 rows, as long as rows x bucket stays within the largest bucket (8 prompts of 128 tokens, 4 of
+256, ...), so the graphs need no more cache and no more activation memory than one long prompt,
+and a burst of users pays one pass over the weights instead of one per prompt (which matters
+most for 4-bit weights, dequantized by every multi-token forward).
 
 Why right padding: the causal mask stays the same for every prompt (no prompt token can see the
 padding after it), positions are simply 0..n-1, and the prompt's KV sits in slots [0, n) of the
 cache, from where batch_cache.BatchKV.place copies it into a reply's row. Only the logits of the
-prompt's last token are computed (logits_to_keep as a device index).
+prompt's last token are computed (logits_to_keep as a device index: with r rows that is r x r
+positions, of which the diagonal is kept).
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ log = logging.getLogger(__name__)
 # Prompt lengths with a graph of their own; a longer prompt is prefilled eagerly (it is less
 # launch-bound, and each bucket keeps its activations' memory in the graph pool).
 PREFILL_BUCKETS = (64, 128, 256, 512, 1024)
+PREFILL_ROWS = (1, 2, 4, 8)  # prompts prefilled by one replay
 
 
 def support(model) -> tuple[bool, str]:
@@ -40,8 +46,9 @@ def support(model) -> tuple[bool, str]:
 
 
 class PaddedPrefill:
-    """Prefill one prompt of up to the largest bucket's tokens: (logits [1, V], cache, n) where
-    the cache holds the prompt's KV in slots [0, n) of its only row.
+    """Prefill prompts of up to the largest bucket's tokens, several at once when they fit
+    together: (logits [n, V], cache, lengths) where row i of the cache holds prompt i's KV in
+    slots [0, lengths[i]).
 
     `capture`: replay each bucket as a CUDA graph (on a CUDA device); without it the same padded
     forward runs eagerly, which is what the CPU tests compare with an unpadded prefill.
@@ -54,14 +61,16 @@ class PaddedPrefill:
         self.capture = capture
         self.buckets = tuple(b for b in buckets if b <= kv.length)
         self.mask_kind = MASK_KINDS[model.config._attn_implementation]
-        # One row of the largest bucket's slots, per layer; each bucket's cache is a view of it.
-        slots = self.buckets[-1] if self.buckets else 0
-        self.keys = [k.new_zeros(1, k.shape[1], slots, k.shape[3]) for k in kv.keys]
-        self.values = [v.new_zeros(1, v.shape[1], slots, v.shape[3]) for v in kv.values]
+        # The largest bucket's slots, per layer; each (rows, size) cache is a view of them.
+        self.slots = self.buckets[-1] if self.buckets else 0
+        self.keys = [k.new_zeros(1, k.shape[1], self.slots, k.shape[3]) for k in kv.keys]
+        self.values = [v.new_zeros(1, v.shape[1], self.slots, v.shape[3]) for v in kv.values]
         self.indices = [torch.zeros((), dtype=torch.long, device=k.device) for k in kv.keys]
-        self._entries: dict[int, _Bucket] = {}
+        self.shapes = [(rows, size) for size in self.buckets for rows in PREFILL_ROWS
+                       if rows * size <= self.slots]
+        self._entries: dict[tuple[int, int], _Bucket] = {}
         self.pool = pool  # CUDA-graph memory pool (fast_path.shared_pool), or one of its own
-        self.uncaptured: list[int] = []  # buckets whose capture failed: they run eagerly
+        self.uncaptured: list[tuple[int, int]] = []  # (rows, size) that run eagerly
 
     @property
     def nbytes(self) -> int:
@@ -71,27 +80,38 @@ class PaddedPrefill:
     def fits(self, tokens: int) -> bool:
         return bool(self.buckets) and tokens <= self.buckets[-1]
 
-    def __call__(self, input_ids: list[int]):
-        n = len(input_ids)
-        entry = self._entry(bucket(n, self.buckets))
-        entry.ids[0, :n].copy_(torch.tensor(input_ids), non_blocking=True)
-        entry.last.fill_(n - 1)
-        return entry.run()[:, -1], entry.cache, n
+    def fit_together(self, lengths: list[int]) -> bool:
+        """Whether prompts of these lengths can be prefilled by one replay."""
+        return (0 < len(lengths) <= PREFILL_ROWS[-1] and self.fits(max(lengths))
+                and self._shape(lengths) in self.shapes)
+
+    def __call__(self, prompts: list[list[int]]):
+        lengths = [len(p) for p in prompts]
+        entry = self._entry(self._shape(lengths))
+        ids = torch.zeros(len(prompts), entry.size, dtype=torch.long)
+        for row, prompt in enumerate(prompts):
+            ids[row, :len(prompt)] = torch.tensor(prompt)
+        entry.ids[:len(prompts)].copy_(ids, non_blocking=True)
+        entry.last[:len(prompts)].copy_(torch.tensor(lengths) - 1, non_blocking=True)
+        return entry.run()[:len(prompts)], entry.cache, lengths
 
     def warm_up(self) -> float:
-        """Capture every bucket now (load time), so that no reply waits for it."""
+        """Capture every shape now (load time), so that no reply waits for it."""
         start = time.perf_counter()
-        for size in self.buckets:
-            self._entry(size)
+        for shape in self.shapes:
+            self._entry(shape)
         return time.perf_counter() - start
 
-    def _entry(self, size: int) -> _Bucket:
-        entry = self._entries.get(size)
+    def _shape(self, lengths: list[int]) -> tuple[int, int]:
+        return bucket(len(lengths), PREFILL_ROWS), bucket(max(lengths), self.buckets)
+
+    def _entry(self, shape: tuple[int, int]) -> _Bucket:
+        entry = self._entries.get(shape)
         if entry is None:
-            entry = _Bucket(self, size)
+            entry = _Bucket(self, *shape)
             if self.capture:
                 self._capture(entry)
-            self._entries[size] = entry
+            self._entries[shape] = entry
         return entry
 
     def _capture(self, entry: _Bucket) -> None:
@@ -101,8 +121,9 @@ class PaddedPrefill:
         try:
             graph, logits = capture_graph(entry.forward, lambda: None, self.pool)
         except Exception:  # noqa: BLE001 - this bucket's prompts are prefilled uncaptured
-            log.exception("capturing the prefill of %d tokens failed", entry.size)
-            self.uncaptured.append(entry.size)
+            log.exception("capturing the prefill of %d x %d tokens failed", entry.rows,
+                          entry.size)
+            self.uncaptured.append((entry.rows, entry.size))
             return
         self.pool = graph.pool()
 
@@ -111,32 +132,42 @@ class PaddedPrefill:
             return logits
 
         entry.run = replay
-        log.info("captured the prefill of up to %d tokens in %.2f s", entry.size,
-                 time.perf_counter() - start)
+        log.info("captured the prefill of %d x up to %d tokens in %.2f s", entry.rows,
+                 entry.size, time.perf_counter() - start)
 
 
 class _Bucket:
-    """The persistent inputs and the one-row cache of one prompt length."""
+    """The persistent inputs and the cache of `rows` prompts of up to `size` tokens."""
 
-    def __init__(self, owner: PaddedPrefill, size: int):
-        self.model, self.size = owner.model, size
+    def __init__(self, owner: PaddedPrefill, rows: int, size: int):
+        self.model, self.rows, self.size = owner.model, rows, size
         device, dtype = owner.kv.device, owner.model.dtype
-        self.ids = torch.zeros(1, size, dtype=torch.long, device=device)
-        self.positions = torch.arange(size, device=device)[None]
-        self.last = torch.zeros(1, dtype=torch.long, device=device)  # the logits to keep
+        self.ids = torch.zeros(rows, size, dtype=torch.long, device=device)
+        self.positions = torch.arange(size, device=device).repeat(rows, 1)
+        self.last = torch.zeros(rows, dtype=torch.long, device=device)  # the logits to keep
         causal = torch.ones(size, size, dtype=torch.bool, device=device).tril()
         if owner.mask_kind == "float":  # eager attention adds its mask
             causal = torch.zeros(causal.shape, dtype=dtype, device=device).masked_fill(
                 ~causal, torch.finfo(dtype).min)
-        self.mask = causal[None, None]
+        self.mask = causal.expand(rows, 1, size, size)  # the same for every row
         self.indices = owner.indices
-        self.cache = static_cache([k[:, :, :size] for k in owner.keys],
-                                  [v[:, :, :size] for v in owner.values], self.indices)
+        self.cache = static_cache([_rows_view(k, rows, size) for k in owner.keys],
+                                  [_rows_view(v, rows, size) for v in owner.values],
+                                  self.indices)
         self.run = self.forward
 
     def forward(self) -> torch.Tensor:
+        """Logits [rows, V]: row i's at position last[i]."""
         for index in self.indices:  # each prompt is written from slot 0
             index.zero_()
-        return self.model(input_ids=self.ids, position_ids=self.positions,
-                           attention_mask=self.mask, cache=self.cache, use_cache=True,
-                           logits_to_keep=self.last).logits
+        logits = self.model(input_ids=self.ids, position_ids=self.positions,
+                            attention_mask=self.mask, cache=self.cache, use_cache=True,
+                            logits_to_keep=self.last).logits  # [rows, rows, V]
+        return logits.diagonal(dim1=0, dim2=1).T
+
+
+def _rows_view(store: torch.Tensor, rows: int, size: int) -> torch.Tensor:
+    """[rows, heads, size, dim] over the start of a [1, heads, slots, dim] store (rows * size
+    <= slots): the shapes are replayed one at a time, so they may share the memory."""
+    _, heads, _, dim = store.shape
+    return store.view(-1)[:rows * heads * size * dim].view(rows, heads, size, dim)

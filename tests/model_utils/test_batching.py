@@ -133,15 +133,16 @@ def test_the_padded_prefill_gives_the_replies_of_an_unpadded_one(small_engine):
     (longer than any bucket) the eager one."""
     loaded = small_engine.manager.loaded
     batcher = loaded.batcher
+    small_engine.worker.call(batcher.warm_up)  # allocates the batch cache
     small_engine.worker.call(lambda: batcher.use_padded_prefill(capture=False))
     padded = batcher.padded_prefill
     served = []
     original = padded.__call__
 
     class Counting(type(padded)):
-        def __call__(self, input_ids):
-            served.append(len(input_ids))
-            return original(input_ids)
+        def __call__(self, prompts):
+            served.extend(len(p) for p in prompts)
+            return original(prompts)
 
     padded.__class__ = Counting
     try:
@@ -150,6 +151,48 @@ def test_the_padded_prefill_gives_the_replies_of_an_unpadded_one(small_engine):
     finally:
         batcher.padded_prefill = None
     assert sorted(served) == [2, 5, 9, 17, 40, 300]
+
+
+def test_prompts_arriving_together_share_one_padded_prefill(load_demo):
+    """Eight prompts waiting at once are prefilled by one padded forward (8 rows of the
+    64-token bucket: one replay on a GPU), and each reply is still the one it gets alone."""
+    engine = load_demo("fp32")
+    loaded = engine.manager.loaded
+    batcher = loaded.batcher
+    engine.worker.call(batcher.warm_up)  # allocates the batch cache
+    engine.worker.call(lambda: batcher.use_padded_prefill(capture=False))
+    padded = batcher.padded_prefill
+    groups: list[list[int]] = []
+    original = padded.__call__
+
+    class Counting(type(padded)):
+        def __call__(self, prompts):
+            groups.append([len(p) for p in prompts])
+            return original(prompts)
+
+    padded.__class__ = Counting
+    cases = [([5 + i + j for j in range(3 + 7 * i)], greedy(16 + i)) for i in range(8)]
+    try:
+        expected = [alone(loaded, p, s) for p, s in cases]
+        gate = threading.Event()
+        engine.worker.post(gate.wait)  # the decode worker is busy while all eight arrive
+        results: list = [None] * len(cases)
+
+        def one(i):
+            results[i] = submit(loaded, *cases[i])
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(len(cases))]
+        for t in threads:
+            t.start()
+        wait_until(lambda: batcher.load()["waiting"] == len(cases))
+        gate.set()
+        for t in threads:
+            t.join(timeout=120)
+    finally:
+        batcher.padded_prefill = None
+    assert groups == [[3 + 7 * i for i in range(8)]]
+    for i, ((tokens, _), reference) in enumerate(zip(results, expected)):
+        assert tokens == reference, i
 
 
 def test_prompts_prefilled_together_give_the_replies_they_get_alone(small_engine):
