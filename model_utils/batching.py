@@ -158,11 +158,11 @@ class BatchScheduler:
                 self.step_fn(kv, b, kv.windows[0])
             kv.relayout(0, 0)
 
-    def use_padded_prefill(self, *, capture: bool, pool=None) -> float:
-        """Prefill short prompts through prefill.PaddedPrefill (captured as CUDA graphs in
-        `pool` when `capture`), set up now; returns the seconds it took. On the worker thread,
-        after warm_up (which allocates the cache)."""
-        padded = PaddedPrefill(self.model, self.kv, capture=capture, pool=pool)
+    def use_padded_prefill(self, capture=None) -> float:
+        """Prefill short prompts through prefill.PaddedPrefill (captured as CUDA graphs by
+        `capture`, a fast_path.GraphCapture; eager without), set up now; returns the seconds it
+        took. On the worker thread, after warm_up (which allocates the cache)."""
+        padded = PaddedPrefill(self.model, self.kv, capture=capture)
         if not padded.buckets:  # a context shorter than the smallest bucket
             return 0.0
         with torch.inference_mode():

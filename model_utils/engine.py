@@ -94,8 +94,7 @@ class Engine:
         elif applies:
             fused = fuse_qkv(loaded.model)  # before compiling: the step traces the fused forward
             step = fast_path.GraphedBatchStep(loaded.model, self.compile_mode,
-                                              compiled_rows=self.compiled_rows,
-                                              pool=fast_path.shared_pool())
+                                              compiled_rows=self.compiled_rows)
             path = "static-cache+cuda-graphs (batched)"
             why = "compiled path: batched static KV cache + CUDA graphs" + \
                   (", one q/k/v matmul per layer" if fused else "")
@@ -130,8 +129,8 @@ class Engine:
         applies, why_not = prefill.support(loaded.model)
         if applies:
             progress(0.95, "capturing the prefill of short prompts")
-            pool = getattr(batcher.step_fn, "pool", None)  # the decode steps' graph pool
-            self.worker.call(lambda: batcher.use_padded_prefill(capture=True, pool=pool))
+            capture = batcher.step_fn.capture  # the decode steps' pool and warm-up stream
+            self.worker.call(lambda: batcher.use_padded_prefill(capture))
             padded = batcher.padded_prefill
             if padded:
                 note = (f"; prompts up to {padded.buckets[-1]} tokens prefilled by CUDA graphs, "

@@ -50,12 +50,13 @@ class PaddedPrefill:
     together: (logits [n, V], cache, lengths) where row i of the cache holds prompt i's KV in
     slots [0, lengths[i]).
 
-    `capture`: replay each bucket as a CUDA graph (on a CUDA device); without it the same padded
-    forward runs eagerly, which is what the CPU tests compare with an unpadded prefill.
+    `capture` (a fast_path.GraphCapture, on a CUDA device): replay each shape as a CUDA graph;
+    without it the same padded forward runs eagerly, which is what the CPU tests compare with an
+    unpadded prefill.
     """
 
-    def __init__(self, model, kv: BatchKV, *, capture: bool,
-                 buckets: tuple[int, ...] = PREFILL_BUCKETS, pool=None):
+    def __init__(self, model, kv: BatchKV, *, capture=None,
+                 buckets: tuple[int, ...] = PREFILL_BUCKETS):
         self.model = model
         self.kv = kv
         self.capture = capture
@@ -69,7 +70,6 @@ class PaddedPrefill:
         self.shapes = [(rows, size) for size in self.buckets for rows in PREFILL_ROWS
                        if rows * size <= self.slots]
         self._entries: dict[tuple[int, int], _Bucket] = {}
-        self.pool = pool  # CUDA-graph memory pool (fast_path.shared_pool), or one of its own
         self.uncaptured: list[tuple[int, int]] = []  # (rows, size) that run eagerly
 
     @property
@@ -109,23 +109,20 @@ class PaddedPrefill:
         entry = self._entries.get(shape)
         if entry is None:
             entry = _Bucket(self, *shape)
-            if self.capture:
+            if self.capture is not None:
                 self._capture(entry)
             self._entries[shape] = entry
         return entry
 
     def _capture(self, entry: _Bucket) -> None:
-        from .fast_path import capture_graph
-
         start = time.perf_counter()
         try:
-            graph, logits = capture_graph(entry.forward, lambda: None, self.pool)
+            graph, logits = self.capture(entry.forward, lambda: None)
         except Exception:  # noqa: BLE001 - this bucket's prompts are prefilled uncaptured
             log.exception("capturing the prefill of %d x %d tokens failed", entry.rows,
                           entry.size)
             self.uncaptured.append((entry.rows, entry.size))
             return
-        self.pool = graph.pool()
 
         def replay():
             graph.replay()

@@ -134,7 +134,7 @@ def test_the_padded_prefill_gives_the_replies_of_an_unpadded_one(small_engine):
     loaded = small_engine.manager.loaded
     batcher = loaded.batcher
     small_engine.worker.call(batcher.warm_up)  # allocates the batch cache
-    small_engine.worker.call(lambda: batcher.use_padded_prefill(capture=False))
+    small_engine.worker.call(lambda: batcher.use_padded_prefill())
     padded = batcher.padded_prefill
     served = []
     original = padded.__call__
@@ -160,7 +160,7 @@ def test_prompts_arriving_together_share_one_padded_prefill(load_demo):
     loaded = engine.manager.loaded
     batcher = loaded.batcher
     engine.worker.call(batcher.warm_up)  # allocates the batch cache
-    engine.worker.call(lambda: batcher.use_padded_prefill(capture=False))
+    engine.worker.call(lambda: batcher.use_padded_prefill())
     padded = batcher.padded_prefill
     groups: list[list[int]] = []
     original = padded.__call__
