@@ -21,6 +21,18 @@ def test_one_card_per_gpu_with_nvml_and_torch_figures():
     assert "5.44 GB (cuda:0 5.44 GB)" in html and "(nf4)" in html
 
 
+def test_the_model_card_shows_its_caches_and_what_serving_holds():
+    status = {**STATUS, "kv_cache_gb": 1.8047,
+              "memory_stages": {"weights": {"allocated_gb": 5.451, "reserved_gb": 5.631,
+                                            "peak_allocated_gb": 5.563},
+                                "ready": {"allocated_gb": 7.43, "reserved_gb": 7.881,
+                                          "peak_allocated_gb": 7.658}}}
+    html = memory_cards(MemorySnapshot(0.0, [], 12.0, 128.0, 3.2), status)
+    assert "KV caches" in html and "1.80 GB" in html
+    assert "ready to serve (allocated / reserved)" in html and "7.43 GB / 7.88 GB" in html
+    assert "KV caches" not in memory_cards(MemorySnapshot(0.0, [], 12.0, 128.0, 3.2), STATUS)
+
+
 def test_cpu_only_says_so():
     snapshot = MemorySnapshot(0.0, [], 1.5, 23.5, 0.45, note="no CUDA GPU on this machine")
     html = memory_cards(snapshot, {"loaded": False})
