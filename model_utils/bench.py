@@ -388,7 +388,22 @@ def markdown_table(rows: list[BenchRow]) -> str:
         d = asdict(row)
         peak = ", ".join(f"{k} {v}" for k, v in row.peak_gb.items())
         lines.append("| " + " | ".join(str(d[c]) for c in COLUMNS) + f" | {peak} |")
-    return "\n".join(lines)
+    notes = [greedy_note(row) for row in rows if row.batch == 1 and not row.greedy_match]
+    return "\n".join(lines) + "".join("\n\n" + note for note in notes)
+
+
+def greedy_note(row: BenchRow) -> str:
+    """Why greedy tokens may differ, with this run's reference: plain generate against
+    transformers' own static cache, two correct decoders on the same weights."""
+    def tokens(found: list) -> str:
+        return ", ".join("none" if i is None else str(i) for i in found)
+
+    return (f"{row.mode}: the greedy tokens first differ from plain generate's at token "
+            f"{tokens(row.first_mismatch)} (one per prompt); transformers' own static cache "
+            f"differs from plain generate at token {tokens(row.peer_static_first_mismatch)}. "
+            f"In low precision any other order of the same arithmetic can flip a near tie "
+            f"between two tokens, and from there the replies part (BENCHMARKS.md, greedy "
+            f"equality); in fp32 they agree.")
 
 
 def chart_figure(rows: list[BenchRow]):

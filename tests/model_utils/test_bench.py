@@ -41,3 +41,21 @@ def test_bench_refuses_an_unknown_mode_with_status_2(tmp_path):
          str(tmp_path / "r.json")], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert result.returncode == 2
     assert "unknown mode 'fp8'" in result.stderr
+
+
+def test_a_table_with_differing_greedy_tokens_says_where_and_gives_the_reference():
+    from model_utils.bench import BenchRow, markdown_table
+
+    row = BenchRow(mode="bf16", batch=1, decode_path="static", load_s=1.0, weights_gb=14.2,
+                   peak_gb={"cuda:0": 16.3}, peak_reserved_gb={}, kv_gb=1.8,
+                   over_weights_kv_pct=2.0, memory_stages={}, ttft_ms=8.5, tok_s=210.0,
+                   aggregate_tok_s=210.0, x_one_plain=6.1, stream_tok_s=205.0, peer_load_s=3.0,
+                   peer_ttft_ms=26.0, peer_tok_s=34.5, peer_aggregate_tok_s=34.5, speedup=6.1,
+                   ttft_ratio=0.33, greedy_match=False, first_mismatch=[7, None, 6],
+                   peer_static_first_mismatch=[2, 4, 11])
+    text = markdown_table([row])
+    assert "at token 7, none, 6" in text and "static cache differs from plain generate at " \
+        "token 2, 4, 11" in text
+    matching = BenchRow(**{**row.__dict__, "greedy_match": True, "first_mismatch": [None]})
+    assert "first differ" not in markdown_table([matching])
+
