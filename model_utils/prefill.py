@@ -74,7 +74,7 @@ class PaddedPrefill:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the one-row cache the prompts are prefilled into."""
+        """Bytes of the cache the prompts are prefilled into (the largest bucket's slots)."""
         return sum(t.numel() * t.element_size() for t in self.keys + self.values)
 
     def fits(self, tokens: int) -> bool:
