@@ -37,7 +37,7 @@ def support(loaded) -> tuple[bool, str]:
                        "the compiled path needs the whole model on one GPU")
     if loaded.mode.quantization in NOT_COMPILABLE_QUANT:
         return False, f"eager path: bitsandbytes {loaded.mode.name} does not compile to CUDA graphs"
-    return True, "compiled path: static KV cache + CUDA graphs (torch.compile reduce-overhead)"
+    return True, "compiled path: static KV cache + CUDA graphs"
 
 
 class GraphCapture:
@@ -191,7 +191,7 @@ def attach(loaded, progress=None, *, warm_bucket: int = 1024,
                                     f"{str(error).splitlines()[0][:200]})"
         return
     loaded.fast_path = fast
-    loaded.decode_path = fast.name
+    loaded.decode_path = fast.name  # names the strategy that captured
     log.info("fast path ready for %s in %.1f s", loaded.display_name, seconds)
 
 
