@@ -56,6 +56,9 @@ def test_a_table_with_differing_greedy_tokens_says_where_and_gives_the_reference
     text = markdown_table([row])
     assert "at token 7, none, 6" in text and "static cache differs from plain generate at " \
         "token 2, 4, 11" in text
+    assert "low precision" in text
+    fp32 = BenchRow(**{**row.__dict__, "mode": "fp32"})
+    assert "worth reporting" in markdown_table([fp32])
     matching = BenchRow(**{**row.__dict__, "greedy_match": True, "first_mismatch": [None]})
     assert "first differ" not in markdown_table([matching])
 
