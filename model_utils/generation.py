@@ -74,7 +74,7 @@ class GenerationSettings:
                     not math.isfinite(value):
                 raise InvalidParameter(name, f"must be a finite number, got {value!r}")
             if not low <= value <= high:
-                raise InvalidParameter(name, f"must be between {low:g} and {high:g}, "
+                raise InvalidParameter(name, f"must be >= {low:g} and <= {high:g}, "
                                        f"got {value!r}")
 
         def integer(name, low, high=None):
@@ -82,7 +82,10 @@ class GenerationSettings:
             if not isinstance(value, int) or isinstance(value, bool):
                 raise InvalidParameter(name, f"must be an integer, got {value!r}")
             if value < low or (high is not None and value > high):
-                bounds = f"between {low} and {high}" if high is not None else f">= {low}"
+                bounds = f">= {low} and <= {high}" if high is not None else f">= {low}"
+                if name == "max_new_tokens":
+                    bounds = (f"between {low} and what the context window leaves after the "
+                              "prompt (a longer one is limited to that)")
                 # a huge integer is not worth echoing in full
                 shown = str(value) if len(str(value)) <= 30 else f"{str(value)[:12]}... " \
                     f"({len(str(value))} digits)"

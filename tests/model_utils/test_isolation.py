@@ -28,17 +28,17 @@ VICTIM_PROMPTS = ["Tell me about the sea.", "What is two plus two?", "Name a col
 
 # -- at the door --------------------------------------------------------------------------------
 @pytest.mark.parametrize("name, value, says", [
-    ("seed", 2**70, "must be between 0 and 9223372036854775807"),
+    ("seed", 2**70, "must be >= 0 and <= 9223372036854775807"),
     ("seed", True, "must be an integer"),
     ("temperature", math.inf, "finite number"),
     ("temperature", math.nan, "finite number"),
-    ("temperature", 1e300, "between 0 and 100"),
+    ("temperature", 1e300, ">= 0 and <= 100"),
     ("top_p", math.nan, "finite number"),
     ("top_p", 1e-400, "in (0, 1]"),  # 0.0 once parsed
-    ("repetition_penalty", 1e-300, "between 0.01 and 10"),
+    ("repetition_penalty", 1e-300, ">= 0.01 and <= 10"),
     ("repetition_penalty", math.inf, "finite number"),
-    ("top_k", 10**12, "between 0 and 1000000"),
-    ("max_new_tokens", -5, "must be >= 1"),
+    ("top_k", 10**12, ">= 0 and <= 1000000"),
+    ("max_new_tokens", -5, "must be between 1 and"),
     ("max_new_tokens", 2.5, "must be an integer"),
 ])
 def test_out_of_range_settings_are_refused_with_a_plain_message(load_demo, name, value, says):
@@ -47,7 +47,7 @@ def test_out_of_range_settings_are_refused_with_a_plain_message(load_demo, name,
         next(engine.chat(HELLO, GenerationSettings(**{name: value})))
     message = str(caught.value)
     assert caught.value.name == name and says in message, message
-    assert "Overflow" not in message and "Traceback" not in message and len(message) < 120
+    assert "Overflow" not in message and "Traceback" not in message and len(message) < 160
 
 
 @pytest.mark.parametrize("temperature", [2.28e-39, 1e-300, 5e-6])
