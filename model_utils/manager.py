@@ -305,8 +305,10 @@ class ModelManager:
             source, mode, config = self._check(request)
         except Exception as error:
             raise LoadError(_user_message(error)) from error
+        # What a load would find: the current model's memory is freed before it.
         return estimate_fit(config, mode, request.placement,
-                            context_tokens=self._context_tokens(config, request))
+                            context_tokens=self._context_tokens(config, request),
+                            reclaimable_gb=preflight.held_gb(self._loaded))
 
     def _preflight(self, request: LoadRequest) -> None:
         """Refuse, while the current model still serves, whatever would fail the load for a
