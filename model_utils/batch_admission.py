@@ -55,18 +55,22 @@ class Admission:
         try:
             self._prefill(requests, padded)
             return
-        except Exception as error:  # noqa: BLE001 - sorted out below, request by request
+        except Exception as group_error:  # noqa: BLE001 - sorted out below, one by one
+            error = group_error
             if len(requests) == 1:
                 self._fail_unplaced(requests, error)
                 return
             log.warning("prefill of %d prompts together failed (%s): each alone now",
                         len(requests), error)
         for request in self._unplaced(requests):
+            if request.new_tokens:  # its first token is out already: a retry would repeat it
+                self._fail_unplaced([request], error)
+                continue
             request.sampled, request.seen, request.generator = 0, None, None
             try:
                 self._prefill([request], padded)
-            except Exception as error:  # noqa: BLE001 - this request fails, the others go on
-                self._fail_unplaced([request], error)
+            except Exception as alone:  # noqa: BLE001 - this request fails, the others go on
+                self._fail_unplaced([request], alone)
 
     def _unplaced(self, requests: list[Request]) -> list[Request]:
         """Those of `requests` not placed in a row, not ended and not sent back to wait."""
@@ -113,23 +117,35 @@ class Admission:
     def _prefill(self, requests: list[Request], padded: bool = False) -> None:
         """Prefill prompts, sample each one's first token, and copy each one's KV into a free
         row of the batch cache. Prompts prefilled together eagerly are left-padded (one alone is
-        exactly the forward of a single reply); the padded prefill right-pads them."""
+        exactly the forward of a single reply); the padded prefill right-pads them.
+        A request whose own setup fails (its seed, say) ends here, before the forward."""
+        ready = []
         for request in requests:
-            settings = request.settings
-            if settings.seed is not None and not is_greedy(settings):
-                request.generator = torch.Generator(device=self.device).manual_seed(
-                    settings.seed)
-            if settings.repetition_penalty != 1.0:
-                request.seen = torch.tensor(request.input_ids, dtype=torch.long,
-                                            device=self.device)
-            if settings.min_new_tokens and request.eos_ids:
-                request.eos = torch.tensor(sorted(request.eos_ids), device=self.device)
+            try:
+                self._set_up(request)
+            except Exception as error:  # noqa: BLE001 - this request fails, the others go on
+                self._fail_unplaced([request], error)
+            else:
+                ready.append(request)
+        requests = ready
+        if not requests:
+            return
         if padded:
             logits, cache, ends = self.padded_prefill([r.input_ids for r in requests])
             self._start(requests, logits, cache, ends=ends)
             return
         logits, cache = self._forward_prompts([r.input_ids for r in requests])
         self._start(requests, logits, cache)
+
+    def _set_up(self, request: Request) -> None:
+        """A request's own sampling state on the device: its generator, seen ids, EOS ids."""
+        settings = request.settings
+        if settings.seed is not None and not is_greedy(settings):
+            request.generator = torch.Generator(device=self.device).manual_seed(settings.seed)
+        if settings.repetition_penalty != 1.0:
+            request.seen = torch.tensor(request.input_ids, dtype=torch.long, device=self.device)
+        if settings.min_new_tokens and request.eos_ids:
+            request.eos = torch.tensor(sorted(request.eos_ids), device=self.device)
 
     def _forward_prompts(self, prompts: list[list[int]]):
         """(logits [n, V] of each prompt's last token, a DynamicCache of their KV): one eager
