@@ -40,7 +40,7 @@ VICTIM_PROMPTS = ["Tell me about the sea.", "What is two plus two?", "Name a col
     ("top_k", 10**12, ">= 0 and <= 1000000"),
     ("max_new_tokens", -5, "must be between 1 and"),
     ("max_new_tokens", 2.5, "must be an integer"),
-    ("seed", "x" * 10**6, "must be an integer, got 'xxxxxxxxxxxxxxxxxxxxxxx... (1000002 characters)"),
+    ("seed", "x" * 10**6, "must be an integer, got 'xxxxxxxxxxxxxxxxxxxxxxx... (1000002 "),
     ("top_k", 2**4000, "(1205 characters)"),
 ])
 def test_out_of_range_settings_are_refused_with_a_plain_message(load_demo, name, value, says):
