@@ -29,7 +29,9 @@ from .openai_api import register_openai_api
 PanelBuilder = Callable[[Engine], dict]
 
 APP_NAME = "Qwen chat"
-LOGIN_MESSAGE = (f"<h2>{APP_NAME}</h2><p>Log in to chat with the models served here.</p>")
+# HTML (gradio's login page renders it as such, not as Markdown).
+LOGIN_MESSAGE = (f"<p><strong style='font-size:1.5em'>{APP_NAME}</strong></p>"
+                 "<p>Log in to chat with the models served here.</p>")
 STATUS_POLL_S = 1.0  # a change made elsewhere shows on every page within about this long
 
 CSS = "#chatbot .message-wrap sub { opacity: 0.7; }"  # the stats line under each reply
@@ -92,4 +94,5 @@ def _follow_engine(engine: Engine, status: gr.State) -> None:
                                  show_progress="hidden", concurrency_limit=None)
 
 
-__all__ = ["APP_NAME", "LOGIN_MESSAGE", "AppInfo", "PanelBuilder", "build", "register_openai_api", "reply_concurrency"]
+__all__ = ["APP_NAME", "LOGIN_MESSAGE", "AppInfo", "PanelBuilder", "build",
+           "register_openai_api", "reply_concurrency"]
