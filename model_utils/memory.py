@@ -17,6 +17,7 @@ import psutil
 import torch
 
 GB = 1024**3
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -75,7 +76,8 @@ class _Nvml:
         for i, handle in enumerate(handles):
             try:
                 info = pynvml.nvmlDeviceGetMemoryInfo(handle)
-            except Exception:  # noqa: BLE001 - a device fell off the bus: skip its figures
+            except Exception:  # a device fell off the bus: skip its figures
+                log.warning("NVML could not read device %d", i, exc_info=True)
                 continue
             usage[i] = (info.used / GB, info.total / GB)
         return usage
@@ -194,6 +196,6 @@ class MemoryHistory:
         while not self._stop.is_set():
             try:
                 self.record()
-            except Exception:  # noqa: BLE001 - a failed reading must not end the sampler
-                logging.getLogger(__name__).exception("memory sample failed")
+            except Exception:  # a failed reading must not end the sampler
+                log.exception("memory sample failed")
             self._stop.wait(interval_s)

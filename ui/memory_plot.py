@@ -64,9 +64,9 @@ def memory_svg(points: list[MemorySnapshot], *, window_s: float) -> str:
     def y(gb: float) -> float:
         return TOP + plot_h - gb / top * plot_h
 
-    parts = [f'<svg viewBox="0 0 {WIDTH} {HEIGHT}" width="100%" role="img" '
-             f'aria-label="memory over the last {window_s / 60:.0f} minutes" '
-             'style="font-size:12px;fill:var(--body-text-color)">']
+    parts = [(f'<svg viewBox="0 0 {WIDTH} {HEIGHT}" width="100%" role="img" '
+              f'aria-label="memory over the last {window_s / 60:.0f} minutes" '
+              'style="font-size:12px;fill:var(--body-text-color)">')]
     grid = 'style="stroke:var(--border-color-primary);stroke-width:1"'
     k = 0
     while k * step <= top + 1e-9:  # GB gridlines
