@@ -257,9 +257,13 @@ def _wire(c: dict, engine: Engine, signals: StopSignals, export_dir: Path, demo:
 
     def on_model_change(current: dict, max_new_tokens):
         context = current.get("context_tokens") or DEFAULT_CONTEXT
+        # The value is touched only when it no longer fits: on page load this may run before
+        # the saved settings are put back, and must not overwrite them with the default.
+        slider = gr.update(maximum=context)
+        if max_new_tokens is not None and max_new_tokens > context:
+            slider = gr.update(maximum=context, value=context)
         return (gr.update(visible=bool(current.get("is_demo"))),
-                gr.update(visible=engine.supports_thinking()),
-                gr.update(maximum=context, value=min(int(max_new_tokens or 1), context)))
+                gr.update(visible=engine.supports_thinking()), slider)
 
     status.change(on_model_change, [status, c["max_new_tokens"]],
                   [c["demo_notice"], c["thinking"], c["max_new_tokens"]],

@@ -111,6 +111,7 @@ def test_send_is_disabled_and_stop_enabled_only_while_a_reply_streams(browser, a
     page = open_page(browser, app.url)
     stop, send_button = page.locator("#stop"), page.locator("#send")
     assert stop.is_disabled() and send_button.is_enabled()
+    wait_for_model_defaults(page)
     set_number(page, "temperature", 0)
     set_number(page, "max_new_tokens", 4000)
     # Every change of the two buttons is recorded in the page, so a reply that ends quickly
@@ -155,13 +156,34 @@ def test_error_badges_go_with_the_error(browser, app, artifacts):
     page.context.close()
 
 
+def stored_settings(page) -> str | None:
+    """The settings as the browser keeps them (encrypted by gradio: only compared here)."""
+    return page.evaluate("() => localStorage.getItem('qwen-chat-settings')")
+
+
+def wait_for_model_defaults(page) -> None:
+    """The page-load handler has put the model's recommended settings in (the demo model's
+    generation_config has top_k 20, the sliders start at 0): a change made before that
+    would be overwritten by it."""
+    top_k = page.locator('input[aria-label^="number input for top_k"]')
+    wait_until(lambda: top_k.input_value() == "20", "the model's settings on page load")
+
+
 def test_settings_survive_a_reload(browser, app):
     page = open_page(browser, app.url)
+    wait_for_model_defaults(page)
+    before = stored_settings(page)
     page.locator("#system-prompt textarea").fill("Answer like a pirate.")
     set_number(page, "temperature", 1.3)
     set_number(page, "max_new_tokens", 77)
-    page.locator("#system-prompt textarea").press("Tab")  # let the last change land
-    page.wait_for_timeout(1000)
+    page.locator("#system-prompt textarea").press("Tab")
+    # Saved when the browser's copy has changed and then stays the same for a while.
+    wait_until(lambda: stored_settings(page) != before, "the settings to be saved")
+    last, steady_since = stored_settings(page), time.monotonic()
+    while time.monotonic() - steady_since < 3:
+        time.sleep(0.2)
+        if (now := stored_settings(page)) != last:
+            last, steady_since = now, time.monotonic()
     page.reload()
     page.locator("#message textarea").wait_for()
     prompt = page.locator("#system-prompt textarea")
@@ -176,6 +198,7 @@ def test_settings_survive_a_reload(browser, app):
 def test_a_reload_during_a_reply_keeps_the_message_and_the_partial_reply(browser, app):
     page = open_page(browser, app.url)
     page.locator("#clear").click()
+    wait_for_model_defaults(page)
     set_number(page, "temperature", 0)
     set_number(page, "max_new_tokens", 4000)
     send(page, "Tell me everything, at length.")
