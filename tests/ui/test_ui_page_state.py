@@ -83,6 +83,8 @@ def test_every_page_follows_a_change_made_through_the_api(browser, app, artifact
     other.get_by_role("tab", name="Benchmark").click()  # neither page shows Memory
     for page in (chat_page, other):
         page.locator("#headline").get_by_text("bf16").wait_for()
+    wait_for_model_defaults(chat_page)
+    set_number(chat_page, "max_new_tokens", 4000)  # more than the next model's context
     client = Client(app.url, verbose=False)
     try:
         client.predict(api_name="/unload_model")
@@ -98,6 +100,8 @@ def test_every_page_follows_a_change_made_through_the_api(browser, app, artifact
         chat_page.locator("#model-status").get_by_text("nf4").wait_for()
         chat_page.get_by_role("tab", name="Chat").click()
         wait_until(lambda: slider_max(chat_page) == 2048, "the slider to follow the context")
+        tokens = chat_page.locator('input[aria-label^="number input for max_new_tokens"]')
+        wait_until(lambda: tokens.input_value() == "2048", "the value to be clamped to it")
         chat_page.locator("#demo-notice").wait_for()
         other.screenshot(path=str(artifacts / "followed-api-switch.png"))
     finally:
