@@ -199,7 +199,8 @@ def test_settings_survive_a_reload(browser, app):
     page.context.close()
 
 
-def test_a_reload_during_a_reply_keeps_the_message_and_the_partial_reply(browser, app):
+def test_a_reload_during_a_reply_keeps_the_message_and_the_partial_reply(browser, app,
+                                                                         artifacts):
     page = open_page(browser, app.url)
     page.locator("#clear").click()
     wait_for_model_defaults(page)
@@ -210,12 +211,16 @@ def test_a_reload_during_a_reply_keeps_the_message_and_the_partial_reply(browser
         "() => { const m = document.querySelectorAll('#chatbot [data-testid=bot]');"
         " return m.length >= 1 && m[m.length-1].innerText.length > 20; }")
     page.wait_for_timeout(1500)  # past one save of the growing reply
+    streaming = page.locator("#stop").is_enabled()  # a 4000-token reply is still going
     page.reload()
     page.locator("#message textarea").wait_for()
     page.locator("#chatbot").get_by_text("Tell me everything, at length.").wait_for()
     bot = page.locator('#chatbot [data-testid="bot"]').last
     bot.wait_for()
     wait_until(lambda: len(bot.inner_text().strip()) > 20, "the partial reply")
+    if streaming:  # cut short by the reload: kept as far as it got, and marked so
+        page.locator("#chatbot sub", has_text="interrupted").wait_for()
+    page.screenshot(path=str(artifacts / "reloaded-mid-reply.png"))
     page.context.close()
 
 
