@@ -158,8 +158,9 @@ def main(argv: list[str] | None = None) -> int:
         engine.registry.allow_root(args.model)
     info = ui.AppInfo()
     load_initial_model(engine, args, info)
+    engine.start_memory_sampler()  # one history for every page, however many are open
 
-    demo = ui.build(engine, admin=args.admin, info=info)
+    demo = ui.build(engine, admin=args.admin, info=info, logout=bool(logins))
     # gradio switches matplotlib's backend around every event; done first inside a request,
     # the import (and, on a new machine, building matplotlib's font cache) stalled that
     # request's server for 0.4-0.9 s. Pay it here, before serving.
@@ -171,7 +172,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         app, local_url, share_url = demo.launch(
             server_name=args.host, server_port=args.port, share=args.share,
-            auth=logins or None, prevent_thread_lock=True, ssr_mode=False, css=ui.CSS,
+            auth=logins or None, auth_message=ui.LOGIN_MESSAGE, prevent_thread_lock=True,
+            ssr_mode=False, css=ui.CSS,
             max_threads=reply_slots + 40,
             footer_links=["api", "settings"])
     except OSError as error:  # the port is taken, or the address is not this machine's

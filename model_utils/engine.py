@@ -58,6 +58,10 @@ class Engine:
         self.manager = ModelManager(self.registry, trust_remote_code=trust_remote_code,
                                     busy_timeout_s=busy_timeout_s)
         self.memory = MemoryHistory()
+        # Bumped by every load, unload and switch (and a failed one, which may have put the
+        # previous model back): pages poll this number and fetch status() only when it moved.
+        self._status_version = 0
+        self._version_lock = threading.Lock()
         self.log_prompts = log_prompts
         self.compile = compile
         self.compile_mode = compile_mode  # torch.compile mode of the fast path's step
@@ -72,6 +76,18 @@ class Engine:
         self.worker = DecodeWorker()
         self.manager.on_loaded = self._prepare_decoding
         self.manager.on_unloaded = self._forget_compiled
+
+    def start_memory_sampler(self, interval_s: float = 2.0) -> None:
+        """One background thread records memory for every page and client (idempotent)."""
+        self.memory.start_sampling(interval_s)
+
+    def status_version(self) -> int:
+        """A number that changes whenever status() may have changed model (cheap to poll)."""
+        return self._status_version
+
+    def _status_changed(self) -> None:
+        with self._version_lock:
+            self._status_version += 1
 
     def _prepare_decoding(self, loaded: LoadedModel, progress: Progress) -> None:
         self._record_memory(loaded, "weights")
@@ -160,6 +176,7 @@ class Engine:
                      ", ".join(f"{k} {v}" for k, v in memory.items()))
 
     def _forget_compiled(self) -> None:
+        self._status_changed()  # the model is gone (mid-switch too): pages may say so
         # Wait for the decode loop to let go of the unloaded model's batch cache.
         self.worker.call(lambda: None)
         if torch.cuda.is_available():
@@ -168,11 +185,17 @@ class Engine:
 
     # -- models -------------------------------------------------------------------------------
     def load(self, request: LoadRequest, progress: Progress | None = None) -> dict:
-        self.manager.load(request, progress)
+        try:
+            self.manager.load(request, progress)
+        finally:
+            self._status_changed()
         return self.status()
 
     def unload(self) -> dict:
-        report = self.manager.unload()
+        try:
+            report = self.manager.unload()
+        finally:
+            self._status_changed()
         status = self.status()
         if report:
             status["unloaded"] = {"model": report.model, "leftover": report.leftover}

@@ -7,6 +7,7 @@ an unload is memory the cache kept, and empty_cache gives it back.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import deque
@@ -16,6 +17,7 @@ import psutil
 import torch
 
 GB = 1024**3
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -41,24 +43,51 @@ class MemorySnapshot:
         return asdict(self)
 
 
-def _nvml_usage() -> dict[int, tuple[float, float]]:
-    """index -> (used GB, total GB) from NVML; empty when NVML is unavailable."""
-    try:
+class _Nvml:
+    """NVML, initialised once for the process (nvmlInit costs milliseconds and a driver
+    round trip; the sampler reads it every couple of seconds) and never shut down: the
+    handles stay valid for as long as the process runs."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._handles: list | None = None  # None: not tried yet; []: unavailable
+
+    def _init_locked(self) -> list:
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            return [pynvml.nvmlDeviceGetHandleByIndex(i)
+                    for i in range(pynvml.nvmlDeviceGetCount())]
+        except Exception:  # noqa: BLE001 - no package or no driver: NVML raises its own types
+            return []
+
+    def usage(self) -> dict[int, tuple[float, float]]:
+        """index -> (used GB, total GB); empty when NVML is unavailable."""
+        with self._lock:
+            if self._handles is None:
+                self._handles = self._init_locked()
+            handles = self._handles
+        if not handles:
+            return {}
         import pynvml
-    except ImportError:
-        return {}
-    try:
-        pynvml.nvmlInit()
-    except Exception:  # noqa: BLE001 - no driver: NVML raises its own error types
-        return {}
-    usage = {}
-    try:
-        for i in range(pynvml.nvmlDeviceGetCount()):
-            info = pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(i))
+
+        usage = {}
+        for i, handle in enumerate(handles):
+            try:
+                info = pynvml.nvmlDeviceGetMemoryInfo(handle)
+            except Exception:  # a device fell off the bus: skip its figures
+                log.warning("NVML could not read device %d", i, exc_info=True)
+                continue
             usage[i] = (info.used / GB, info.total / GB)
-    finally:
-        pynvml.nvmlShutdown()
-    return usage
+        return usage
+
+
+_NVML = _Nvml()
+
+
+def _nvml_usage() -> dict[int, tuple[float, float]]:
+    return _NVML.usage()
 
 
 def torch_cuda_gb() -> dict[str, float]:
@@ -109,11 +138,18 @@ def take_snapshot() -> MemorySnapshot:
 
 @dataclass
 class MemoryHistory:
-    """A bounded history of snapshots for the plots (oldest dropped first)."""
+    """A bounded history of snapshots for the plots (oldest dropped first).
+
+    One sampler thread (start_sampling) records a point every few seconds for the whole
+    process, so the history covers the same minutes however many pages are open, and the
+    pages only read it.
+    """
 
     max_points: int = 300
     _points: deque = field(default_factory=deque)
     _lock: threading.Lock = field(default_factory=threading.Lock)
+    _sampler: threading.Thread | None = None
+    _stop: threading.Event = field(default_factory=threading.Event)
 
     def record(self) -> MemorySnapshot:
         snap = take_snapshot()
@@ -126,3 +162,40 @@ class MemoryHistory:
     def points(self) -> list[MemorySnapshot]:
         with self._lock:
             return list(self._points)
+
+    # -- the background sampler -----------------------------------------------------------
+    def start_sampling(self, interval_s: float = 2.0) -> None:
+        """Record a point now and then every `interval_s` on a daemon thread; a second
+        call while it runs does nothing."""
+        with self._lock:
+            if self.sampling:
+                return
+            self._stop.clear()
+            self._sampler = threading.Thread(target=self._sample, args=(interval_s,),
+                                             name="memory-sampler", daemon=True)
+            self._sampler.start()
+
+    def stop_sampling(self) -> None:
+        self._stop.set()
+        sampler = self._sampler
+        if sampler is not None:
+            sampler.join(timeout=10)
+
+    @property
+    def sampling(self) -> bool:
+        return self._sampler is not None and self._sampler.is_alive()
+
+    def latest(self) -> MemorySnapshot:
+        """The newest sampled point while the sampler runs (reading it costs nothing);
+        without a sampler, a fresh snapshot that is not added to the history."""
+        with self._lock:
+            newest = self._points[-1] if self._points else None
+        return newest if newest is not None and self.sampling else take_snapshot()
+
+    def _sample(self, interval_s: float) -> None:
+        while not self._stop.is_set():
+            try:
+                self.record()
+            except Exception:  # a failed reading must not end the sampler
+                log.exception("memory sample failed")
+            self._stop.wait(interval_s)

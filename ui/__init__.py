@@ -2,8 +2,10 @@
 takes the engine and returns its components, and the API endpoints live in api.py.
 
 The page keeps one shared piece of state, its copy of engine.status(): the model panel writes
-it after Load/Unload, the memory timer writes it when another page or an API client changed the
-model, and the chat panel and the header redraw from it.
+it after Load/Unload, and a page-level timer writes it when another page or an API client
+changed the model (it polls engine.status_version(), a counter, and fetches the status only
+when that moved). The header, the model panel and the chat panel redraw from it, whichever
+tab is open.
 """
 
 from __future__ import annotations
@@ -26,20 +28,32 @@ from .openai_api import register_openai_api
 # An extra tab: (title, builder). The builder runs inside the tab and gets the engine.
 PanelBuilder = Callable[[Engine], dict]
 
+APP_NAME = "Qwen chat"
+# HTML (gradio's login page renders it as such, not as Markdown).
+LOGIN_MESSAGE = (f"<p><strong style='font-size:1.5em'>{APP_NAME}</strong></p>"
+                 "<p>Log in to chat with the models served here.</p>")
+STATUS_POLL_S = 1.0  # a change made elsewhere shows on every page within about this long
+
 CSS = "#chatbot .message-wrap sub { opacity: 0.7; }"  # the stats line under each reply
 
 
 def build(engine: Engine, *, admin: str | None = None, info: AppInfo | None = None,
-          extra_panels: Sequence[tuple[str, PanelBuilder]] = ()) -> gr.Blocks:
+          extra_panels: Sequence[tuple[str, PanelBuilder]] = (),
+          logout: bool = False) -> gr.Blocks:
     """The whole page. `admin`: the only user allowed to load/unload (None: anyone).
     `info`: start-up notices (share link failure, initial load error) shown in the header.
-    `extra_panels`: more tabs, e.g. [("Profiler", build_profiler_panel)]."""
+    `extra_panels`: more tabs, e.g. [("Profiler", build_profiler_panel)].
+    `logout`: logins are on, so the header offers a Log out link (gradio's /logout)."""
     info = info or AppInfo()
-    with gr.Blocks(title="Qwen chat", analytics_enabled=False) as demo:
+    with gr.Blocks(title=APP_NAME, analytics_enabled=False) as demo:
         status = gr.State(engine.status())
-        with gr.Row():
-            gr.Markdown("## Qwen chat")
+        with gr.Row(equal_height=True):
+            gr.Markdown(f"## {APP_NAME}")
             header = gr.Markdown(headline(engine.status()), elem_id="headline")
+            # Relative, so it also works under a proxy's root path; /logout clears the cookie
+            # and sends the browser back to the login page.
+            gr.Button("Log out", link="logout", size="sm", scale=0, min_width=90,
+                      elem_id="logout", visible=logout)
         banner = gr.Markdown(info.banner(), elem_id="banner")
         with gr.Tabs():
             with gr.Tab("Chat", id="chat"):
@@ -47,7 +61,7 @@ def build(engine: Engine, *, admin: str | None = None, info: AppInfo | None = No
             with gr.Tab("Model", id="model"):
                 build_model_panel(engine, demo=demo, status=status, admin=admin, info=info)
             with gr.Tab("Memory", id="memory"):
-                build_memory_panel(engine, status=status)
+                build_memory_panel(engine)
             with gr.Tab("Benchmark", id="benchmark"):
                 build_bench_panel(engine)
             # Further panels are passed in by the caller.
@@ -56,6 +70,7 @@ def build(engine: Engine, *, admin: str | None = None, info: AppInfo | None = No
                     builder(engine)
         status.change(headline, status, header, api_visibility="private",
                       show_progress="hidden")
+        _follow_engine(engine, status)
         # Read on every page load: notices written after launch (the share tunnel failed)
         # still reach the page.
         demo.load(info.banner, None, banner, api_visibility="private", show_progress="hidden")
@@ -63,4 +78,21 @@ def build(engine: Engine, *, admin: str | None = None, info: AppInfo | None = No
     return demo
 
 
-__all__ = ["AppInfo", "PanelBuilder", "build", "register_openai_api", "reply_concurrency"]
+def _follow_engine(engine: Engine, status: gr.State) -> None:
+    """Keep this page's status in step with the engine, whichever tab is open: a tick reads
+    the engine's status version (an int), and only when it moved the status itself, so
+    the panels redraw on a change and not on every tick."""
+    seen = gr.State(-1)  # -1: the first tick fetches the status a freshly opened page needs
+
+    def follow(version_seen: int):
+        version = engine.status_version()  # read first: a change after it shows next tick
+        if version == version_seen:
+            return gr.skip(), gr.skip()
+        return version, {k: v for k, v in engine.status().items() if k != "unloaded"}
+
+    gr.Timer(STATUS_POLL_S).tick(follow, seen, [seen, status], api_visibility="private",
+                                 show_progress="hidden", concurrency_limit=None)
+
+
+__all__ = ["APP_NAME", "LOGIN_MESSAGE", "AppInfo", "PanelBuilder", "build",
+           "register_openai_api", "reply_concurrency"]

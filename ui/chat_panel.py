@@ -1,5 +1,9 @@
 """The chat panel: a streaming chatbot with Stop, Regenerate, Undo, Clear, settings, the
-thinking switch, export/import, and a conversation kept in the browser across reloads."""
+thinking switch, export/import, and a conversation and settings kept in the browser across
+reloads (a reply cut short by a reload is kept as far as it got).
+
+While a reply streams, Send and Regenerate are disabled and Stop is the red, enabled button;
+afterwards (done, stopped, failed or cancelled) they change back."""
 
 from __future__ import annotations
 
@@ -12,6 +16,7 @@ import gradio as gr
 
 from model_utils.engine import Engine
 
+from .chat_settings import keep_settings
 from .common import DEMO_NOTICE, reply_concurrency, user_error
 from .conversation import (
     MAX_IMPORT_BYTES,
@@ -24,6 +29,21 @@ from .conversation import (
     without_last_turn,
 )
 from .replies import SETTING_NAMES, StopSignals, make_settings, stats_line, stream
+
+# Stats line of a reply the page stopped seeing (a reload, a closed tab): the conversation in
+# the browser is saved while the reply streams, and this is what such a turn ends with.
+INTERRUPTED = "interrupted: the page was reloaded or closed during the reply"
+SAVE_INTERVAL_S = 1.0  # how often a streaming reply is written to the browser's storage
+DEFAULT_CONTEXT = 8192  # the slider's range before any model is loaded
+
+
+def buttons(generating: bool) -> tuple:
+    """(Send, Stop, Regenerate) for the two states of the panel."""
+    if generating:
+        return (gr.update(interactive=False), gr.update(interactive=True, variant="stop"),
+                gr.update(interactive=False))
+    return (gr.update(interactive=True), gr.update(interactive=False, variant="secondary"),
+            gr.update(interactive=True))
 
 log = logging.getLogger("ui")
 
@@ -48,7 +68,7 @@ def build_chat_panel(engine: Engine, *, demo: gr.Blocks, status: gr.State) -> di
                                           placeholder="Type a message; Enter sends it")
                 c["send"] = gr.Button("Send", variant="primary", scale=1, elem_id="send")
             with gr.Row():
-                c["stop"] = gr.Button("Stop", elem_id="stop", size="sm")
+                c["stop"] = gr.Button("Stop", elem_id="stop", size="sm", interactive=False)
                 c["regenerate"] = gr.Button("Regenerate", elem_id="regenerate", size="sm")
                 c["undo"] = gr.Button("Undo last turn", elem_id="undo", size="sm")
                 c["clear"] = gr.Button("Clear", elem_id="clear", size="sm")
@@ -60,8 +80,9 @@ def build_chat_panel(engine: Engine, *, demo: gr.Blocks, status: gr.State) -> di
                                               size="sm", elem_id="import")
                 c["export_file"] = gr.File(label="Exported conversation", visible=False,
                                            interactive=False)
-    # The conversation itself, in the browser's localStorage: it survives a page reload.
+    # The conversation and the settings, in the browser's localStorage: they survive a reload.
     c["conversation"] = gr.BrowserState([], storage_key="qwen-chat-conversation")
+    c["saved_settings"] = gr.BrowserState({}, storage_key="qwen-chat-settings")
     _wire(c, engine, signals, export_dir, demo, status)
     return c
 
@@ -76,7 +97,11 @@ def _settings_controls(c: dict, engine: Engine) -> None:
         c["temperature"] = gr.Slider(0, 2, value=0.7, step=0.05, label="temperature (0 = greedy)")
         c["top_p"] = gr.Slider(0.01, 1, value=1.0, step=0.01, label="top_p")
         c["top_k"] = gr.Slider(0, 200, value=0, step=1, label="top_k (0 = off)")
-        c["max_new_tokens"] = gr.Slider(1, 8192, value=512, step=1, label="max_new_tokens")
+        # Up to the loaded model's context (redrawn on every load and switch): a reply can
+        # never be longer than the window, and the engine fits it to what the prompt leaves.
+        context = engine.status().get("context_tokens") or DEFAULT_CONTEXT
+        c["max_new_tokens"] = gr.Slider(1, context, value=min(512, context), step=1,
+                                        label="max_new_tokens", elem_id="max-new-tokens")
         c["repetition_penalty"] = gr.Slider(0.5, 2, value=1.0, step=0.01,
                                             label="repetition_penalty (1 = off)")
         c["seed"] = gr.Number(value=-1, precision=0, label="seed (-1 = random)", minimum=-1)
@@ -85,12 +110,14 @@ def _settings_controls(c: dict, engine: Engine) -> None:
 def _wire(c: dict, engine: Engine, signals: StopSignals, export_dir: Path, demo: gr.Blocks,
           status: gr.State) -> None:
     settings_inputs = [c["system_prompt"], c["thinking"], *(c[n] for n in SETTING_NAMES)]
-    stream_outputs = [c["chatbot"], c["conversation"], c["message"], c["notice"]]
+    controls = [c["send"], c["stop"], c["regenerate"]]
+    stream_outputs = [c["chatbot"], c["conversation"], c["message"], c["notice"], *controls]
 
     def reply(before: list[dict], message: str, system_prompt: str, thinking: bool,
               values: dict, request: gr.Request | None, restore_box):
-        """Stream one reply after `before` + the user's `message`.
-        Yields (chatbot, conversation, message box, notice)."""
+        """Stream one reply after `before` + the user's `message`. Yields (chatbot,
+        conversation, message box, notice, Send, Stop, Regenerate). The conversation in the
+        browser is written as the reply grows, so a reload keeps the turn as far as it got."""
         settings = make_settings(values)  # bad values: gr.Error before anything changes
         turns = [*before, {"role": "user", "content": message}]
         mode = engine.status().get("mode", "?")
@@ -98,17 +125,26 @@ def _wire(c: dict, engine: Engine, signals: StopSignals, export_dir: Path, demo:
         stop = signals.start(session)
         log.info("chat: session %s, %d earlier messages, new message of %d chars, settings %s",
                  (session or "-")[:8], len(before), len(message), values)
+
+        def saved(pending: dict) -> list[dict]:
+            return [*turns, {"role": "assistant", **pending, "stats": INTERRUPTED}]
+
         try:
-            yield chatbot_messages(turns, {"content": ""}), gr.skip(), "", ""
-            update = None
+            yield (chatbot_messages(turns, {"content": ""}), saved({"content": ""}), "", "",
+                   *buttons(generating=True))
+            update, last_save = None, time.monotonic()
             try:
                 for update in stream(engine, engine_messages(turns), settings,
                                      system_prompt=system_prompt, thinking=thinking, stop=stop):
                     pending = {"content": update.answer, "reasoning": update.reasoning}
-                    yield chatbot_messages(turns, pending), gr.skip(), gr.skip(), update.notice
+                    keep = gr.skip()
+                    if time.monotonic() - last_save >= SAVE_INTERVAL_S:
+                        keep, last_save = saved(pending), time.monotonic()
+                    yield (chatbot_messages(turns, pending), keep, gr.skip(), update.notice,
+                           *(gr.skip(),) * 3)
             except gr.Error:
                 # Nothing is lost: the conversation as it was, the message back in the box.
-                yield chatbot_messages(before), gr.skip(), restore_box, ""
+                yield chatbot_messages(before), before, restore_box, "", *(gr.skip(),) * 3
                 raise
             if update is None:  # stopped before the first token
                 turns.append({"role": "assistant", "content": "", "stats": "stopped"})
@@ -116,7 +152,8 @@ def _wire(c: dict, engine: Engine, signals: StopSignals, export_dir: Path, demo:
                 turns.append({"role": "assistant", "content": update.answer,
                               "reasoning": update.reasoning,
                               "stats": stats_line(update.stats, mode) or "stopped"})
-            yield chatbot_messages(turns), turns, gr.skip(), update.notice if update else ""
+            yield (chatbot_messages(turns), turns, gr.skip(), update.notice if update else "",
+                   *buttons(generating=False))
         finally:
             signals.finish(session, stop)
 
@@ -124,7 +161,7 @@ def _wire(c: dict, engine: Engine, signals: StopSignals, export_dir: Path, demo:
                 temperature, top_p, top_k, max_new_tokens, repetition_penalty, seed,
                 request: gr.Request):
         if not (message or "").strip():  # an empty message sends nothing
-            yield gr.skip(), gr.skip(), gr.skip(), gr.skip()
+            yield (gr.skip(),) * len(stream_outputs)
             return
         values = dict(zip(SETTING_NAMES, (temperature, top_p, top_k, max_new_tokens,
                                           repetition_penalty, seed), strict=True))
@@ -144,19 +181,33 @@ def _wire(c: dict, engine: Engine, signals: StopSignals, export_dir: Path, demo:
                              restore_box=gr.skip())
         except gr.Error:
             # The old reply stays when the new one cannot be made.
-            yield chatbot_messages(conversation), gr.skip(), gr.skip(), ""
+            yield (chatbot_messages(conversation), conversation, gr.skip(), "",
+                   *(gr.skip(),) * 3)
             raise
 
+    def idle():
+        """After a reply, whatever its end: the buttons back, and the chatbot and message box
+        out of gradio's "error" state (a failed event leaves a red badge on its outputs until
+        another event writes them; the error itself was shown as a toast)."""
+        return gr.skip(), gr.skip(), *buttons(generating=False)
+
     reply_events = []
-    for trigger in (c["message"].submit, c["send"].click):
-        reply_events.append(trigger(
-            respond, [c["message"], c["conversation"], *settings_inputs], stream_outputs,
-            concurrency_id="reply", concurrency_limit=reply_concurrency(engine), api_visibility="private",
-            show_progress="minimal"))
-    reply_events.append(c["regenerate"].click(
+    # One listener for Enter and Send: trigger_mode="once" ignores either while a reply of
+    # this page is still running.
+    sent = gr.on([c["message"].submit, c["send"].click], respond,
+                 [c["message"], c["conversation"], *settings_inputs], stream_outputs,
+                 concurrency_id="reply", concurrency_limit=reply_concurrency(engine),
+                 api_visibility="private", show_progress="minimal", trigger_mode="once")
+    regenerated = c["regenerate"].click(
         regenerate, [c["conversation"], *settings_inputs], stream_outputs,
-        concurrency_id="reply", concurrency_limit=reply_concurrency(engine), api_visibility="private",
-        show_progress="minimal"))
+        concurrency_id="reply", concurrency_limit=reply_concurrency(engine),
+        api_visibility="private", show_progress="minimal", trigger_mode="once")
+    for event in (sent, regenerated):
+        reply_events.append(event)
+        # .success and .failure both: gradio's frontend runs a .then only after a success.
+        for after in (event.success, event.failure):
+            after(idle, None, [c["chatbot"], c["message"], *controls], concurrency_limit=None,
+                  api_visibility="private", show_progress="hidden")
 
     def stop_reply(request: gr.Request) -> None:
         # Graceful: the engine ends the reply at the next decode step and the partial answer
@@ -170,13 +221,13 @@ def _wire(c: dict, engine: Engine, signals: StopSignals, export_dir: Path, demo:
     # the engine's (the decode slot is freed within one step).
     def undo(conversation: list[dict]):
         turns, message = without_last_turn(conversation or [])
-        return chatbot_messages(turns), turns, message, ""
+        return chatbot_messages(turns), turns, message, "", *buttons(generating=False)
 
     c["undo"].click(undo, [c["conversation"]], stream_outputs, cancels=reply_events,
                     api_visibility="private", show_progress="hidden")
     for trigger in (c["clear"].click, c["chatbot"].clear):  # the button and the bin icon
-        trigger(lambda: ([], [], "", ""), None, stream_outputs, cancels=reply_events,
-                api_visibility="private", show_progress="hidden")
+        trigger(lambda: ([], [], "", "", *buttons(generating=False)), None, stream_outputs,
+                cancels=reply_events, api_visibility="private", show_progress="hidden")
 
     def export(conversation: list[dict], system_prompt: str):
         path = export_dir / time.strftime("conversation-%Y%m%d-%H%M%S.json")
@@ -202,37 +253,24 @@ def _wire(c: dict, engine: Engine, signals: StopSignals, export_dir: Path, demo:
     c["import"].upload(import_, [c["import"]],
                        [c["chatbot"], c["conversation"], c["system_prompt"]],
                        api_visibility="private")
+    keep_settings(c, engine, demo, settings_inputs, default_context=DEFAULT_CONTEXT)
 
-    # Page load: redraw the conversation kept in the browser, use the model's own defaults.
-    def on_page_load(conversation: list[dict]):
-        defaults = _model_defaults(engine)
-        return [chatbot_messages(conversation or []),
-                *(gr.update(value=defaults[n]) if n in defaults else gr.skip()
-                  for n in SETTING_NAMES)]
-
-    demo.load(on_page_load, [c["conversation"]], [c["chatbot"], *(c[n] for n in SETTING_NAMES)],
-              api_visibility="private", show_progress="hidden")
-
-    def on_model_change(current: dict):
-        context = current.get("context_tokens") or 8192
+    def on_model_change(current: dict, max_new_tokens):
+        context = current.get("context_tokens") or DEFAULT_CONTEXT
+        # The value is touched only when it no longer fits: on page load this may run before
+        # the saved settings are put back, and must not overwrite them with the default.
+        slider = gr.update(maximum=context)
+        if max_new_tokens is not None and max_new_tokens > context:
+            slider = gr.update(maximum=context, value=context)
         return (gr.update(visible=bool(current.get("is_demo"))),
-                gr.update(visible=engine.supports_thinking()),
-                gr.update(maximum=context))
+                gr.update(visible=engine.supports_thinking()), slider)
 
-    status.change(on_model_change, [status],
+    status.change(on_model_change, [status, c["max_new_tokens"]],
                   [c["demo_notice"], c["thinking"], c["max_new_tokens"]],
                   api_visibility="private", show_progress="hidden")
+
     # A closed tab stops its reply at the next decode step (gradio also closes the generator).
     def on_tab_closed(request: gr.Request) -> None:
         signals.stop(getattr(request, "session_hash", None))
 
     demo.unload(on_tab_closed)
-
-
-def _model_defaults(engine: Engine) -> dict:
-    """The loaded model's recommended settings (its generation_config), or {} without one."""
-    try:
-        settings = engine.default_settings().as_dict()
-    except Exception:  # noqa: BLE001 - no model loaded: keep the sliders as they are
-        return {}
-    return {k: v for k, v in settings.items() if k in SETTING_NAMES and v is not None}

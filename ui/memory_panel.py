@@ -1,16 +1,20 @@
 """The memory panel: a card per GPU (NVML used/total, torch allocated/reserved), CPU RAM and
-process RSS, the loaded model's weights, refreshed by a timer, and a plot of the last minutes."""
+process RSS, the loaded model's weights, refreshed by a timer, and a plot of the last minutes.
+
+The figures come from the engine's one background sampler (engine.memory): the panel only
+reads the history, so a page open or closed changes nothing in what is recorded.
+"""
 
 from __future__ import annotations
 
 import html
-from datetime import datetime
 
 import gradio as gr
-import pandas as pd
 
 from model_utils.engine import Engine
 from model_utils.memory import MemorySnapshot
+
+from .memory_plot import memory_svg
 
 REFRESH_S = 2.0
 WINDOW_S = 300  # the plot shows the last five minutes
@@ -20,23 +24,19 @@ _CARD = ("<div class='mem-card' style='border:1px solid var(--border-color-prima
          "<div style='font-weight:600'>{title}</div>{rows}</div>")
 
 
-def build_memory_panel(engine: Engine, *, status: gr.State) -> dict:
+def build_memory_panel(engine: Engine) -> dict:
     c: dict = {}
-    c["cards"] = gr.HTML(memory_cards(engine.memory_snapshot(), engine.status()),
+    c["cards"] = gr.HTML(memory_cards(engine.memory.latest(), engine.status()),
                          elem_id="memory-cards")
-    c["plot"] = gr.LinePlot(_history_frame(engine), x="time", y="GB", color="series",
-                            title="Memory, last five minutes", height=300, elem_id="memory-plot",
-                            x_title="time", y_title="GB")
+    c["plot"] = gr.HTML(memory_svg(engine.memory.points(), window_s=WINDOW_S),
+                        elem_id="memory-plot")
     c["timer"] = gr.Timer(REFRESH_S)
 
-    def refresh(current: dict):
-        snapshot = engine.memory_snapshot()  # also adds a point to the history
-        now = engine.status()
-        # Loads by other pages or API clients reach this page through the status it holds.
-        changed = now if now != current else gr.skip()
-        return memory_cards(snapshot, now), _history_frame(engine), changed
+    def refresh():
+        return (memory_cards(engine.memory.latest(), engine.status()),
+                memory_svg(engine.memory.points(), window_s=WINDOW_S))
 
-    c["timer"].tick(refresh, [status], [c["cards"], c["plot"], status],
+    c["timer"].tick(refresh, None, [c["cards"], c["plot"]],
                     api_visibility="private", show_progress="hidden", concurrency_limit=None)
     return c
 
@@ -80,21 +80,3 @@ def memory_cards(snapshot: MemorySnapshot, status: dict) -> str:
     cards.append(_CARD.format(title="Loaded model", rows=model_rows))
     note = f"<p><i>{html.escape(snapshot.note)}</i></p>" if snapshot.note else ""
     return note + "<div style='display:flex;gap:12px;flex-wrap:wrap'>" + "".join(cards) + "</div>"
-
-
-def _history_frame(engine: Engine) -> pd.DataFrame:
-    """engine.memory.points() -> long format (time, series, GB) for one line per series."""
-    points = engine.memory.points()
-    rows = []
-    newest = points[-1].time if points else 0
-    for p in points:
-        if newest - p.time > WINDOW_S:
-            continue
-        t = datetime.fromtimestamp(p.time)
-        rows.append((t, "CPU RAM used", p.cpu_used_gb))
-        rows.append((t, "process RSS", p.process_rss_gb))
-        for gpu in p.gpus:
-            if gpu.used_gb is not None:
-                rows.append((t, f"cuda:{gpu.index} used", gpu.used_gb))
-            rows.append((t, f"cuda:{gpu.index} allocated", gpu.allocated_gb))
-    return pd.DataFrame(rows, columns=["time", "series", "GB"])

@@ -106,12 +106,21 @@ def status_markdown(status: dict) -> str:
     path = status.get("decode_path", "?")
     if status.get("decode_path_reason"):
         path += f" ({status['decode_path_reason']})"
-    lines.append(f"footprint {status.get('footprint_gb', 0):.4f} GB · loaded in "
-                 f"{status.get('load_s', 0):.2f} s · context {status.get('context_tokens')} "
+    lines.append(f"footprint {status.get('footprint_gb', 0):.4f} GB · tokenizer and weights "
+                 f"read in {status.get('load_s', 0):.2f} s · context {status.get('context_tokens')} "
                  f"tokens · decode path {path}")
     if status.get("estimate"):
         lines.append(f"estimate at load: {status['estimate']}")
     return "\n\n".join(lines)
+
+
+def loaded_message(status: dict, ready_s: float) -> str:
+    """What a Load click did, each figure named: the whole wait (unloading the previous
+    model, reading the weights, preparing decoding) and the part spent reading weights."""
+    return (f"Loaded {status['model']} in {status['mode']}: ready to serve {ready_s:.2f} s "
+            f"after the click; {status.get('load_s', 0):.2f} s of that went to reading the "
+            "tokenizer and weights (the rest: unloading the previous model, checking the "
+            "request, preparing decoding).")
 
 
 def unload_message(status: dict) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextvars
 import threading
+import time
 
 import gradio as gr
 
@@ -51,17 +52,23 @@ def build_model_panel(engine: Engine, *, demo: gr.Blocks, status: gr.State,
                                                  "fits nowhere; strategies only)")
                 c["compute_dtype"] = gr.Dropdown(list(actions.COMPUTE_DTYPES), value="bf16",
                                                  label="Compute dtype (4-bit modes)")
-                c["context_tokens"] = gr.Number(value=None, precision=0, minimum=0,
-                                                label="Context tokens (empty = the model's, "
-                                                      "at most 8192)")
+                # A textbox, not a gr.Number: a Number shows 0 when empty, which reads as
+                # "a context of 0" under a label that says empty means the model's own.
+                c["context_tokens"] = gr.Textbox(label="Context tokens",
+                                                 placeholder="empty = the model's own, at most "
+                                                             "8192", elem_id="context-tokens")
         with gr.Column(scale=1):
             c["estimate"] = gr.Markdown(elem_id="estimate")
             with gr.Row():
                 c["load"] = gr.Button("Load", variant="primary", elem_id="load")
                 c["unload"] = gr.Button("Unload", elem_id="unload")
             c["admin_note"] = gr.Markdown(
-                f"Only the admin user (**{admin}**) may load or unload models." if admin else "")
-            c["message"] = gr.Markdown(_startup_message(info), elem_id="model-message")
+                f"Only the admin user (**{admin}**) may load or unload models." if admin else "",
+                elem_id="admin-note")
+            # The load's progress bar is drawn here, in a box of its own, not over the
+            # status and the estimate.
+            c["message"] = gr.Markdown(_startup_message(info), elem_id="model-message",
+                                       min_height=64)
             c["status"] = gr.Markdown(actions.status_markdown(engine.status()),
                                       elem_id="model-status")
     _wire(c, engine, demo, status, admin)
@@ -80,7 +87,8 @@ def _wire(c: dict, engine: Engine, demo: gr.Blocks, status: gr.State,
             placement=values[c["placement"]],
             max_memory_gb={device: values[slider] for device, slider in caps.items()},
             offload_folder=values[c["offload_folder"]],
-            compute_dtype=values[c["compute_dtype"]], context_tokens=values[c["context_tokens"]])
+            compute_dtype=values[c["compute_dtype"]],
+            context_tokens=context_from_text(values[c["context_tokens"]]))
 
     def estimate(values: dict) -> str:
         try:
@@ -93,10 +101,11 @@ def _wire(c: dict, engine: Engine, demo: gr.Blocks, status: gr.State,
           api_visibility="private", show_progress="hidden", trigger_mode="always_last")
 
     def load(values: dict, request: gr.Request, progress=gr.Progress()):  # noqa: B008 (gradio API)
+        clicked = time.perf_counter()
         try:
             result = actions.load(engine, request_from(values), admin=admin, who=request,
                                   progress=progress_from_any_thread(progress))
-            message = f"Loaded {result['model']} in {result['mode']} ({result['load_s']:.2f} s)."
+            message = actions.loaded_message(result, time.perf_counter() - clicked)
         except gr.Error as error:
             # Shown twice on purpose: a toast now, and a line that stays next to the status.
             gr.Warning(error.message)
@@ -114,9 +123,23 @@ def _wire(c: dict, engine: Engine, demo: gr.Blocks, status: gr.State,
 
     outputs = [c["message"], c["status"], status]
     c["load"].click(load, picks, [*outputs, c["estimate"]], concurrency_id="model",
-                    concurrency_limit=1, api_visibility="private")
+                    concurrency_limit=1, api_visibility="private",
+                    show_progress_on=[c["message"]])
     c["unload"].click(unload, None, outputs, concurrency_id="model", concurrency_limit=1,
-                      api_visibility="private")
+                      api_visibility="private", show_progress_on=[c["message"]])
+
+    def for_this_user(request: gr.Request | None):
+        """Load and Unload as this user may use them: a guest (logged in, not the admin)
+        sees them disabled with the reason. The handlers check again: this is only a view."""
+        user = getattr(request, "username", None)
+        if admin is None or user == admin:
+            return gr.skip(), gr.skip(), gr.skip()
+        note = (f"Load and Unload are disabled: only the admin user (**{admin}**) may change "
+                f"the model, and you are {'not logged in' if user is None else f'**{user}**'}.")
+        return gr.update(interactive=False), gr.update(interactive=False), note
+
+    demo.load(for_this_user, None, [c["load"], c["unload"], c["admin_note"]],
+              api_visibility="private", show_progress="hidden")
 
     def on_page_load(values: dict):
         # The picks start at what is loaded now, so "pick a mode, press Load" switches the
@@ -134,6 +157,15 @@ def _wire(c: dict, engine: Engine, demo: gr.Blocks, status: gr.State,
     # Any change of the loaded model (this page, another page, an API call) redraws the status.
     status.change(lambda s: actions.status_markdown(s), status, c["status"],
                   api_visibility="private", show_progress="hidden")
+
+
+def context_from_text(text: str | None) -> int | str | None:
+    """The Context tokens box -> make_request's context_tokens: empty -> None (the model's),
+    digits -> int; anything else goes on as typed, so make_request names it in its error."""
+    text = (text or "").strip()
+    if not text:
+        return None
+    return int(text) if text.isdigit() else text
 
 
 def _plain(status: dict) -> dict:

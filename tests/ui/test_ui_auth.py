@@ -77,7 +77,8 @@ def test_failed_share_link_is_reported_and_the_app_serves_locally(app, artifacts
         banner.get_by_text("could not be created").wait_for(timeout=30000)
         assert "serving locally only" in banner.inner_text()
         page.screenshot(path=str(artifacts / "share-failed-banner.png"))
-        # The non-admin user clicks Load: refused in the handler, said on the page.
+        # The non-admin user sees Load disabled with the reason (the handler refuses too:
+        # test_only_the_admin_may_load_or_unload).
         page.get_by_role("tab", name="Model").click()
-        page.locator("#load").click()
-        page.locator("#model-message").get_by_text("only the admin user").wait_for(timeout=30000)
+        page.locator("#admin-note").get_by_text("only the admin user").wait_for(timeout=30000)
+        assert page.locator("#load").is_disabled()
