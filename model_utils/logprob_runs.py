@@ -47,13 +47,20 @@ def engine_greedy(engine: Engine, prompts: list[list[int]], new_tokens: int) -> 
 
 
 @torch.inference_mode()
-def plain_greedy(model, prompts: list[list[int]], new_tokens: int) -> list[Steps]:
+def plain_greedy(model, prompts: list[list[int]], new_tokens: int,
+                 should_yield: Callable[[], bool] | None = None) -> list[Steps] | None:
     """Plain model.generate, greedy, on equal-length prompts at once (no padding), with the raw
-    logits of every step."""
+    logits of every step; None when it stopped early because `should_yield()` (bench_gate)."""
+    from .bench_gate import stopping_when
+
+    criteria, criterion = stopping_when(should_yield or (lambda: False))
     ids = torch.tensor(prompts, device=input_device(model))
     out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
                          min_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
-                         output_logits=True, return_dict_in_generate=True)
+                         output_logits=True, return_dict_in_generate=True,
+                         stopping_criteria=criteria)
+    if criterion.yielded:
+        return None
     tokens = out.sequences[:, ids.shape[1]:].tolist()
     return [steps_from_logits(t, [step[i] for step in out.logits]) for i, t in enumerate(tokens)]
 
