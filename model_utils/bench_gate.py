@@ -34,9 +34,12 @@ class NoGate:
 
 class Gate(NoGate):
     def __init__(self, engine, *, quiet_timeout_s: float = 120.0, max_retries: int = 50,
-                 poll_s: float = 0.02):
+                 poll_s: float = 0.02, settle_s: float = 0.2):
         self.engine = engine
         self.quiet_timeout_s, self.max_retries, self.poll_s = quiet_timeout_s, max_retries, poll_s
+        # Quiet this long before a call starts: a user's next message often follows the last
+        # reply closely, and a call that starts in between only gives way again.
+        self.settle_s = settle_s
         self.interruptions = 0  # calls that gave way to a reply and ran again
 
     def busy(self) -> bool:
@@ -47,7 +50,12 @@ class Gate(NoGate):
 
     def wait_quiet(self) -> None:
         deadline = time.monotonic() + self.quiet_timeout_s
-        while self.busy():
+        quiet_since = time.monotonic()
+        while True:
+            if self.busy():
+                quiet_since = time.monotonic()
+            elif time.monotonic() - quiet_since >= self.settle_s:
+                return
             if time.monotonic() > deadline:
                 raise RuntimeError("replies kept the engine busy for "
                                    f"{self.quiet_timeout_s:.0f} s: run the benchmark later")
