@@ -45,10 +45,11 @@ def make_config(vocab: int, hidden: int, layers: int, eos: int, pad: int):
                        bos_token_id=pad, eos_token_id=eos, pad_token_id=pad)
 
 
-def train(out: Path, *, hidden: int = 64, layers: int = 2, seconds: float = 20.0,
+def train(out: Path, *, hidden: int = 64, layers: int = 2, seconds: float | None = 20.0,
           max_steps: int = 400, window: int = 128, batch: int = 16, lr: float | None = None,
           device: str | None = None, seed: int = 0) -> dict:
-    """Train, save to `out` (bf16 safetensors + tokenizer) and return what happened."""
+    """Train for max_steps or `seconds` (None: no time limit, for tests that must not depend
+    on the machine's speed), save to `out` (bf16 safetensors + tokenizer), report."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
     from .demo_model import demo_model_path
@@ -70,7 +71,7 @@ def train(out: Path, *, hidden: int = 64, layers: int = 2, seconds: float = 20.0
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.startswith("cuda") \
         else torch.autocast("cpu", enabled=False)
     start, losses, step = time.perf_counter(), [], 0
-    while step < max_steps and time.perf_counter() - start < seconds:
+    while step < max_steps and (seconds is None or time.perf_counter() - start < seconds):
         starts = torch.randint(0, len(ids) - window - 1, (batch,), generator=generator)
         x = torch.stack([ids[s:s + window] for s in starts]).to(device)
         for group in optimizer.param_groups:
