@@ -142,6 +142,8 @@ def dequantized_weight(module) -> torch.Tensor | None:
     weight = getattr(module, "weight", None)
     kind = type(weight).__name__
     if kind == "Params4bit":
+        if getattr(weight.quant_state, "packing_format_for_cpu", False):
+            return _probed_weight(module)
         import bitsandbytes.functional as bnbf
 
         return bnbf.dequantize_4bit(weight.data, weight.quant_state).float()
@@ -150,6 +152,20 @@ def dequantized_weight(module) -> torch.Tensor | None:
 
         return bnbf.int8_vectorwise_dequant(weight.data, weight.SCB).float()
     return None
+
+
+def _probed_weight(module) -> torch.Tensor:
+    """The weight a layer computes with, read back through its own forward: the identity in,
+    W^T (+ bias) out. For bitsandbytes' CPU kernel, which repacks a 4-bit weight at its first
+    forward and keeps its block scales in bf16 from then on (bitsandbytes' inverse of that
+    repacking is best-effort: measured, it gave another layer)."""
+    dtype = getattr(module, "compute_dtype", None) or torch.bfloat16
+    eye = torch.eye(module.in_features, dtype=dtype, device=module.weight.device)
+    with torch.inference_mode():
+        out = module(eye).float()
+    if module.bias is not None:
+        out -= module.bias.float()
+    return out.T.contiguous()
 
 
 @torch.inference_mode()

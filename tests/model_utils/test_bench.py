@@ -17,7 +17,7 @@ def test_bench_writes_table_json_and_chart(tmp_path):
     out = tmp_path / "results.json"
     result = subprocess.run(
         [sys.executable, "-m", "model_utils.bench", "--model", "demo", "--modes", "fp32,nf4",
-         "--batch", "1,2", "--prompt-tokens", "16", "--new-tokens", "12",
+         "--batch", "1,2", "--prompt-tokens", "16", "--new-tokens", "24",
          "--match-prompts", "2", "--out", str(out)],
         cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
