@@ -68,15 +68,15 @@ def compare(model, found: dict, run_peer: PeerRunner = run_here) -> dict[int, di
         for indices, steps, sequences, forced in entries:
             prompts = [s[:len(s) - len(x.tokens)] for s, x in zip(sequences, steps)]
             new_tokens = len(steps[0].tokens)
-            plain = run_peer(lambda y, p=prompts: plain_greedy(model, p, new_tokens, y))
+            plain = run_peer(lambda y, p=prompts, n=new_tokens: plain_greedy(model, p, n, y))
             engine_steps += steps
             plain_steps += plain
             if reference is not None:
                 prompt_len = len(prompts[0])
-                ref = run_peer(lambda y, s=sequences: check.teacher_forced_plain(
-                    reference, s, prompt_len))
-                theirs = run_peer(lambda y, s=sequences: check.teacher_forced_plain(
-                    model, s, prompt_len))
+                ref = run_peer(lambda y, r=reference, s=sequences, n=prompt_len:
+                               check.teacher_forced_plain(r, s, n))
+                theirs = run_peer(lambda y, s=sequences, n=prompt_len:
+                                  check.teacher_forced_plain(model, s, n))
                 mine = forced.to(ref.device)
                 kls.append((check.kl_stats(ref, mine), check.kl_stats(ref, theirs)))
                 del ref, mine, theirs

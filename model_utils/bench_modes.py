@@ -12,8 +12,14 @@ import torch
 from . import bench_logprobs
 from .bench_gate import Gate
 from .bench_inputs import random_prompts
-from .bench_measure import (first_mismatch, measure_engine, measure_peer, peaks_gb,
-                            reset_peaks, engine_streaming_tok_s)
+from .bench_measure import (
+    engine_streaming_tok_s,
+    first_mismatch,
+    measure_engine,
+    measure_peer,
+    peaks_gb,
+    reset_peaks,
+)
 from .bench_report import BenchRow
 from .engine import Engine
 from .manager import LoadRequest

@@ -53,9 +53,10 @@ def compare(model: str, mode: str, *, prompts: int = 3, prompt_tokens: int = 64,
 
 
 def markdown(report: dict) -> str:
-    lines = [f"Greedy, {report['mode']}, {report['decode_path']}: {report['prompts']} prompts x "
-             f"{report['new_tokens']} tokens; equal: **{report['greedy_equal']}**, logprobs "
-             f"close: **{report['logprobs_close']}** (tolerance {report['tolerance']} nats)", "",
+    lines = [(f"Greedy, {report['mode']}, {report['decode_path']}: {report['prompts']} "
+              f"prompts x {report['new_tokens']} tokens; equal: **{report['greedy_equal']}**, "
+              f"logprobs close: **{report['logprobs_close']}** (tolerance "
+              f"{report['tolerance']} nats)"), "",
              "| prompt | first differing token | margin engine | margin plain | verdict |",
              "|---|---|---|---|---|"]
     for i, p in enumerate(report["partings"]):
@@ -65,12 +66,12 @@ def markdown(report: dict) -> str:
                      f"{fmt(p['margin_a'])} | {fmt(p['margin_b'])} | {p['reason']} |")
     forced = report.get("teacher_forced") or {}
     if "ratio" in forced:
-        lines += ["", f"Teacher-forced, mean KL against fp32: engine "
-                  f"{forced['engine_vs_fp32']['kl_mean']:.3g}, plain "
-                  f"{forced['plain_vs_fp32']['kl_mean']:.3g}; ratio {forced['ratio']:.3f} "
-                  f"(limit {forced['limit']}); top-1 agreement with fp32 "
-                  f"{forced['engine_vs_fp32']['top1_agreement']:.3f} / "
-                  f"{forced['plain_vs_fp32']['top1_agreement']:.3f}"]
+        lines += ["", (f"Teacher-forced, mean KL against fp32: engine "
+                       f"{forced['engine_vs_fp32']['kl_mean']:.3g}, plain "
+                       f"{forced['plain_vs_fp32']['kl_mean']:.3g}; ratio {forced['ratio']:.3f} "
+                       f"(limit {forced['limit']}); top-1 agreement with fp32 "
+                       f"{forced['engine_vs_fp32']['top1_agreement']:.3f} / "
+                       f"{forced['plain_vs_fp32']['top1_agreement']:.3f}")]
     return "\n".join(lines)
 
 

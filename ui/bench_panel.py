@@ -13,8 +13,13 @@ from dataclasses import asdict
 
 import gradio as gr
 
-from model_utils.bench import LOADED_LIMITS, bench_loaded, chart_figure, markdown_table
-from model_utils.bench import summary_table
+from model_utils.bench import (
+    LOADED_LIMITS,
+    bench_loaded,
+    chart_figure,
+    markdown_table,
+    summary_table,
+)
 from model_utils.engine import Engine
 
 from .common import require_admin, user_error
@@ -59,8 +64,8 @@ def build_bench_panel(engine: Engine, *, demo: gr.Blocks | None = None,
     def run(prompt_tokens, new_tokens, batches, request: gr.Request):
         require_admin(admin, request, "run the benchmark")
         try:
-            sizes = dict(prompt_tokens=int(prompt_tokens), new_tokens=int(new_tokens),
-                         batches=tuple(sorted(int(b) for b in batches or ())))
+            sizes = {"prompt_tokens": int(prompt_tokens), "new_tokens": int(new_tokens),
+                     "batches": tuple(sorted(int(b) for b in batches or ()))}
         except (TypeError, ValueError) as error:
             raise user_error("prompt tokens, new tokens and concurrent requests must be "
                              "whole numbers") from error

@@ -56,10 +56,10 @@ def test_a_reply_during_a_benchmark_is_served_within_a_bound_of_its_solo_time(lo
     assert max(during) <= bound, (solo, during)
 
 
-@pytest.mark.parametrize("sizes", [dict(prompt_tokens=LOADED_LIMITS["prompt_tokens"] + 1),
-                                   dict(new_tokens=LOADED_LIMITS["new_tokens"] + 1),
-                                   dict(batches=(LOADED_LIMITS["batch"] * 2,)),
-                                   dict(match_prompts=99), dict(batches=())])
+@pytest.mark.parametrize("sizes", [{"prompt_tokens": LOADED_LIMITS["prompt_tokens"] + 1},
+                                   {"new_tokens": LOADED_LIMITS["new_tokens"] + 1},
+                                   {"batches": (LOADED_LIMITS["batch"] * 2,)},
+                                   {"match_prompts": 99}, {"batches": ()}])
 def test_sizes_beyond_the_caps_are_refused_before_anything_runs(load_demo, sizes):
     engine = load_demo("fp32")
     with pytest.raises(ValueError, match="between"):
