@@ -30,7 +30,7 @@ if $PY -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; 
   TRAIN="--hidden 2048 --layers 8 --seconds 75 --max-steps 3000 --batch 16"
   GREEDY="--prompts 3 --new-tokens 128"
   BENCH_MODEL="$WORK/qwen2.5-7b-random"
-  BENCH="--batch 1,8 --prompt-tokens 128 --new-tokens 128 --match-prompts 1"
+  BENCH="--batch 1,8 --prompt-tokens 128 --new-tokens 64 --match-prompts 1"
 else
   GPU=0
   TRAIN="--hidden 64 --layers 2 --max-steps 60 --batch 8"

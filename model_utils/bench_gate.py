@@ -11,6 +11,7 @@ timing would include the wait otherwise. The command-line benchmark has no users
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 
@@ -41,6 +42,7 @@ class Gate(NoGate):
         # reply closely, and a call that starts in between only gives way again.
         self.settle_s = settle_s
         self.interruptions = 0  # calls that gave way to a reply and ran again
+        self.in_call = threading.Event()  # set while a worker-holding call runs (status, tests)
 
     def busy(self) -> bool:
         """A reply decoding or waiting (none of the benchmark's own: none is in flight when a
@@ -66,10 +68,13 @@ class Gate(NoGate):
         result of None) to a reply that arrived meanwhile."""
         for _ in range(self.max_retries):
             self.wait_quiet()
+            self.in_call.set()
             try:
                 result = fn(self.busy)
             except Yielded:
                 result = None
+            finally:
+                self.in_call.clear()
             if result is not None:
                 return result
             self.interruptions += 1

@@ -41,16 +41,21 @@ def test_a_reply_during_a_benchmark_is_served_within_a_bound_of_its_solo_time(lo
     thread = threading.Thread(target=bench)
     thread.start()
     during = []
-    while thread.is_alive() and len(during) < 8:  # a user chatting through the benchmark
-        during.append(timed_reply(engine))
-        time.sleep(solo)  # reading the reply, typing the next message
+    while thread.is_alive() and len(during) < 4:
+        # A message arriving while the benchmark holds the decode worker (plain generate or
+        # the teacher-forced run): the worst moment for a reply.
+        while thread.is_alive() and not gate.in_call.wait(timeout=0.5):
+            pass
+        if thread.is_alive():
+            during.append(timed_reply(engine))
+            time.sleep(solo)  # reading the reply, typing the next message
     thread.join(timeout=600)
     assert "error" not in box, box.get("error")
     assert [r.batch for r in box["rows"]] == [1]
     assert len(during) >= 2
-    # Plain generate and the teacher-forced run gave way to replies at least once (else a
+    # Plain generate and the teacher-forced run gave way to each of those replies (else a
     # reply waited for a whole generate), and no reply waited for the benchmark's end.
-    assert gate.interruptions >= 1
+    assert gate.interruptions >= len(during) - 1
     bound = 10 * solo + 5.0  # generous: the CPU is shared, and replies join the bench's batch
     print(f"solo {solo:.2f} s, during {[round(d, 2) for d in during]}, yielded {gate.interruptions}")
     assert max(during) <= bound, (solo, during)
