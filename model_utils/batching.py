@@ -49,6 +49,7 @@ MAX_BATCH_LIMIT = 64
 # Share of the memory free after loading that the batch KV cache may take (per device).
 KV_MEMORY_SHARE = 0.5
 _DONE = object()
+LOGPROBS_K = 5  # top-k kept per token for a request that records logprobs
 
 
 class QueueFull(ModelBusy):
@@ -72,6 +73,9 @@ class Request:
     sampled: int = 0  # sampled on the device: new_tokens plus those of a step in flight
     first_at: float = 0.0
     length: int = 0  # tokens in the cache, counting a step in flight
+    # Logprob checks (logprob_check.py): when a list, each sampled token appends the top
+    # LOGPROBS_K (log-probabilities, token ids) of its raw logits, on the device.
+    logprobs: list | None = None
 
     @property
     def finished(self) -> bool:
@@ -117,15 +121,19 @@ class BatchScheduler(Admission):
 
     # -- any thread ---------------------------------------------------------------------------
     def submit(self, input_ids: list[int], settings: GenerationSettings, *, eos_ids: set[int],
-               stop: threading.Event, stats: ReplyStats) -> Iterator[int]:
+               stop: threading.Event, stats: ReplyStats,
+               logprobs: list | None = None) -> Iterator[int]:
         """Queue one reply; returns the iterator of its token ids. Raises QueueFull when
-        max_batch replies are decoding and max_queue more are waiting."""
+        max_batch replies are decoding and max_queue more are waiting. `logprobs`: a list that
+        receives each token's top-k log-probabilities (see Request.logprobs); it may hold one
+        entry more than the reply has tokens (a step in flight when the reply ended)."""
         if not input_ids or len(input_ids) + settings.max_new_tokens > self.context_tokens:
             # Checked here: a reply that outgrew its row would fail the whole batch's step.
             raise ValueError(f"{len(input_ids)} prompt tokens + max_new_tokens "
                              f"{settings.max_new_tokens} do not fit the context window "
                              f"({self.context_tokens}), or the prompt is empty")
-        request = Request(list(input_ids), settings, set(eos_ids), stop, stats)
+        request = Request(list(input_ids), settings, set(eos_ids), stop, stats,
+                          logprobs=logprobs)
         stats.prompt_tokens = len(input_ids)
         stats.decode_path = self.path_name
         with self._lock:
@@ -290,6 +298,9 @@ class BatchScheduler(Admission):
         A row whose sampling raises ends alone (its request gets the error); its slot keeps the
         greedy token so the step's tensors stay whole, and it leaves before the next step.
         """
+        for i, request in enumerate(requests):
+            if request.logprobs is not None:
+                request.logprobs.append(torch.log_softmax(logits[i].float(), -1).topk(LOGPROBS_K))
         masked = [i for i, r in enumerate(requests)
                   if r.sampled < r.settings.min_new_tokens and r.eos is not None]
         if masked:

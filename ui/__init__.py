@@ -63,7 +63,7 @@ def build(engine: Engine, *, admin: str | None = None, info: AppInfo | None = No
             with gr.Tab("Memory", id="memory"):
                 build_memory_panel(engine)
             with gr.Tab("Benchmark", id="benchmark"):
-                build_bench_panel(engine)
+                build_bench_panel(engine, demo=demo, admin=admin)
             # Further panels are passed in by the caller.
             for title, builder in extra_panels:
                 with gr.Tab(title):

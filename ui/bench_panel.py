@@ -1,8 +1,10 @@
 """Benchmark panel: the loaded model on this app's decode path against plain model.generate.
 
 Runs model_utils.bench.bench_loaded on the model that is loaded now (nothing is reloaded), with
-small sizes by default so it takes seconds; the full per-mode comparison is the command line
-`python -m model_utils.bench` (README, BENCHMARKS.md).
+sizes capped (bench_modes.LOADED_LIMITS) so that it takes seconds; the full per-mode comparison
+is the command line `python -m model_utils.bench` (README, BENCHMARKS.md). Under --admin only
+the admin may run it: checked in the handler, whatever the page shows. Chat replies go first:
+the benchmark gives way to them between its steps (model_utils.bench_gate).
 """
 
 from __future__ import annotations
@@ -11,41 +13,86 @@ from dataclasses import asdict
 
 import gradio as gr
 
-from model_utils.bench import bench_loaded, chart_figure, markdown_table
+from model_utils.bench import (
+    LOADED_LIMITS,
+    bench_loaded,
+    chart_figure,
+    markdown_table,
+    summary_table,
+)
 from model_utils.engine import Engine
 
-from .common import user_error
+from .common import require_admin, user_error
 
 INTRO = ("Measures the loaded model: time to first token and decode tokens/s through this "
          "app's engine, next to plain `model.generate` on the same weights in the same process, "
-         "greedy, on random prompt tokens. Replies wait while it runs.")
+         "greedy, on random prompt tokens; and whether the two compute the same model: "
+         "**Logprobs close** (where their greedy tokens part, each token is among the other's "
+         "top 5 with log-probabilities within a tolerance) and **Logit error ratio** (distance "
+         "of the engine's next-token distributions from an fp32 copy of the weights, over plain "
+         "generate's; at most 1.1 passes). Chat replies go first: the benchmark gives way to "
+         "them.")
+LEGEND = ("Tokens/s per reply: decode speed of each reply; all replies: their sum when several "
+          "run at once. x plain generate: all replies' tokens/s over plain generate's on the "
+          "same batch. Peak GB: the most memory held during the run (CPU: the process's "
+          "resident memory). \"-\" where a figure does not apply.")
 
 
-def build_bench_panel(engine: Engine) -> dict:
+def build_bench_panel(engine: Engine, *, demo: gr.Blocks | None = None,
+                      admin: str | None = None) -> dict:
     c: dict = {}
     gr.Markdown(INTRO)
     with gr.Row():
-        c["prompt_tokens"] = gr.Slider(8, 2048, value=32, step=8, label="Prompt tokens")
-        c["new_tokens"] = gr.Slider(8, 512, value=64, step=8, label="New tokens")
-        c["batches"] = gr.CheckboxGroup(["1", "4", "8"], value=["1"], label="Concurrent requests")
-    c["run"] = gr.Button("Run benchmark", variant="primary", elem_id="bench-run")
+        c["prompt_tokens"] = gr.Slider(8, LOADED_LIMITS["prompt_tokens"], value=32, step=8,
+                                       label="Prompt tokens")
+        c["new_tokens"] = gr.Slider(8, LOADED_LIMITS["new_tokens"], value=64, step=8,
+                                    label="New tokens")
+        choices = [str(b) for b in (1, 4, 8) if b <= LOADED_LIMITS["batch"]]
+        c["batches"] = gr.CheckboxGroup(choices, value=["1"], label="Concurrent requests")
+    # Under --admin the button starts disabled and the page load enables it for the admin.
+    c["run"] = gr.Button("Run benchmark", variant="primary", elem_id="bench-run",
+                         interactive=admin is None)
+    c["note"] = gr.Markdown(admin_note(admin, None), elem_id="bench-note")
     c["table"] = gr.Markdown(elem_id="bench-table")
-    c["chart"] = gr.Plot(label="tokens/s")
-    c["raw"] = gr.JSON(label="JSON", visible=False)
+    with gr.Accordion("Details: every figure, the chart, JSON", open=False,
+                      elem_id="bench-details"):
+        c["legend"] = gr.Markdown(LEGEND)
+        c["full"] = gr.Markdown(elem_id="bench-full")
+        c["chart"] = gr.Plot(label="tokens/s")
+        c["raw"] = gr.JSON(label="JSON")
 
-    def run(prompt_tokens, new_tokens, batches):
-        if not batches:
+    def run(prompt_tokens, new_tokens, batches, request: gr.Request):
+        require_admin(admin, request, "run the benchmark")
+        try:
+            sizes = {"prompt_tokens": int(prompt_tokens), "new_tokens": int(new_tokens),
+                     "batches": tuple(sorted(int(b) for b in batches or ()))}
+        except (TypeError, ValueError) as error:
+            raise user_error("prompt tokens, new tokens and concurrent requests must be "
+                             "whole numbers") from error
+        if not sizes["batches"]:
             raise user_error("pick at least one number of concurrent requests")
         try:
-            rows = bench_loaded(engine, prompt_tokens=int(prompt_tokens),
-                                new_tokens=int(new_tokens),
-                                batches=tuple(sorted(int(b) for b in batches)))
-        except (RuntimeError, ValueError) as error:  # no model, busy switch, bad sizes
+            rows = bench_loaded(engine, **sizes)
+        except (RuntimeError, ValueError) as error:  # no model, busy, bad sizes
             raise user_error(str(error)) from error
-        return (markdown_table(rows), chart_figure(rows),
-                gr.update(value=[asdict(r) for r in rows], visible=True))
+        return (summary_table(rows), markdown_table(rows), chart_figure(rows),
+                [asdict(r) for r in rows])
 
     c["run"].click(run, [c["prompt_tokens"], c["new_tokens"], c["batches"]],
-                   [c["table"], c["chart"], c["raw"]], api_visibility="private",
+                   [c["table"], c["full"], c["chart"], c["raw"]], api_visibility="private",
                    concurrency_id="benchmark", concurrency_limit=1)
+    if demo is not None and admin is not None:
+        def for_user(request: gr.Request):  # the button as this user may use it
+            user = getattr(request, "username", None)
+            return gr.update(interactive=user == admin), admin_note(admin, user)
+
+        demo.load(for_user, None, [c["run"], c["note"]], api_visibility="private",
+                  show_progress="hidden")
     return c
+
+
+def admin_note(admin: str | None, user: str | None) -> str:
+    if admin is None or user == admin:
+        return ""
+    return (f"Only the admin user (**{admin}**) may run the benchmark: it holds the engine "
+            "that serves every chat.")

@@ -1,0 +1,213 @@
+"""Is the fast path the same model? Comparisons of log-probabilities, not of greedy tokens.
+
+In bf16 two correct implementations of one model part on greedy tokens within a few tokens of
+random weights (near-ties that any other kernel order flips: BENCHMARKS.md). So, as vLLM's
+tests do (check_logprobs_close), two greedy runs are compared step by step with each step's
+top-k log-probabilities: while their tokens agree, go on; at the first token that differs, each
+side's token must be among the other's top k, and the log-probability each side gives to both
+tokens must agree within a stated tolerance; the comparison stops there, since from then on
+the two continuations are different texts.
+
+Second, a teacher-forced measure that does not depend on ties at all: the same token sequence
+fed through both paths, and each next-token distribution compared with an fp32 run of the same
+weights (KL divergence, top-1 agreement). The engine's error against fp32 may be at most
+ERROR_RATIO_LIMIT times plain bf16's error against fp32: different kernels, no worse.
+This module holds the comparisons and the fp32 reference; logprob_runs.py collects the runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+
+TOP_K = 5
+# Largest difference (nats) between the two sides' log-probabilities of the same token where
+# their greedy tokens part, by compute dtype. fp32: both sides compute the same sums in
+# another order (differences ~1e-6). 16-bit: a bf16 logit carries 8 bits of mantissa, so a
+# logit of magnitude 10-30 is rounded by up to 0.03-0.06 before softmax, on each side and
+# again inside every layer; 0.25 nats is a few of those roundings, far below what a wrong
+# model gives (a perturbed side differs by whole nats, tests/model_utils/test_logprob_check).
+TOLERANCE = {torch.float32: 1e-3, torch.float16: 0.25, torch.bfloat16: 0.25}
+ERROR_RATIO_LIMIT = 1.1
+# Below this mean KL (nats) the plain side is as exact as fp32 itself (an fp32 model against
+# its own copy): the ratio is taken against this floor rather than a division by ~0.
+KL_FLOOR = 1e-6
+
+
+@dataclass
+class Steps:
+    """One greedy reply: its tokens, and for each the top-k (log-probability, id) pairs of the
+    distribution it was chosen from."""
+
+    tokens: list[int]
+    top_logprobs: list[list[float]]
+    top_ids: list[list[int]]
+
+
+@dataclass
+class Parting:
+    """Where two greedy replies of one prompt first differ, and whether that is a near-tie."""
+
+    index: int | None  # first differing token; None: equal over the compared length
+    close: bool
+    reason: str
+    margin_a: float | None = None  # side A's top-1 minus top-2 log-probability there
+    margin_b: float | None = None
+    logprob_diff: float | None = None  # the larger of the two tokens' |lp_a - lp_b|
+
+
+def steps_from_topk(tokens: list[int], topk: list) -> Steps:
+    """Steps from a token list and per-step torch.topk results (values, indices) of [V]."""
+    values = [t.values.tolist() for t in topk[:len(tokens)]]
+    ids = [t.indices.tolist() for t in topk[:len(tokens)]]
+    return Steps(list(tokens), values, ids)
+
+
+def steps_from_logits(tokens: list[int], logits: list[torch.Tensor], k: int = TOP_K) -> Steps:
+    """Steps from a token list and per-step raw logits [V] (plain generate's output_logits)."""
+    topk = [torch.log_softmax(step.float(), -1).topk(k) for step in logits]
+    return steps_from_topk(tokens, topk)
+
+
+def compare_greedy(a: Steps, b: Steps, *, tolerance: float) -> Parting:
+    """vLLM's check_logprobs_close for one prompt, with a tolerance on the logprobs."""
+    for i, (x, y) in enumerate(zip(a.tokens, b.tokens)):
+        if x == y:
+            continue
+        ids_a, ids_b = a.top_ids[i], b.top_ids[i]
+        lp_a, lp_b = dict(zip(ids_a, a.top_logprobs[i])), dict(zip(ids_b, b.top_logprobs[i]))
+        margin_a = lp_a[ids_a[0]] - lp_a[ids_a[1]] if len(ids_a) > 1 else None
+        margin_b = lp_b[ids_b[0]] - lp_b[ids_b[1]] if len(ids_b) > 1 else None
+        found = Parting(i, False, "", margin_a, margin_b)
+        if x not in lp_b or y not in lp_a:
+            found.reason = (f"token {i}: {x} (side A) is {'' if x in lp_b else 'not '}in side "
+                            f"B's top {len(ids_b)}, {y} (B) {'' if y in lp_a else 'not '}in A's")
+            return found
+        found.logprob_diff = max(abs(lp_a[x] - lp_b[x]), abs(lp_a[y] - lp_b[y]))
+        found.close = found.logprob_diff <= tolerance
+        found.reason = (f"token {i}: {x} vs {y}, log-probabilities differ by at most "
+                        f"{found.logprob_diff:.4f} (tolerance {tolerance}); top-two margins "
+                        f"{margin_a:.4f} (A) and {margin_b:.4f} (B)")
+        return found
+    if len(a.tokens) != len(b.tokens):
+        n = min(len(a.tokens), len(b.tokens))
+        return Parting(n, False, f"one reply ends at token {n}, the other goes on")
+    return Parting(None, True, "equal tokens")
+
+
+def check_logprobs_close(a: list[Steps], b: list[Steps], *, tolerance: float) -> dict:
+    """Every prompt's comparison and whether all are close."""
+    partings = [compare_greedy(x, y, tolerance=tolerance) for x, y in zip(a, b)]
+    return {"close": all(p.close for p in partings), "tolerance": tolerance,
+            "first_mismatch": [p.index for p in partings],
+            "partings": [asdict(p) for p in partings]}
+
+
+def tolerance_for(dtype: torch.dtype) -> float:
+    return TOLERANCE.get(dtype, TOLERANCE[torch.bfloat16])
+
+
+# -- teacher-forced ------------------------------------------------------------------------------
+def kl_stats(reference: torch.Tensor, other: torch.Tensor) -> dict:
+    """KL(reference || other) per next-token distribution and top-1 agreement; both
+    [rows, positions, V] log-probabilities (float32, on one device)."""
+    kl = (reference.exp() * (reference - other)).sum(-1).clamp_min(0)  # [rows, positions]
+    agree = (reference.argmax(-1) == other.argmax(-1)).float()
+    return {"kl_mean": kl.mean().item(), "kl_max": kl.max().item(),
+            "top1_agreement": agree.mean().item()}
+
+
+def error_ratio(engine: dict, plain: dict) -> dict:
+    """Engine against fp32 over plain against fp32 (mean KL), and whether it is within limit."""
+    ratio = engine["kl_mean"] / max(plain["kl_mean"], KL_FLOOR)
+    return {"engine_vs_fp32": engine, "plain_vs_fp32": plain, "ratio": ratio,
+            "within_limit": ratio <= ERROR_RATIO_LIMIT, "limit": ERROR_RATIO_LIMIT}
+
+
+@torch.inference_mode()
+def teacher_forced_plain(model, sequences: list[list[int]], prompt_len: int) -> torch.Tensor:
+    """[rows, positions, V] float32 log-probabilities of the model's plain forward over the
+    whole sequences: position t predicts token prompt_len + t (equal-length sequences)."""
+    from .decoders import input_device
+
+    ids = torch.tensor(sequences, device=input_device(model))
+    logits = model(input_ids=ids, use_cache=False).logits[:, prompt_len - 1:-1]
+    return torch.log_softmax(logits.float(), -1)
+
+
+# -- an fp32 copy of the same weights ---------------------------------------------------------
+def dequantized_weight(module) -> torch.Tensor | None:
+    """The float weight of a bitsandbytes layer (4-bit or LLM.int8), None for other modules."""
+    weight = getattr(module, "weight", None)
+    kind = type(weight).__name__
+    if kind == "Params4bit":
+        if getattr(weight.quant_state, "packing_format_for_cpu", False):
+            return _probed_weight(module)
+        import bitsandbytes.functional as bnbf
+
+        return bnbf.dequantize_4bit(weight.data, weight.quant_state).float()
+    if kind == "Int8Params" and getattr(weight, "SCB", None) is not None:
+        import bitsandbytes.functional as bnbf
+
+        return bnbf.int8_vectorwise_dequant(weight.data, weight.SCB).float()
+    return None
+
+
+def _probed_weight(module) -> torch.Tensor:
+    """The weight a layer computes with, read back through its own forward: the identity in,
+    W^T (+ bias) out. For bitsandbytes' CPU kernel, which repacks a 4-bit weight at its first
+    forward and keeps its block scales in bf16 from then on (bitsandbytes' inverse of that
+    repacking is best-effort: measured, it gave another layer)."""
+    dtype = getattr(module, "compute_dtype", None) or torch.bfloat16
+    eye = torch.eye(module.in_features, dtype=dtype, device=module.weight.device)
+    with torch.inference_mode():
+        out = module(eye).float()
+    if module.bias is not None:
+        out -= module.bias.float()
+    return out.T.contiguous()
+
+
+@torch.inference_mode()
+def fp32_copy(model):
+    """The model with the weights it computes with, in fp32: a bf16 weight upcast exactly, a
+    quantized one dequantized (so the reference has the same weights, only exact arithmetic).
+    Built from the config on the model's device (unfused, plain sdpa attention)."""
+    import copy
+
+    from transformers import AutoModelForCausalLM
+
+    from .decoders import input_device
+
+    config = copy.deepcopy(model.config)
+    for name in ("quantization_config",):
+        if hasattr(config, name):
+            delattr(config, name)
+    config._attn_implementation = "sdpa"
+    with torch.device(input_device(model)):
+        reference = AutoModelForCausalLM.from_config(config, dtype=torch.float32,
+                                                     attn_implementation="sdpa")
+    reference.eval()
+    params = dict(reference.named_parameters())
+    owned = set()
+    for name, module in model.named_modules():
+        weight = dequantized_weight(module)
+        if weight is not None:
+            params[f"{name}.weight"].copy_(weight.reshape(params[f"{name}.weight"].shape))
+            owned.add(f"{name}.weight")
+        elif hasattr(module, "qkv_proj") and hasattr(module, "qkv_sizes"):  # fused_qkv
+            pieces = module.qkv_proj.weight.split(module.qkv_sizes)
+            for proj, piece in zip(("q_proj", "k_proj", "v_proj"), pieces):
+                params[f"{name}.{proj}.weight"].copy_(piece.float())
+            owned.add(f"{name}.qkv_proj.weight")
+            if module.qkv_proj.bias is not None:
+                for proj, piece in zip(("q_proj", "k_proj", "v_proj"),
+                                       module.qkv_proj.bias.split(module.qkv_sizes)):
+                    params[f"{name}.{proj}.bias"].copy_(piece.float())
+                owned.add(f"{name}.qkv_proj.bias")
+    for name, param in model.named_parameters():
+        if name not in owned and name in params:
+            params[name].copy_(param.float())
+    if getattr(config, "tie_word_embeddings", False):
+        reference.tie_weights()
+    return reference

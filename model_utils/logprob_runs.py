@@ -1,0 +1,138 @@
+"""The runs that logprob_check compares: greedy replies with their top-k log-probabilities, and
+teacher-forced next-token distributions, from the engine's own path and from the plain model.
+
+The engine side goes through the loaded model's batch scheduler: greedy replies are ordinary
+requests that record their logprobs (batching.Request.logprobs), and the teacher-forced run
+drives the scheduler's own pieces (its prefill, padded prefill graphs where the model has them,
+its batch cache, its step function: CUDA graphs of the fused q/k/v and packed-attention forward
+on a GPU, the eager batched forward on the CPU) with given tokens instead of sampled ones.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from .decoders import input_device
+from .engine import Engine, eos_ids
+from .generation import GenerationSettings, ReplyStats
+from .logprob_check import Steps, steps_from_logits, steps_from_topk
+
+
+class Yielded(Exception):
+    """A run gave the engine back to replies that arrived; it is to be run again later."""
+
+
+def greedy_settings(new_tokens: int) -> GenerationSettings:
+    # min_new_tokens: EOS is masked on both sides, so every reply runs its full length.
+    return GenerationSettings(max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                              temperature=0.0, top_p=1.0, top_k=0, repetition_penalty=1.0)
+
+
+def engine_greedy(engine: Engine, prompts: list[list[int]], new_tokens: int) -> list[Steps]:
+    """Greedy replies through the scheduler, all submitted at once (decoded as one batch as far
+    as they arrive together), each with its tokens' top-k log-probabilities."""
+    import threading
+
+    loaded = engine.manager.loaded
+    if loaded is None or loaded.batcher is None:
+        raise ValueError("logprob checks need a model the engine decodes in batches")
+    records = [[] for _ in prompts]
+    streams = [loaded.batcher.submit(p, greedy_settings(new_tokens), eos_ids=eos_ids(loaded),
+                                     stop=threading.Event(), stats=ReplyStats(), logprobs=r)
+               for p, r in zip(prompts, records)]
+    tokens = [list(s) for s in streams]
+    return [steps_from_topk(t, r) for t, r in zip(tokens, records)]
+
+
+@torch.inference_mode()
+def plain_greedy(model, prompts: list[list[int]], new_tokens: int,
+                 should_yield: Callable[[], bool] | None = None) -> list[Steps] | None:
+    """Plain model.generate, greedy, on equal-length prompts at once (no padding), with the raw
+    logits of every step; None when it stopped early because `should_yield()` (bench_gate)."""
+    from .bench_gate import stopping_when
+
+    criteria, criterion = stopping_when(should_yield or (lambda: False))
+    ids = torch.tensor(prompts, device=input_device(model))
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                         min_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
+                         output_logits=True, return_dict_in_generate=True,
+                         stopping_criteria=criteria)
+    if criterion.yielded:
+        return None
+    tokens = out.sequences[:, ids.shape[1]:].tolist()
+    return [steps_from_logits(t, [step[i] for step in out.logits]) for i, t in enumerate(tokens)]
+
+
+def engine_teacher_forced(engine: Engine, sequences: list[list[int]], prompt_len: int, *,
+                          should_yield: Callable[[], bool] | None = None) -> torch.Tensor:
+    """[rows, positions, V] float32 log-probabilities (on the CPU) of the engine's path on the
+    given equal-length sequences, prefilled as prompts of prompt_len tokens and then decoded one
+    forced token per step, all rows in one batch (padded to the row bucket as replies are).
+
+    Runs on the engine's decode worker, where no reply is decoding at that moment (the worker
+    runs one thing at a time and the scheduler's loop returns only with no rows left); it uses
+    the batch cache's rows and leaves them free. `should_yield` is asked between steps: when it
+    says so, the run stops (Yielded) so that waiting replies are served first."""
+    loaded = engine.manager.loaded
+    if loaded is None or loaded.batcher is None:
+        raise ValueError("logprob checks need a model the engine decodes in batches")
+    batcher = loaded.batcher
+    return engine.worker.call(lambda: _teacher_forced(batcher, sequences, prompt_len,
+                                                      should_yield))
+
+
+@torch.inference_mode()
+def _teacher_forced(batcher, sequences, prompt_len, should_yield) -> torch.Tensor:
+    if batcher.kv is None:
+        batcher.warm_up()
+    kv = batcher.kv
+    rows = len(sequences)
+    if rows > kv.rows:
+        raise ValueError(f"{rows} sequences, the batch cache has {kv.rows} rows")
+    if len(sequences[0]) > kv.length:
+        raise ValueError("the sequences do not fit the context window")
+    device = kv.device
+    forced = torch.tensor(sequences, device=device)
+    first = [None] * rows
+    try:
+        for group, padded in _prefill_groups(batcher, rows, prompt_len):
+            prompts = [sequences[i][:prompt_len] for i in group]
+            if padded:
+                logits, cache, ends = batcher.padded_prefill(prompts)
+            else:
+                (logits, cache), ends = batcher._forward_prompts(prompts), None
+            for j, row in enumerate(group):  # rows are placed in order: group by group
+                kv.place(row, cache, prompt_len, row, source=j, end=ends[j] if ends else None)
+                kv.set_token(row, sequences[row][prompt_len])
+                first[row] = torch.log_softmax(logits[j].float(), -1)
+        out = [torch.stack(first).cpu()]
+        length = prompt_len
+        for t in range(prompt_len, len(sequences[0]) - 1):
+            if should_yield is not None and should_yield():
+                raise Yielded
+            b, w = kv.prepare_step(rows, length)
+            logits = batcher.step_fn(kv, b, w)  # [b, V]; rows past `rows` are padding
+            kv.advance(b)
+            length += 1
+            out.append(torch.log_softmax(logits[:rows].float(), -1).cpu())
+            kv.ids[:rows, 0].copy_(forced[:, t + 1])
+    finally:
+        kv.relayout(0, 0)  # every row free again, as the scheduler leaves it
+    return torch.stack(out, 1)
+
+
+def _prefill_groups(batcher, rows: int, prompt_len: int):
+    """(row indices, padded): the groups the scheduler would prefill these prompts in."""
+    padded = batcher.padded_prefill
+    if padded and padded.fits(prompt_len):
+        group: list[int] = []
+        for row in range(rows):
+            if group and not padded.fit_together([prompt_len] * (len(group) + 1)):
+                yield group, True
+                group = []
+            group.append(row)
+        yield group, True
+    else:
+        yield list(range(rows)), False
