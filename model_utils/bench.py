@@ -35,8 +35,10 @@ from .fast_path import COMPILE_MODES
 from .generation import GenerationSettings, ReplyStats, decode_tokens
 from .manager import LoadRequest
 from .memory import GB
+from . import quality
 from .modes import get_mode, quantization_config
 from .placement import Placement
+from .weight_only import load_quantized
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +73,9 @@ class BenchRow:
     # implementations of greedy decoding agree in this precision.
     peer_static_first_mismatch: list
     batch_match: bool | None = None  # concurrent streams == the engine's single streams
+    # Next-token distributions against the fp32 model's, teacher-forced (quality.py)
+    kl_vs_fp32: float | None = None
+    top1_vs_fp32: float | None = None
 
 
 # -- inputs -------------------------------------------------------------------------------------
@@ -313,8 +318,9 @@ def make_rows(status: dict, batches: list[int], mine: dict, theirs: dict, *, pea
 
 def bench_mode(engine: Engine, model_name: str, mode: str, placement: Placement,
                batches: list[int], prompt_tokens: int, new_tokens: int,
-               match_prompts: int) -> list[BenchRow]:
-    """Load `mode` through the engine and measure it, unload, then the peer from scratch."""
+               match_prompts: int, reference=None) -> list[BenchRow]:
+    """Load `mode` through the engine and measure it, unload, then the peer from scratch.
+    reference: (token sequences, the fp32 model's log-probabilities on them), for quality."""
     reset_peaks()
     status = engine.load(LoadRequest(model_name, mode, placement,
                                      context_tokens=max(prompt_tokens + new_tokens + 64, 1024)))
@@ -324,28 +330,38 @@ def bench_mode(engine: Engine, model_name: str, mode: str, placement: Placement,
     mine = measure_engine(engine, prompts, batches, new_tokens, match_prompts)
     stream_tok_s = engine_streaming_tok_s(engine, new_tokens) if 1 in batches else None
     peak, peak_reserved = peaks_gb(), peaks_gb(reserved=True)
+    scores = engine.worker.call(lambda: quality.compare(
+        reference[1], quality.next_token_logprobs(loaded.model, reference[0]))) \
+        if reference else {}
     status = engine.status()  # now with the caches allocated by the first reply (CPU)
     engine.unload()
 
     # The peer: what the tutorials do, in the same process on the same prompts.
     mode_row = get_mode(mode)
     kwargs = {"dtype": mode_row.dtype}
-    if mode_row.is_quantized:
+    if mode_row.uses_bitsandbytes:
         kwargs["quantization_config"] = quantization_config(mode_row)
     device_map = {"": 0} if torch.cuda.is_available() else {"": "cpu"}
     from transformers import AutoModelForCausalLM
 
     start = time.perf_counter()
-    peer = AutoModelForCausalLM.from_pretrained(loaded.source.path, device_map=device_map,
-                                                **kwargs)
+    if mode_row.is_weight_only:  # no library default to compare with: the same weights
+        peer = load_quantized(loaded.source.path, mode_row.weight_only_bits,
+                              mode_row.group_size, device_map=device_map, **kwargs)
+    else:
+        peer = AutoModelForCausalLM.from_pretrained(loaded.source.path, device_map=device_map,
+                                                    **kwargs)
     peer_load_s = time.perf_counter() - start
     theirs = measure_peer(peer, prompts, batches, new_tokens, match_prompts)
     del peer
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-    return make_rows(status, batches, mine, theirs, peak=peak, peak_reserved=peak_reserved,
+    rows = make_rows(status, batches, mine, theirs, peak=peak, peak_reserved=peak_reserved,
                      stream_tok_s=stream_tok_s, peer_load_s=peer_load_s)
+    for row in rows:
+        row.kl_vs_fp32, row.top1_vs_fp32 = scores.get("kl_vs_fp32"), scores.get("top1_vs_fp32")
+    return rows
 
 
 def bench_loaded(engine: Engine, *, prompt_tokens: int = 32, new_tokens: int = 64,
@@ -378,7 +394,7 @@ def bench_loaded(engine: Engine, *, prompt_tokens: int = 32, new_tokens: int = 6
 COLUMNS = ["mode", "batch", "decode_path", "load_s", "weights_gb", "ttft_ms", "peer_ttft_ms",
            "tok_s", "peer_tok_s", "aggregate_tok_s", "peer_aggregate_tok_s", "speedup",
            "x_one_plain", "stream_tok_s", "greedy_match", "batch_match",
-           "over_weights_kv_pct"]
+           "over_weights_kv_pct", "kl_vs_fp32", "top1_vs_fp32"]
 
 
 def markdown_table(rows: list[BenchRow]) -> str:
@@ -451,13 +467,26 @@ def run(args: argparse.Namespace) -> list[BenchRow]:
     if model_name != "demo":
         engine.registry.allow_root(model_name)
     placement = Placement(args.placement or ("cuda:0" if torch.cuda.is_available() else "cpu"))
+    reference = quality_reference(engine, model_name, args.quality_positions)
     rows = []
     for mode in args.modes.split(","):
         rows += bench_mode(engine, model_name, mode.strip(), placement,
                            [int(b) for b in args.batch.split(",")], args.prompt_tokens,
-                           args.new_tokens, args.match_prompts)
+                           args.new_tokens, args.match_prompts, reference)
         print(markdown_table(rows[-len(args.batch.split(",")):]), flush=True)
     return rows
+
+
+def quality_reference(engine: Engine, model_name: str, positions: int):
+    """(token sequences, fp32 log-probabilities) for quality.compare, None when positions is 0."""
+    if positions <= 0:
+        return None
+    from transformers import AutoTokenizer
+
+    path = engine.registry.resolve(model_name).path
+    sequences = quality.sequences(AutoTokenizer.from_pretrained(path), positions)
+    device = "cuda:0" if torch.cuda.is_available() else "cpu"
+    return sequences, quality.fp32_reference(path, sequences, device=device)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -482,6 +511,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--compile-mode", default="default",
                         choices=COMPILE_MODES,
                         help="torch.compile mode of the fast path's decode step")
+    parser.add_argument("--quality-positions", type=int, default=381,
+                        help="teacher-forced positions for kl_vs_fp32 / top1_vs_fp32 (0: skip)")
     parser.add_argument("--out", default="results.json", help="JSON file to write")
     parser.add_argument("--chart", help="PNG chart (default: next to --out)")
     args = parser.parse_args(argv)
