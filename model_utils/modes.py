@@ -34,6 +34,7 @@ class Mode:
     # Bytes a parameter costs in memory. 4-bit packs two weights a byte and adds one absmax
     # scale per 64-weight block (fp32, or 8-bit plus a second-level scale with double quant).
     bytes_per_param: float = 2.0
+    bytes_per_row: float = 0.0  # and per output row of a quantized Linear (a row scale)
     # Devices it runs on. bitsandbytes 0.49+ has CPU kernels for int8, nf4 and fp4, so every
     # mode runs on a CPU (slowly); the tuple is still per mode so a GPU-only one can be added.
     runs_on: tuple[str, ...] = ("cpu", "cuda")
@@ -83,7 +84,7 @@ MODES: dict[str, Mode] = {
              weight_only_bits=4, group_size=128, bytes_per_param=0.5 + 4 / 128),
         # + one bf16 scale per output row (rows of 3584-18944 weights in a 7B model)
         Mode("int8-wo", "int8 weight-only, per-row scales", torch.bfloat16, group=FAST,
-             weight_only_bits=8, bytes_per_param=1.0 + 2 / 4096),
+             weight_only_bits=8, bytes_per_param=1.0, bytes_per_row=2.0),
         Mode("int8", "int8 LLM.int8 (bitsandbytes, ~1 B/param)", torch.float16, "int8",
              bytes_per_param=1.0 + 4 / 4096, group=SAVERS, compiles=False),
         Mode("nf4", "nf4 4-bit (bitsandbytes)", torch.bfloat16, "nf4",
