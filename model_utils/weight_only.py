@@ -30,6 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .fused_qkv import fuse_qkv
+
 log = logging.getLogger(__name__)
 
 INT4_INNER_K_TILES = 8  # tinygemm's packing: in_features must be a multiple of 16 x this
@@ -168,6 +170,11 @@ def quantize_model(model: nn.Module, bits: int, group: int | None, device: torch
     """Replace the model's Linear layers by weight-only ones on `device`, one layer at a time,
     then move the rest there. Returns {quantized, kept, seconds}."""
     start = time.perf_counter()
+    if device.type == "cuda":
+        # What the engine does to a bf16 model it compiles, done before quantizing (rows are
+        # quantized one by one, so the fused layer has the separate layers' numbers): one
+        # q/k/v kernel per layer instead of three.
+        fuse_qkv(model)
     compute = model.get_input_embeddings().weight.dtype
     tinygemm = bits == 4 and uses_tinygemm(device, compute)
     # Names only: a list of the modules would keep every bf16 weight alive to the end.

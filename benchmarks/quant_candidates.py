@@ -1,0 +1,323 @@
+"""Weight-only quantization candidates side by side, through the engine's decode path.
+
+    python benchmarks/quant_candidates.py --config benchmarks/configs/qwen2.5-7b-instruct.config.json \\
+        --out "$OUT"
+
+One process, one GPU, a checkpoint of the config's shape with random bf16 weights (speed does
+not depend on the values). Each candidate is loaded through the engine (the path a user's load
+takes: compiled one-row step, CUDA graphs for every batch size and for the prefills), then:
+time to first token and decode tokens/s for one stream (128-token prompt, 256 new tokens,
+greedy), the aggregate for 32 concurrent streams, the weights' memory and the peak while
+loading, mean KL and top-1 agreement of next-token distributions against the fp32 model, and a
+torch.profiler summary of one decode step (per kernel). Candidates:
+
+- bf16, int4-wo, int8-wo, nf4, ...: the app's own modes (model_utils/modes.py);
+- torchao-int4 / torchao-int8: torchao 0.18's Int4WeightOnlyConfig (tinygemm,
+  int4_packing_format="tile_packed_to_4d", group 128) / Int8WeightOnlyConfig, applied to the
+  engine's bf16 model before it compiles;
+- gemlite-int4 / gemlite-int8: gemlite's Triton kernels (A16Wn with the app's own int4 numbers,
+  A16W8_INT8), swapped in the same way.
+A candidate whose package is missing, or that fails, is recorded with the reason, and the run
+goes on. Candidates that would not finish within --budget-s are skipped (reported). JSON and
+markdown are written after every candidate, so a run cut short still leaves its results.
+On a machine without a GPU the same script runs eagerly (use a tiny config) to check it works.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import logging
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from model_utils import bench, quality  # noqa: E402
+from model_utils.engine import Engine  # noqa: E402
+from model_utils.fused_qkv import fuse_qkv  # noqa: E402
+from model_utils.manager import LoadRequest  # noqa: E402
+from model_utils.memory import GB  # noqa: E402
+from model_utils.modes import MODES  # noqa: E402
+from model_utils.placement import Placement  # noqa: E402
+from model_utils.weight_only import quantize_int4  # noqa: E402
+
+log = logging.getLogger("quant_candidates")
+DEFAULT = "bf16,int4-wo,int8-wo,torchao-int4,gemlite-int4,torchao-int8,gemlite-int8"
+CUDA = torch.cuda.is_available()
+
+
+# -- candidates that swap layers into the engine's bf16 model -------------------------------------
+def _linears(model):
+    """(parent, child name, layer) of every Linear but lm_head."""
+    for name, module in list(model.named_modules()):
+        if type(module) is torch.nn.Linear and not name.endswith("lm_head"):
+            parent, _, child = name.rpartition(".")
+            yield model.get_submodule(parent), child, module
+
+
+def torchao_int4(model):
+    from torchao.quantization import Int4WeightOnlyConfig, quantize_
+
+    quantize_(model, Int4WeightOnlyConfig(group_size=128,
+                                          int4_packing_format="tile_packed_to_4d"),
+              filter_fn=lambda m, fqn: isinstance(m, torch.nn.Linear) and "lm_head" not in fqn)
+
+
+def torchao_int8(model):
+    from torchao.quantization import Int8WeightOnlyConfig, quantize_
+
+    quantize_(model, Int8WeightOnlyConfig(),
+              filter_fn=lambda m, fqn: isinstance(m, torch.nn.Linear) and "lm_head" not in fqn)
+
+
+def gemlite_int4(model):
+    """gemlite's kernel on the app's own int4 numbers: gemlite dequantizes (q - zero) * scale
+    with the zero point in q's units, the app (q - 8) * scale + zero."""
+    from gemlite.helper import A16Wn
+
+    device = model.get_input_embeddings().weight.device
+    for parent, child, linear in _linears(model):
+        q, scales, zeros = quantize_int4(linear.weight, 128)
+        zero_q = 8 - zeros.float() / scales.float()
+        layer = A16Wn(device=device, dtype=torch.bfloat16).from_weights(
+            q, scales, zero_q.to(torch.bfloat16), 4, 128, bias=linear.bias)
+        setattr(parent, child, layer)
+        del linear
+    torch.cuda.empty_cache()
+
+
+def gemlite_int8(model):
+    from gemlite.helper import A16W8_INT8
+
+    device = model.get_input_embeddings().weight.device
+    for parent, child, linear in _linears(model):
+        setattr(parent, child, A16W8_INT8(device=device, dtype=torch.bfloat16).from_linear(linear))
+        del linear
+    torch.cuda.empty_cache()
+
+
+SWAPS = {"torchao-int4": (torchao_int4, "torchao", True), "torchao-int8": (torchao_int8, "torchao", False),
+         "gemlite-int4": (gemlite_int4, "gemlite", True), "gemlite-int8": (gemlite_int8, "gemlite", True)}
+
+
+def missing(candidate: str) -> str | None:
+    if candidate in MODES:
+        return None
+    if candidate not in SWAPS:
+        return f"unknown candidate (modes: {', '.join(MODES)}; swaps: {', '.join(SWAPS)})"
+    _, package, cuda_only = SWAPS[candidate]
+    if cuda_only and not CUDA:
+        return "needs a CUDA GPU"
+    try:
+        __import__(package)
+    except Exception as error:  # noqa: BLE001 - a missing or broken package, reported
+        return f"{package} not importable: {type(error).__name__}: {str(error)[:200]}"
+    return None
+
+
+# -- measuring one candidate ------------------------------------------------------------------------
+def profile_step(engine: Engine, steps: int = 3) -> dict:
+    """torch.profiler over `steps` one-row decode steps as served (the captured graph on a GPU):
+    per kernel, its time per step; and the step's wall time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    batcher = engine.manager.loaded.batcher
+
+    @torch.inference_mode()  # as the scheduler's own steps: the cache is an inference tensor
+    def run():
+        kv = batcher.kv
+        kv.relayout(0, 0)
+        b, w = kv.prepare_step(1, 0)
+        for _ in range(3):
+            batcher.step_fn(kv, b, w)
+        bench.sync()
+        start = time.perf_counter()
+        for _ in range(10):
+            batcher.step_fn(kv, b, w)
+        bench.sync()
+        wall_ms = (time.perf_counter() - start) / 10 * 1000
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if CUDA else [])
+        with profile(activities=activities) as prof:
+            for _ in range(steps):
+                batcher.step_fn(kv, b, w)
+            bench.sync()
+        kv.relayout(0, 0)
+        return wall_ms, prof
+
+    wall_ms, prof = engine.worker.call(run)
+    rows = []
+    for event in prof.key_averages():
+        device_us = getattr(event, "self_device_time_total", None)
+        if device_us is None:
+            device_us = getattr(event, "self_cuda_time_total", 0)
+        us = device_us if CUDA else event.self_cpu_time_total
+        if us > 0 and (not CUDA or event.device_type.name == "CUDA"):
+            rows.append({"kernel": event.key[:160], "calls_per_step": event.count / steps,
+                         "us_per_step": round(us / steps, 2)})
+    rows.sort(key=lambda r: -r["us_per_step"])
+    return {"step_wall_ms": round(wall_ms, 3),
+            "kernel_us_per_step": round(sum(r["us_per_step"] for r in rows), 1),
+            "kernels": rows[:40]}
+
+
+def measure(engine: Engine, folder: str, candidate: str, args, prompts, reference) -> dict:
+    swap = SWAPS.get(candidate, (None,))[0]
+    mode = candidate if candidate in MODES else "bf16"
+    placement = Placement("cuda:0" if CUDA else "cpu")
+    seen: dict = {}
+    prepare = engine._prepare_decoding
+
+    def on_loaded(loaded, progress):  # between the weights' load and the compile
+        if CUDA:
+            seen["load_peak_gb"] = round(torch.cuda.max_memory_allocated() / GB, 3)
+        if swap is not None:
+            fuse_qkv(loaded.model)  # on the bf16 weights, as the app's own modes do
+            swap(loaded.model)
+        if CUDA:
+            torch.cuda.synchronize()
+            seen["weights_gb"] = round(torch.cuda.memory_allocated() / GB, 3)
+        prepare(loaded, progress)
+
+    engine.manager.on_loaded = on_loaded
+    bench.reset_peaks()
+    start = time.perf_counter()
+    try:
+        status = engine.load(LoadRequest(folder, mode, placement, context_tokens=1024))
+    finally:
+        engine.manager.on_loaded = prepare
+    result = {"candidate": candidate, "mode": mode, "decode_path": status["decode_path"],
+              "decode_path_reason": status["decode_path_reason"],
+              "load_and_compile_s": round(time.perf_counter() - start, 1),
+              "footprint_gb": status["footprint_gb"], **seen}
+    if swap is not None:
+        result["footprint_gb"] = None  # the table's count is the bf16 one; see weights_gb
+    bench.engine_decode(engine, prompts[0], 8)  # first reply after the load
+    singles = [bench.engine_decode(engine, prompts[i], args.new_tokens) for i in range(2)]
+    result["tok_s_1"] = round(statistics.median(s.tok_s for _, s in singles), 1)
+    result["ttft_ms_1"] = round(statistics.median(s.ttft_ms for _, s in singles), 2)
+    if args.streams > 1:
+        many = bench.engine_concurrent(engine, prompts[:args.streams], args.new_tokens)
+        result[f"aggregate_tok_s_{args.streams}"] = round(many["aggregate"], 1)
+        result[f"ttft_ms_p50_{args.streams}"] = round(many["ttft_ms"], 2)
+        result["batched_with"] = many["batched_with"]
+    if reference is not None:
+        model = engine.manager.loaded.model
+        result.update(engine.worker.call(lambda: quality.compare(
+            reference[1], quality.next_token_logprobs(model, reference[0]))))
+    result["profile"] = profile_step(engine) if engine.manager.loaded.batcher else None
+    if CUDA:
+        result["peak_gb"] = round(torch.cuda.max_memory_allocated() / GB, 3)
+    engine.unload()
+    return result
+
+
+# -- output ---------------------------------------------------------------------------------------
+def markdown(results: list[dict], meta: dict, streams: int) -> str:
+    bf16 = next((r for r in results if r["candidate"] == "bf16" and "tok_s_1" in r), None)
+    head = ["candidate", "path", "weights GB", "load peak GB", "tok/s 1 stream", "x bf16",
+            "TTFT ms", f"tok/s {streams} streams", f"x bf16 ({streams})", "KL vs fp32",
+            "top-1 vs fp32", "step ms", "load+compile s"]
+    lines = [f"Host: {meta}", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in results:
+        if "tok_s_1" not in r:
+            lines.append(f"| {r['candidate']} | {r.get('skipped') or r.get('error')} |" +
+                         " |" * (len(head) - 2))
+            continue
+        agg = r.get(f"aggregate_tok_s_{streams}")
+        ratio = (lambda a, b: f"{a / b:.2f}x" if a and b else "")
+        cells = [r["candidate"], r["decode_path"], r.get("weights_gb", r["footprint_gb"]),
+                 r.get("load_peak_gb"), r["tok_s_1"],
+                 ratio(r["tok_s_1"], bf16 and bf16["tok_s_1"]), r["ttft_ms_1"], agg,
+                 ratio(agg, bf16 and bf16.get(f"aggregate_tok_s_{streams}")),
+                 r.get("kl_vs_fp32"), r.get("top1_vs_fp32"),
+                 r["profile"] and r["profile"]["step_wall_ms"], r["load_and_compile_s"]]
+        lines.append("| " + " | ".join("" if c is None else str(c) for c in cells) + " |")
+    for r in results:
+        if r.get("profile"):
+            p = r["profile"]
+            lines += ["", f"### {r['candidate']}: one decode step, {p['step_wall_ms']} ms wall, "
+                      f"{p['kernel_us_per_step']} us in kernels", "",
+                      "| kernel | calls | us per step |", "|---|---|---|"]
+            lines += [f"| `{k['kernel'][:100]}` | {k['calls_per_step']:g} | {k['us_per_step']} |"
+                      for k in p["kernels"][:15]]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", required=True, help="config.json of the shape to build")
+    parser.add_argument("--candidates", default=DEFAULT)
+    parser.add_argument("--prompt-tokens", type=int, default=128)
+    parser.add_argument("--new-tokens", type=int, default=256)
+    parser.add_argument("--streams", type=int, default=32)
+    parser.add_argument("--quality-positions", type=int, default=254)
+    parser.add_argument("--budget-s", type=float, default=430,
+                        help="start no candidate after this many seconds minus one "
+                             "candidate's expected time")
+    parser.add_argument("--out", required=True, help="folder for quant_candidates.json / .md")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING)
+    start = time.perf_counter()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    import transformers
+
+    meta = {"gpu": torch.cuda.get_device_name(0) if CUDA else platform.processor() or "cpu",
+            "torch": torch.__version__, "transformers": transformers.__version__,
+            "config": Path(args.config).name, "prompt_tokens": args.prompt_tokens,
+            "new_tokens": args.new_tokens}
+    for package in ("torchao", "gemlite", "triton", "bitsandbytes"):
+        try:
+            meta[package] = __import__(package).__version__
+        except Exception:  # noqa: BLE001 - not installed
+            meta[package] = None
+    folder = Path(tempfile.mkdtemp(prefix="quant-candidates-"))
+    bench.build_random_model(Path(args.config), folder, "cuda" if CUDA else "cpu")
+    engine = Engine(max_batch=max(args.streams, 1), max_queue=64)
+    engine.registry.allow_root(str(folder))
+    vocab = json.loads((folder / "config.json").read_text()).get("vocab_size", 1000)
+    prompts = bench.random_prompts(max(args.streams, 2), args.prompt_tokens, vocab)
+    reference = bench.quality_reference(engine, str(folder), args.quality_positions)
+    meta["setup_s"] = round(time.perf_counter() - start, 1)
+    results: list[dict] = []
+    longest = 0.0
+    for candidate in [c.strip() for c in args.candidates.split(",") if c.strip()]:
+        elapsed = time.perf_counter() - start
+        expected = max(longest, 60.0 if CUDA else 0.0)
+        if reason := missing(candidate):
+            results.append({"candidate": candidate, "skipped": reason})
+        elif elapsed + expected > args.budget_s:
+            results.append({"candidate": candidate,
+                            "skipped": f"time: {elapsed:.0f} s gone, ~{expected:.0f} s each"})
+        else:
+            begun = time.perf_counter()
+            try:
+                results.append(measure(engine, str(folder), candidate, args, prompts, reference))
+            except Exception as error:  # noqa: BLE001 - recorded; the next candidate runs
+                log.exception("candidate %s failed", candidate)
+                results.append({"candidate": candidate,
+                                "error": f"{type(error).__name__}: {str(error)[:300]}"})
+                if engine.manager.loaded is not None:
+                    engine.unload()
+            longest = max(longest, time.perf_counter() - begun)
+            gc.collect()
+        print(json.dumps({k: v for k, v in results[-1].items() if k != "profile"}), flush=True)
+        meta["elapsed_s"] = round(time.perf_counter() - start, 1)
+        (out / "quant_candidates.json").write_text(json.dumps({"meta": meta, "results": results},
+                                                              indent=2))
+        (out / "quant_candidates.md").write_text(markdown(results, meta, args.streams))
+    print(markdown(results, meta, args.streams))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
