@@ -182,3 +182,31 @@ def test_tinygemm_gives_the_dequantized_product_of_the_same_weights():
         assert (fast(x).float() - expected).abs().max() < 0.02 * expected.abs().max()
     assert stored_bytes(fast.packed) == 1024 * 512 // 2
     assert stored_bytes(fast.scales_and_zeros) == 1024 * 512 // 128 * 4
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the compiled path needs a CUDA GPU")
+@pytest.mark.parametrize("mode_name", WEIGHT_ONLY)
+def test_on_a_gpu_the_mode_decodes_on_the_compiled_path_with_the_cpus_distributions(
+        demo_path, mode_name):
+    """Same weights, same numbers: the GPU's next-token distributions (tinygemm or the compiled
+    int8 product, bf16) are those of the CPU's dequantized fp32 forward, up to bf16 rounding."""
+    from model_utils import quality
+    from model_utils.engine import Engine
+    from model_utils.weight_only import load_quantized
+
+    engine = Engine(max_batch=2)
+    status = engine.load(LoadRequest(model="demo", mode=mode_name, placement=Placement("cuda:0")))
+    assert status["decode_path"].startswith("static-cache+cuda-graphs"), status
+    loaded = engine.manager.loaded
+    sequences = quality.sequences(loaded.tokenizer, 127)
+    mode = get_mode(mode_name)
+    cpu = load_quantized(demo_path, mode.weight_only_bits, mode.group_size,
+                         device_map={"": "cpu"}, dtype=torch.float32)
+    scores = quality.compare(quality.next_token_logprobs(cpu, sequences),
+                             engine.worker.call(lambda: quality.next_token_logprobs(
+                                 loaded.model, sequences)))
+    assert scores["kl_vs_fp32"] < 1e-3, scores
+    reply = engine.generate_text(HELLO, FEW_TOKENS)
+    assert reply.stats.new_tokens == 4
+    engine.unload()
