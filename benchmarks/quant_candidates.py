@@ -16,7 +16,8 @@ torch.profiler summary of one decode step (per kernel). Candidates:
   int4_packing_format="tile_packed_to_4d", group 128) / Int8WeightOnlyConfig, applied to the
   engine's bf16 model before it compiles;
 - gemlite-int4 / gemlite-int8: gemlite's Triton kernels (A16Wn with the app's own int4 numbers,
-  A16W8_INT8), swapped in the same way.
+  A16W8_INT8), swapped in the same way;
+- int8-wo-aten: the app's int8-wo with PyTorch's own torch._weight_int8pack_mm kernel.
 A candidate whose package is missing, or that fails, is recorded with the reason, and the run
 goes on. Candidates that would not finish within --budget-s are skipped (reported). JSON and
 markdown are written after every candidate, so a run cut short still leaves its results.
@@ -34,23 +35,24 @@ import statistics
 import sys
 import tempfile
 import time
+import types
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from model_utils import bench, quality  # noqa: E402
-from model_utils.engine import Engine  # noqa: E402
-from model_utils.fused_qkv import fuse_qkv  # noqa: E402
-from model_utils.manager import LoadRequest  # noqa: E402
-from model_utils.memory import GB  # noqa: E402
-from model_utils.modes import MODES  # noqa: E402
-from model_utils.placement import Placement  # noqa: E402
-from model_utils.weight_only import quantize_int4  # noqa: E402
+from model_utils import bench, quality
+from model_utils.engine import Engine
+from model_utils.fused_qkv import fuse_qkv
+from model_utils.manager import LoadRequest
+from model_utils.memory import GB
+from model_utils.modes import MODES
+from model_utils.placement import Placement
+from model_utils.weight_only import quantize_int4
 
 log = logging.getLogger("quant_candidates")
-DEFAULT = "bf16,int4-wo,int8-wo,torchao-int4,gemlite-int4,torchao-int8,gemlite-int8"
+DEFAULT = "bf16,int4-wo,int8-wo,torchao-int4,gemlite-int4,int8-wo-aten,gemlite-int8,torchao-int8"
 CUDA = torch.cuda.is_available()
 
 
@@ -104,8 +106,29 @@ def gemlite_int8(model):
     torch.cuda.empty_cache()
 
 
-SWAPS = {"torchao-int4": (torchao_int4, "torchao", True), "torchao-int8": (torchao_int8, "torchao", False),
-         "gemlite-int4": (gemlite_int4, "gemlite", True), "gemlite-int8": (gemlite_int8, "gemlite", True)}
+def aten_int8(model):
+    """The app's int8-wo numbers through PyTorch's own int8 weight-only kernel
+    (torch._weight_int8pack_mm, CUDA and CPU), for every row count, instead of the compiled
+    dequantize-and-multiply."""
+    from model_utils.weight_only import Int8WeightOnlyLinear
+
+    def forward(self, x):
+        y = torch._weight_int8pack_mm(x.reshape(-1, self.in_features).contiguous(), self.qweight,
+                                      self.scales.to(x.dtype))
+        y = y.reshape(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
+
+    for module in model.modules():
+        if isinstance(module, Int8WeightOnlyLinear):
+            module.forward = types.MethodType(forward, module)
+
+
+# name: (swap, package it needs, CUDA only, the app's mode it starts from)
+SWAPS = {"torchao-int4": (torchao_int4, "torchao", True, "bf16"),
+         "torchao-int8": (torchao_int8, "torchao", False, "bf16"),
+         "gemlite-int4": (gemlite_int4, "gemlite", True, "bf16"),
+         "gemlite-int8": (gemlite_int8, "gemlite", True, "bf16"),
+         "int8-wo-aten": (aten_int8, "torch", False, "int8-wo")}
 
 
 def missing(candidate: str) -> str | None:
@@ -113,7 +136,7 @@ def missing(candidate: str) -> str | None:
         return None
     if candidate not in SWAPS:
         return f"unknown candidate (modes: {', '.join(MODES)}; swaps: {', '.join(SWAPS)})"
-    _, package, cuda_only = SWAPS[candidate]
+    _, package, cuda_only, _ = SWAPS[candidate]
     if cuda_only and not CUDA:
         return "needs a CUDA GPU"
     try:
@@ -197,8 +220,7 @@ def _kernel_rows(prof, steps: int) -> list[dict]:
 
 
 def measure(engine: Engine, folder: str, candidate: str, args, prompts, reference) -> dict:
-    swap = SWAPS.get(candidate, (None,))[0]
-    mode = candidate if candidate in MODES else "bf16"
+    swap, _, _, mode = SWAPS.get(candidate, (None, None, None, candidate))
     placement = Placement("cuda:0" if CUDA else "cpu")
     seen: dict = {}
     prepare = engine._prepare_decoding
@@ -207,7 +229,7 @@ def measure(engine: Engine, folder: str, candidate: str, args, prompts, referenc
         if CUDA:
             seen["load_peak_gb"] = round(torch.cuda.max_memory_allocated() / GB, 3)
         if swap is not None:
-            fuse_qkv(loaded.model)  # on the bf16 weights, as the app's own modes do
+            fuse_qkv(loaded.model)  # on the bf16 weights, as the app's own modes do (no-op)
             swap(loaded.model)
         if CUDA:
             torch.cuda.synchronize()
@@ -225,7 +247,7 @@ def measure(engine: Engine, folder: str, candidate: str, args, prompts, referenc
               "decode_path_reason": status["decode_path_reason"],
               "load_and_compile_s": round(time.perf_counter() - start, 1),
               "footprint_gb": status["footprint_gb"], **seen}
-    if swap is not None:
+    if swap is not None and mode == "bf16":
         result["footprint_gb"] = None  # the table's count is the bf16 one; see weights_gb
     bench.engine_decode(engine, prompts[0], 8)  # first reply after the load
     singles = [bench.engine_decode(engine, prompts[i], args.new_tokens) for i in range(2)]
@@ -271,9 +293,9 @@ def markdown(results: list[dict], meta: dict, streams: int) -> str:
     for r in results:
         if r.get("profile"):
             p = r["profile"]
-            lines += ["", f"### {r['candidate']}: one decode step, {p['step_wall_ms']} ms wall, "
-                      f"{p['kernel_us_per_step']} us in kernels ({p['profiled']})", "",
-                      "| kernel | calls | us per step |", "|---|---|---|"]
+            title = (f"### {r['candidate']}: one decode step, {p['step_wall_ms']} ms wall, "
+                     f"{p['kernel_us_per_step']} us in kernels ({p['profiled']})")
+            lines += ["", title, "", "| kernel | calls | us per step |", "|---|---|---|"]
             lines += [f"| `{k['kernel'][:100]}` | {k['calls_per_step']:g} | {k['us_per_step']} |"
                       for k in p["kernels"][:15]]
     return "\n".join(lines) + "\n"
@@ -330,7 +352,7 @@ def main(argv=None) -> int:
             begun = time.perf_counter()
             try:
                 results.append(measure(engine, str(folder), candidate, args, prompts, reference))
-            except Exception as error:  # noqa: BLE001 - recorded; the next candidate runs
+            except Exception as error:
                 log.exception("candidate %s failed", candidate)
                 results.append({"candidate": candidate,
                                 "error": f"{type(error).__name__}: {str(error)[:300]}"})

@@ -29,13 +29,13 @@ from pathlib import Path
 
 import torch
 
+from . import quality
 from .decoders import input_device
 from .engine import Engine, eos_ids
 from .fast_path import COMPILE_MODES
 from .generation import GenerationSettings, ReplyStats, decode_tokens
 from .manager import LoadRequest
 from .memory import GB
-from . import quality
 from .modes import get_mode, quantization_config
 from .placement import Placement
 from .weight_only import load_quantized

@@ -20,9 +20,15 @@ from model_utils.manager import LoadError, LoadRequest, stored_bytes
 from model_utils.memory import GB
 from model_utils.modes import MODES, dropdown_choices, get_mode
 from model_utils.placement import Placement
-from model_utils.weight_only import (Int4WeightOnlyLinear, Int8WeightOnlyLinear,
-                                     dequantize_int4, pack_nibbles, quantize_int4,
-                                     quantize_int8, unpack_nibbles)
+from model_utils.weight_only import (
+    Int4WeightOnlyLinear,
+    Int8WeightOnlyLinear,
+    dequantize_int4,
+    pack_nibbles,
+    quantize_int4,
+    quantize_int8,
+    unpack_nibbles,
+)
 
 from .helpers import FEW_TOKENS, HELLO, cpu_request
 
@@ -156,7 +162,7 @@ def test_the_dropdown_lists_the_modes_by_section_with_their_cost_on_the_device()
         sections = [label.split(":")[0] for label, _ in choices]
         order = ["Full precision", "Fast quantized", "bitsandbytes memory savers"]
         assert sorted(set(sections), key=sections.index) == order  # each section together
-        labels = dict((name, label) for label, name in choices)
+        labels = {name: label for label, name in choices}
         assert "int4 weight-only, group 128" in labels["int4-wo"]
         assert "0.53 B/param" in labels["int4-wo"] and "1.00 B/param" in labels["int8-wo"]
     gpu = {name: label for label, name in dropdown_choices("cuda")}
