@@ -352,7 +352,7 @@ def main(argv=None) -> int:
             begun = time.perf_counter()
             try:
                 results.append(measure(engine, str(folder), candidate, args, prompts, reference))
-            except Exception as error:
+            except Exception as error:  # noqa: BLE001 - recorded; the next candidate runs
                 log.exception("candidate %s failed", candidate)
                 results.append({"candidate": candidate,
                                 "error": f"{type(error).__name__}: {str(error)[:300]}"})
