@@ -216,6 +216,7 @@ def load_quantized(path, bits: int, group: int | None, *, device_map: dict, dtyp
                          "(splitting and offloading are for the other modes)")
     target = device_map[""]
     device = torch.device(f"cuda:{target}" if isinstance(target, int) else target)
+    check_staging_memory(path)
     model = AutoModelForCausalLM.from_pretrained(path, device_map={"": "cpu"}, dtype=dtype,
                                                  **from_pretrained_kwargs)
     quantize_model(model, bits, group, device, progress)
@@ -223,6 +224,25 @@ def load_quantized(path, bits: int, group: int | None, *, device_map: dict, dtyp
     if getattr(model, "hf_device_map", None) is not None:
         model.hf_device_map = {"": str(device)}
     return model
+
+
+def check_staging_memory(path) -> None:
+    """The checkpoint passes through CPU memory on its way to being quantized: refuse (with the
+    numbers) a load whose weights are larger than the memory available, rather than let the
+    operating system end the process half-way."""
+    from pathlib import Path
+
+    import psutil
+
+    from .memory import GB
+
+    files = list(Path(path).glob("*.safetensors")) if Path(path).is_dir() else []
+    needed = sum(f.stat().st_size for f in files)
+    available = psutil.virtual_memory().available
+    if needed > available:
+        raise ValueError(f"weight-only modes quantize the checkpoint on its way from CPU memory: "
+                         f"its {needed / GB:.1f} GB of weights exceed the {available / GB:.1f} "
+                         "GB of memory available")
 
 
 def inductor_options(model: nn.Module) -> dict:

@@ -216,3 +216,19 @@ def test_on_a_gpu_the_mode_decodes_on_the_compiled_path_with_the_cpus_distributi
     reply = engine.generate_text(HELLO, FEW_TOKENS)
     assert reply.stats.new_tokens == 4
     engine.unload()
+
+
+def test_a_checkpoint_larger_than_the_memory_available_is_refused_with_the_numbers(tmp_path):
+    """The bf16 weights pass through CPU memory: a checkpoint that cannot is refused before
+    anything is read (a sparse file of that size: no disk space is used)."""
+    import psutil
+
+    from model_utils.weight_only import check_staging_memory
+
+    check_staging_memory(tmp_path)  # nothing to load: nothing refused
+    weights = tmp_path / "model.safetensors"
+    with open(weights, "wb") as f:
+        f.truncate(psutil.virtual_memory().total + 2**30)
+    with pytest.raises(ValueError, match=r"its \d+\.\d GB of weights exceed the \d+\.\d GB of "
+                                         "memory available"):
+        check_staging_memory(tmp_path)
