@@ -17,7 +17,9 @@ torch.profiler summary of one decode step (per kernel). Candidates:
   engine's bf16 model before it compiles;
 - gemlite-int4 / gemlite-int8: gemlite's Triton kernels (A16Wn with the app's own int4 numbers,
   A16W8_INT8), swapped in the same way;
-- int8-wo-aten: the app's int8-wo with PyTorch's own torch._weight_int8pack_mm kernel.
+- int8-wo-aten: the app's int8-wo with PyTorch's own torch._weight_int8pack_mm kernel;
+  int8-wo-hybrid: the same for two rows or more (batches, prefills), the compiled one-row step
+  as in int8-wo.
 A candidate whose package is missing, or that fails, is recorded with the reason, and the run
 goes on. Candidates that would not finish within --budget-s are skipped (reported). JSON and
 markdown are written after every candidate, so a run cut short still leaves its results.
@@ -52,7 +54,8 @@ from model_utils.placement import Placement
 from model_utils.weight_only import quantize_int4
 
 log = logging.getLogger("quant_candidates")
-DEFAULT = "bf16,int4-wo,int8-wo,torchao-int4,gemlite-int4,int8-wo-aten,gemlite-int8,torchao-int8"
+DEFAULT = ("bf16,int4-wo,int8-wo,torchao-int4,gemlite-int4,int8-wo-hybrid,gemlite-int8,"
+           "int8-wo-aten,torchao-int8")
 CUDA = torch.cuda.is_available()
 
 
@@ -106,15 +109,17 @@ def gemlite_int8(model):
     torch.cuda.empty_cache()
 
 
-def aten_int8(model):
+def aten_int8(model, *, rows_from: int = 1):
     """The app's int8-wo numbers through PyTorch's own int8 weight-only kernel
-    (torch._weight_int8pack_mm, CUDA and CPU), for every row count, instead of the compiled
-    dequantize-and-multiply."""
+    (torch._weight_int8pack_mm, CUDA and CPU) for inputs of at least `rows_from` rows, instead
+    of the dequantize-and-multiply (which the one-row step compiles into one reduction)."""
     from model_utils.weight_only import Int8WeightOnlyLinear
 
     def forward(self, x):
-        y = torch._weight_int8pack_mm(x.reshape(-1, self.in_features).contiguous(), self.qweight,
-                                      self.scales.to(x.dtype))
+        x2 = x.reshape(-1, self.in_features)
+        if x2.shape[0] < rows_from:  # a static shape: decided once, when compiled or captured
+            return Int8WeightOnlyLinear.forward(self, x)
+        y = torch._weight_int8pack_mm(x2.contiguous(), self.qweight, self.scales.to(x.dtype))
         y = y.reshape(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
 
@@ -123,12 +128,19 @@ def aten_int8(model):
             module.forward = types.MethodType(forward, module)
 
 
+# What torchao's README advises for its weight-only layers under torch.compile (gpt-fast's
+# settings); given to the torchao and gemlite candidates' compiled step.
+LIBRARY_INDUCTOR_OPTIONS = {"coordinate_descent_tuning": True,
+                            "coordinate_descent_check_all_directions": True,
+                            "force_fuse_int_mm_with_mul": True, "use_mixed_mm": True}
+
 # name: (swap, package it needs, CUDA only, the app's mode it starts from)
 SWAPS = {"torchao-int4": (torchao_int4, "torchao", True, "bf16"),
          "torchao-int8": (torchao_int8, "torchao", False, "bf16"),
          "gemlite-int4": (gemlite_int4, "gemlite", True, "bf16"),
          "gemlite-int8": (gemlite_int8, "gemlite", True, "bf16"),
-         "int8-wo-aten": (aten_int8, "torch", False, "int8-wo")}
+         "int8-wo-aten": (aten_int8, "torch", False, "int8-wo"),
+         "int8-wo-hybrid": (lambda m: aten_int8(m, rows_from=2), "torch", False, "int8-wo")}
 
 
 def missing(candidate: str) -> str | None:
@@ -231,6 +243,8 @@ def measure(engine: Engine, folder: str, candidate: str, args, prompts, referenc
         if swap is not None:
             fuse_qkv(loaded.model)  # on the bf16 weights, as the app's own modes do (no-op)
             swap(loaded.model)
+            if mode == "bf16":  # another library's layers: the inductor settings it advises
+                loaded.model.inductor_options = LIBRARY_INDUCTOR_OPTIONS
         if CUDA:
             torch.cuda.synchronize()
             seen["weights_gb"] = round(torch.cuda.memory_allocated() / GB, 3)

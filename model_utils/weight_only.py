@@ -251,7 +251,11 @@ def inductor_options(model: nn.Module) -> dict:
     Coordinate-descent tuning is what makes inductor decompose a one-row matmul into a fused
     reduction (torch/_inductor/decomposition.py, mm), so int8's dequantization is fused into
     the product; it also tunes that reduction's block sizes, which matrix-vector products need
-    to reach the memory bandwidth (gpt-fast sets the same)."""
+    to reach the memory bandwidth (gpt-fast sets the same). A model may carry its own
+    (`model.inductor_options`: the benchmark's candidates from other libraries do)."""
+    own = getattr(model, "inductor_options", None)
+    if own is not None:
+        return dict(own)
     if not any(isinstance(m, WEIGHT_ONLY_LAYERS) for m in model.modules()):
         return {}
     return {"coordinate_descent_tuning": True}
