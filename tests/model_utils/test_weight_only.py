@@ -31,6 +31,7 @@ from model_utils.weight_only import (
 )
 
 from .helpers import FEW_TOKENS, HELLO, cpu_request
+from .test_switching import wide_models_dir  # noqa: F401 - a fixture: a 31M-parameter model
 
 WEIGHT_ONLY = ("int4-wo", "int8-wo")
 
@@ -232,3 +233,31 @@ def test_a_checkpoint_larger_than_the_memory_available_is_refused_with_the_numbe
     with pytest.raises(ValueError, match=r"its \d+\.\d GB of weights exceed the \d+\.\d GB of "
                                          "memory available"):
         check_staging_memory(tmp_path)
+
+
+def test_unloading_a_weight_only_model_gives_its_memory_back(wide_models_dir):
+    """Process RSS after each unload returns to where it was (test_switching.py explains the
+    bound), and the unload gave back at least half of the quantized weights' footprint: neither
+    the quantized layers nor the bf16 checkpoint they were made from stay behind."""
+    from model_utils.engine import Engine
+
+    from .test_switching import MB, RSS_BOUND_MB
+
+    engine = Engine(models_dir=wide_models_dir)
+    for mode in ("bf16", *WEIGHT_ONLY):  # first-use costs of the kernels, paid once
+        engine.load(cpu_request(mode, model="wide"))
+        engine.generate_text(HELLO, FEW_TOKENS)
+    baseline = engine.manager.unload().after["rss_gb"] * GB
+    for mode in (*WEIGHT_ONLY, *WEIGHT_ONLY):
+        engine.load(cpu_request(mode, model="wide"))
+        assert engine.generate_text(HELLO, FEW_TOKENS).stats.new_tokens == 4
+        footprint = engine.manager.loaded.footprint_gb * GB
+        model = weakref.ref(engine.manager.loaded.model)
+        report = engine.manager.unload()
+        assert model() is None
+        rss_after = report.after["rss_gb"] * GB
+        assert rss_after - baseline <= RSS_BOUND_MB * MB, (
+            f"RSS after unloading {report.model} is {(rss_after - baseline) / MB:.1f} MB above "
+            f"the baseline (bound {RSS_BOUND_MB} MB)")
+        assert (report.before["rss_gb"] - report.after["rss_gb"]) * GB > footprint / 2, (
+            f"unloading {report.model} gave back less than half of its {footprint / MB:.1f} MB")
