@@ -235,7 +235,7 @@ def test_a_checkpoint_larger_than_the_memory_available_is_refused_with_the_numbe
         check_staging_memory(tmp_path)
 
 
-def test_unloading_a_weight_only_model_gives_its_memory_back(wide_models_dir):
+def test_unloading_a_weight_only_model_gives_its_memory_back(wide_models_dir):  # noqa: F811
     """Process RSS after each unload returns to where it was (test_switching.py explains the
     bound), and the unload gave back at least half of the quantized weights' footprint: neither
     the quantized layers nor the bf16 checkpoint they were made from stay behind."""
