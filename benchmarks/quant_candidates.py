@@ -173,6 +173,32 @@ def missing(candidate: str) -> str | None:
 
 
 # -- measuring one candidate ------------------------------------------------------------------------
+class LoadLog(logging.Handler):
+    """What the engine said while getting a candidate ready (which forward each graph captured,
+    what failed): kept with its results, since a GPU run is seldom repeated."""
+
+    NAMES = ("model_utils.fast_path", "model_utils.prefill", "model_utils.engine",
+             "model_utils.weight_only", "model_utils.batching")
+
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record):
+        if "reply:" not in record.getMessage():
+            self.lines.append(f"{record.levelname} {record.getMessage()[:300]}")
+
+    def __enter__(self):
+        for name in self.NAMES:
+            logging.getLogger(name).addHandler(self)
+            logging.getLogger(name).setLevel(logging.INFO)
+        return self
+
+    def __exit__(self, *exc):
+        for name in self.NAMES:
+            logging.getLogger(name).removeHandler(self)
+
+
 def profile_step(engine: Engine, steps: int = 3) -> dict:
     """torch.profiler over `steps` one-row decode steps as served (the captured graph on a GPU):
     per kernel, its time per step; and the step's wall time."""
@@ -203,7 +229,7 @@ def profile_step(engine: Engine, steps: int = 3) -> dict:
 
     wall_ms, prof = engine.worker.call(run)
     rows = _kernel_rows(prof, steps)
-    where = "the step as served (graph replay on a GPU)"
+    where = "as served: a graph replay on a GPU"
     compiled = getattr(batcher.step_fn, "compiled", None)
     if CUDA and len(rows) < 5 and compiled is not None:
         # The profiler saw no kernels inside the graph replays: the same compiled forward,
@@ -268,9 +294,11 @@ def measure(engine: Engine, folder: str, candidate: str, args, prompts, referenc
     bench.reset_peaks()
     start = time.perf_counter()
     try:
-        status = engine.load(LoadRequest(folder, mode, placement, context_tokens=1024))
+        with LoadLog() as load_log:
+            status = engine.load(LoadRequest(folder, mode, placement, context_tokens=1024))
     finally:
         engine.manager.on_loaded = prepare
+    seen["load_log"] = load_log.lines[:60]
     result = {"candidate": candidate, "mode": mode, "decode_path": status["decode_path"],
               "decode_path_reason": status["decode_path_reason"],
               "load_and_compile_s": round(time.perf_counter() - start, 1),
@@ -318,15 +346,38 @@ def markdown(results: list[dict], meta: dict, streams: int) -> str:
                  r.get("kl_vs_fp32"), r.get("top1_vs_fp32"),
                  r["profile"] and r["profile"]["step_wall_ms"], r["load_and_compile_s"]]
         lines.append("| " + " | ".join("" if c is None else str(c) for c in cells) + " |")
+    goal = ("Targets (one H200, 7B shape): int4 one stream >= 1.7x bf16, int8 >= 1.5x; "
+            f"{streams} streams >= bf16's aggregate; time to first token <= bf16's.")
+    lines += ["", goal, ""]
+    for r in results:
+        if "tok_s_1" in r and bf16 and r is not bf16:
+            lines.append(f"- {r['candidate']}: " + "; ".join(targets(r, bf16, streams)))
     for r in results:
         if r.get("profile"):
             p = r["profile"]
             title = (f"### {r['candidate']}: one decode step, {p['step_wall_ms']} ms wall, "
-                     f"{p['kernel_us_per_step']} us in kernels ({p['profiled']})")
+                     f"{p['kernel_us_per_step']} us in kernels; {p['profiled']}")
             lines += ["", title, "", "| kernel | calls | us per step |", "|---|---|---|"]
             lines += [f"| `{k['kernel'][:100]}` | {k['calls_per_step']:g} | {k['us_per_step']} |"
                       for k in p["kernels"][:15]]
     return "\n".join(lines) + "\n"
+
+
+def targets(r: dict, bf16: dict, streams: int) -> list[str]:
+    """Each target of the weight-only modes, met or missed, with the figures."""
+    out = []
+    need = 1.7 if "int4" in r["candidate"] else 1.5 if "int8" in r["candidate"] else None
+    one = r["tok_s_1"] / bf16["tok_s_1"]
+    if need:
+        out.append(f"one stream {one:.2f}x bf16 ({'met' if one >= need else 'missed'}, "
+                   f"target {need}x)")
+    key = f"aggregate_tok_s_{streams}"
+    if r.get(key) and bf16.get(key):
+        many = r[key] / bf16[key]
+        out.append(f"{streams} streams {many:.2f}x bf16 ({'met' if many >= 1 else 'missed'})")
+    ttft = r["ttft_ms_1"] / bf16["ttft_ms_1"]
+    out.append(f"TTFT {ttft:.2f}x bf16 ({'met' if ttft <= 1 else 'missed'})")
+    return out
 
 
 def main(argv=None) -> int:
@@ -388,7 +439,8 @@ def main(argv=None) -> int:
                     engine.unload()
             longest = max(longest, time.perf_counter() - begun)
             gc.collect()
-        print(json.dumps({k: v for k, v in results[-1].items() if k != "profile"}), flush=True)
+        print(json.dumps({k: v for k, v in results[-1].items()
+                          if k not in ("profile", "load_log")}), flush=True)
         meta["elapsed_s"] = round(time.perf_counter() - start, 1)
         (out / "quant_candidates.json").write_text(json.dumps({"meta": meta, "results": results},
                                                               indent=2))
