@@ -136,6 +136,10 @@ class Int8WeightOnlyLinear(nn.Module):
         self.bias = linear.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float16:
+            # x @ q (|q| up to 127) can pass fp16's largest value before the scale brings it
+            # back: scale the weight first (one more pass over it when not compiled).
+            return F.linear(x, self.dequantized(x.dtype), self.bias)
         y = F.linear(x, self.qweight.to(x.dtype)) * self.scales.to(x.dtype)
         return y if self.bias is None else y + self.bias
 

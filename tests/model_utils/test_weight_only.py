@@ -79,6 +79,22 @@ def test_a_weight_only_linear_computes_with_its_dequantized_weight(bits):
     assert (layer(x) - linear(x)).abs().max() < (0.2 if bits == 4 else 0.02)
 
 
+def test_int8_in_fp16_does_not_overflow_where_the_unscaled_product_would():
+    """Large activations (a trained model's reach thousands) times |q| up to 127 pass fp16's
+    65504 before the row scale brings the product back; the fp16 forward scales first."""
+    torch.manual_seed(0)
+    linear = nn.Linear(1024, 16, bias=False)
+    with torch.no_grad():
+        linear.weight.copy_(torch.rand(16, 1024) * 0.01)
+    layer = Int8WeightOnlyLinear(linear)
+    x = torch.full((1, 1024), 600.0)
+    expected = linear(x)  # about 3000: representable in fp16
+    assert (x.half() @ layer.qweight.half().T).isinf().any()  # what an unscaled product gives
+    out = layer.half()(x.half())
+    assert torch.isfinite(out).all()
+    assert torch.allclose(out.float(), expected, rtol=0.02)
+
+
 # -- loading -------------------------------------------------------------------------------------
 @pytest.mark.parametrize("mode_name", WEIGHT_ONLY)
 def test_the_estimate_and_the_footprint_count_scales_and_zero_points(load_demo, mode_name):
