@@ -24,6 +24,8 @@ A candidate whose package is missing, or that fails, is recorded with the reason
 goes on. Candidates that would not finish within --budget-s are skipped (reported). JSON and
 markdown are written after every candidate, so a run cut short still leaves its results.
 On a machine without a GPU the same script runs eagerly (use a tiny config) to check it works.
+Packages beyond the app's: torchao 0.18.0 and gemlite 0.6.0.post2 (pure Python over Triton) for
+their candidates, bitsandbytes for nf4; the app's own modes need none of them.
 """
 
 from __future__ import annotations
