@@ -32,6 +32,7 @@ from pathlib import Path
 
 import torch
 
+from . import quality
 from .bench_inputs import build_random_model, random_prompts
 from .bench_modes import LOADED_LIMITS, bench_loaded, bench_mode
 from .bench_report import BenchRow, chart_figure, markdown_table, save_chart, summary_table
@@ -58,6 +59,7 @@ def run(args: argparse.Namespace) -> list[BenchRow]:
         engine.registry.allow_root(model_name)
     placement = Placement(args.placement or ("cuda:0" if torch.cuda.is_available() else "cpu"))
     modes = [m.strip() for m in args.modes.split(",")]
+    reference = quality_reference(engine, model_name, args.quality_positions)
     warm = args.process_warm_up if args.process_warm_up is not None \
         else not torch.cuda.is_available()
     if warm:
@@ -71,9 +73,21 @@ def run(args: argparse.Namespace) -> list[BenchRow]:
     for mode in modes:
         rows += bench_mode(engine, model_name, mode, placement, batches,
                            args.prompt_tokens, args.new_tokens, args.match_prompts,
-                           logprobs=not args.no_logprobs)
+                           logprobs=not args.no_logprobs, reference=reference)
         print(markdown_table(rows[-len(batches):]), flush=True)
     return rows
+
+
+def quality_reference(engine: Engine, model_name: str, positions: int):
+    """(token sequences, fp32 log-probabilities) for quality.compare, None when positions is 0."""
+    if positions <= 0:
+        return None
+    from transformers import AutoTokenizer
+
+    path = engine.registry.resolve(model_name).path
+    sequences = quality.sequences(AutoTokenizer.from_pretrained(path), positions)
+    device = "cuda:0" if torch.cuda.is_available() else "cpu"
+    return sequences, quality.fp32_reference(path, sequences, device=device)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -104,6 +118,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--compile-mode", default="default",
                         choices=COMPILE_MODES,
                         help="torch.compile mode of the fast path's decode step")
+    parser.add_argument("--quality-positions", type=int, default=381,
+                        help="teacher-forced positions for kl_vs_fp32 / top1_vs_fp32 (0: skip)")
     parser.add_argument("--out", default="results.json", help="JSON file to write")
     parser.add_argument("--chart", help="PNG chart (default: next to --out)")
     args = parser.parse_args(argv)

@@ -9,7 +9,7 @@ import time
 
 import torch
 
-from . import bench_logprobs
+from . import bench_logprobs, quality
 from .bench_gate import Gate
 from .bench_inputs import random_prompts
 from .bench_measure import (
@@ -25,6 +25,7 @@ from .engine import Engine
 from .manager import LoadRequest
 from .modes import get_mode, quantization_config
 from .placement import Placement
+from .weight_only import load_quantized
 
 # What the UI panel may ask for: each figure is bounded so that a run takes seconds to a
 # minute and holds at most a few MB of logprobs, whatever a request says.
@@ -74,16 +75,20 @@ def load_peer(path, mode: str):
 
     mode_row = get_mode(mode)
     kwargs = {"dtype": mode_row.dtype}
-    if mode_row.is_quantized:
+    if mode_row.uses_bitsandbytes:
         kwargs["quantization_config"] = quantization_config(mode_row)
     device_map = {"": 0} if torch.cuda.is_available() else {"": "cpu"}
+    if mode_row.is_weight_only:  # no library default to compare with: the same weights
+        return load_quantized(path, mode_row.weight_only_bits, mode_row.group_size,
+                              device_map=device_map, **kwargs)
     return AutoModelForCausalLM.from_pretrained(path, device_map=device_map, **kwargs)
 
 
 def bench_mode(engine: Engine, model_name: str, mode: str, placement: Placement,
                batches: list[int], prompt_tokens: int, new_tokens: int,
-               match_prompts: int, *, logprobs: bool = True) -> list[BenchRow]:
-    """Load `mode` through the engine and measure it, unload, then the peer from scratch."""
+               match_prompts: int, *, logprobs: bool = True, reference=None) -> list[BenchRow]:
+    """Load `mode` through the engine and measure it, unload, then the peer from scratch.
+    reference: (token sequences, the fp32 model's log-probabilities on them), for quality."""
     reset_peaks()
     status = engine.load(LoadRequest(model_name, mode, placement,
                                      context_tokens=max(prompt_tokens + new_tokens + 64, 1024)))
@@ -93,6 +98,9 @@ def bench_mode(engine: Engine, model_name: str, mode: str, placement: Placement,
     mine = measure_engine(engine, prompts, batches, new_tokens, match_prompts)
     stream_tok_s = engine_streaming_tok_s(engine, new_tokens) if 1 in batches else None
     peak, peak_reserved = peaks_gb(), peaks_gb(reserved=True)
+    scores = engine.worker.call(lambda: quality.compare(
+        reference[1], quality.next_token_logprobs(loaded.model, reference[0]))) \
+        if reference else {}
     status = engine.status()  # now with the caches allocated by the first reply (CPU)
     found = None
     if logprobs and loaded.batcher is not None:  # untimed, after the peaks were read
@@ -109,8 +117,11 @@ def bench_mode(engine: Engine, model_name: str, mode: str, placement: Placement,
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-    return make_rows(status, batches, mine, theirs, peak=peak, peak_reserved=peak_reserved,
+    rows = make_rows(status, batches, mine, theirs, peak=peak, peak_reserved=peak_reserved,
                      stream_tok_s=stream_tok_s, peer_load_s=peer_load_s, logprobs=compared)
+    for row in rows:
+        row.kl_vs_fp32, row.top1_vs_fp32 = scores.get("kl_vs_fp32"), scores.get("top1_vs_fp32")
+    return rows
 
 
 def check_loaded_sizes(*, prompt_tokens: int, new_tokens: int, batches: list[int],

@@ -45,12 +45,15 @@ class BenchRow:
     # Teacher-forced: engine's mean KL against fp32 over plain's (<= 1.1 passes).
     logit_error_ratio: float | None = None
     logprobs: dict = field(default_factory=dict)  # the details of both checks
+    # Next-token distributions against the fp32 model's, teacher-forced (quality.py)
+    kl_vs_fp32: float | None = None
+    top1_vs_fp32: float | None = None
 
 
 COLUMNS = ["mode", "batch", "decode_path", "load_s", "weights_gb", "ttft_ms", "peer_ttft_ms",
            "tok_s", "peer_tok_s", "aggregate_tok_s", "peer_aggregate_tok_s", "speedup",
            "x_one_plain", "stream_tok_s", "greedy_match", "batch_match", "logprobs_close",
-           "logit_error_ratio", "over_weights_kv_pct"]
+           "logit_error_ratio", "over_weights_kv_pct", "kl_vs_fp32", "top1_vs_fp32"]
 
 
 def markdown_table(rows: list[BenchRow]) -> str:

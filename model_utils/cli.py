@@ -83,8 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
     model_flags(chat)
     conversation_flags(chat)
     chat.add_argument("--mode", default="bf16",
-                      help="precision mode: fp32, bf16, fp16, int8, nf4, nf4-dq, fp4, fp4-dq "
-                           "(default: bf16)")
+                      help="precision mode: fp32, bf16, fp16, int4-wo, int8-wo, int8, nf4, "
+                           "nf4-dq, fp4, fp4-dq (default: bf16)")
     chat.add_argument("--placement",
                       help="cpu, cuda:N, auto, balanced, balanced_low_0 or sequential "
                            "(default: auto with a GPU, else cpu)")
@@ -92,7 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="cap for one device, e.g. cuda:0=20 or cpu=64 (repeatable)")
     chat.add_argument("--offload-folder", help="let weights that fit nowhere go to this folder")
     chat.add_argument("--compute-dtype", default="bf16", choices=("bf16", "fp16", "fp32"),
-                      help="compute dtype of the 4-bit modes (default: bf16)")
+                       help="compute dtype of the 4-bit and weight-only modes (default: bf16)")
     chat.add_argument("--temperature", type=float, help="0 (or below 1e-5) = greedy")
     chat.add_argument("--top-p", type=float)
     chat.add_argument("--top-k", type=int, help="0 = off")

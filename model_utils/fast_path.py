@@ -19,12 +19,23 @@ from types import SimpleNamespace
 import torch
 
 from .decoders import CACHE_BUCKETS, StaticCaches, StaticDecoder
+from .weight_only import inductor_options
 
 log = logging.getLogger(__name__)
 
-# Modes whose bitsandbytes kernels break CUDA-graph capture (see BENCHMARKS.md for what was
-# measured); they run on the eager path.
-NOT_COMPILABLE_QUANT = {"int8"}
+
+def compile_forward(model, inductor_mode: str):
+    """torch.compile of the model's forward for one fixed shape; a model with weight-only
+    layers gets their inductor settings too (weight_only.inductor_options). torch.compile takes
+    a mode or options, not both: a named mode is spelled out as its options then."""
+    options = inductor_options(model)
+    if not options:
+        return torch.compile(model.forward, mode=inductor_mode, fullgraph=True, dynamic=False)
+    if inductor_mode != "default":
+        from torch._inductor import list_mode_options
+
+        options = {**list_mode_options(inductor_mode), **options}
+    return torch.compile(model.forward, options=options, fullgraph=True, dynamic=False)
 
 
 def support(loaded) -> tuple[bool, str]:
@@ -35,7 +46,7 @@ def support(loaded) -> tuple[bool, str]:
     if len(devices) != 1 or not next(iter(devices)).startswith("cuda"):
         return False, (f"eager path: the weights are spread over {', '.join(sorted(devices))}; "
                        "the compiled path needs the whole model on one GPU")
-    if loaded.mode.quantization in NOT_COMPILABLE_QUANT:
+    if not loaded.mode.compiles:  # bitsandbytes' int8 breaks CUDA-graph capture
         return False, f"eager path: bitsandbytes {loaded.mode.name} does not compile to CUDA graphs"
     return True, "compiled path: static KV cache + CUDA graphs"
 
@@ -89,8 +100,7 @@ class GraphedStep:
     def __init__(self, model, inductor_mode: str = "default"):
         # "max-autotune-no-cudagraphs" benchmarks matmul kernels for each shape at warm-up:
         # longer loads, sometimes faster 1-token GEMVs. Capturing the graph stays ours.
-        self.compiled = torch.compile(model.forward, mode=inductor_mode, fullgraph=True,
-                                      dynamic=False)
+        self.compiled = compile_forward(model, inductor_mode)
         self._graphs: dict[int, tuple] = {}
         self.capture = GraphCapture()  # every bucket's graph
 
@@ -216,8 +226,7 @@ class GraphedBatchStep:
 
     def __init__(self, model, inductor_mode: str = "default", compiled_rows: int = 1):
         self.model = model
-        self.compiled = torch.compile(model.forward, mode=inductor_mode, fullgraph=True,
-                                      dynamic=False)
+        self.compiled = compile_forward(model, inductor_mode)
         self.compiled_rows = compiled_rows
         self._graphs: dict[tuple, tuple] = {}
         self.capture = GraphCapture()  # shared with the prefill graphs (engine._warm_up)

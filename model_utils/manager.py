@@ -28,7 +28,7 @@ import torch
 
 from . import preflight
 from .memory import GB
-from .modes import Mode, get_mode, quantization_config
+from .modes import COMPUTE_DTYPES, Mode, get_mode, quantization_config
 from .modes import unavailable_reason as mode_unavailable
 from .placement import (
     FitEstimate,
@@ -40,6 +40,7 @@ from .placement import (
 )
 from .placement import unavailable_reason as placement_unavailable
 from .registry import ModelRegistry, ModelSource
+from .weight_only import load_quantized
 
 log = logging.getLogger(__name__)
 
@@ -375,9 +376,15 @@ class ModelManager:
         tokenizer = AutoTokenizer.from_pretrained(source.path,
                                                   trust_remote_code=self.trust_remote_code)
         progress(0.3, f"loading weights in {mode.name} ({estimate.plan})")
-        model = AutoModelForCausalLM.from_pretrained(
-            source.path, use_safetensors=True, trust_remote_code=self.trust_remote_code,
-            **kwargs)
+        if mode.is_weight_only:  # quantized by the app as it loads, one layer at a time
+            kwargs["dtype"] = COMPUTE_DTYPES[request.compute_dtype]
+            model = load_quantized(source.path, mode.weight_only_bits, mode.group_size,
+                                   progress=progress, use_safetensors=True,
+                                   trust_remote_code=self.trust_remote_code, **kwargs)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(
+                source.path, use_safetensors=True, trust_remote_code=self.trust_remote_code,
+                **kwargs)
         model.eval()
         load_s = time.perf_counter() - start
         loaded = LoadedModel(

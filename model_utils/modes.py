@@ -19,23 +19,58 @@ COMPUTE_DTYPES: dict[str, torch.dtype] = {
 }
 
 
+# Sections of the mode dropdown, in order.
+FULL, FAST, SAVERS = "Full precision", "Fast quantized", "bitsandbytes memory savers"
+GROUPS = (FULL, FAST, SAVERS)
+
+
 @dataclass(frozen=True)
 class Mode:
     name: str
     label: str
     dtype: torch.dtype  # dtype of the weights that stay unquantized (norms, embeddings, lm_head)
-    quantization: Quantization = None
+    quantization: Quantization = None  # bitsandbytes' kind, None for the others
     double_quant: bool = False
     # Bytes a parameter costs in memory. 4-bit packs two weights a byte and adds one absmax
     # scale per 64-weight block (fp32, or 8-bit plus a second-level scale with double quant).
     bytes_per_param: float = 2.0
+    bytes_per_row: float = 0.0  # and per output row of a quantized Linear (a row scale)
     # Devices it runs on. bitsandbytes 0.49+ has CPU kernels for int8, nf4 and fp4, so every
     # mode runs on a CPU (slowly); the tuple is still per mode so a GPU-only one can be added.
     runs_on: tuple[str, ...] = ("cpu", "cuda")
+    group: str = FULL  # its section of the dropdown
+    # The app's own weight-only quantization (weight_only.py): 8 or 4 bits, None for the others;
+    # int4 has one scale and one zero point per group_size weights of a row.
+    weight_only_bits: int | None = None
+    group_size: int | None = None
+    # Whether the compiled CUDA-graph path applies on a GPU (bitsandbytes' int8 matmul breaks
+    # graph capture: BENCHMARKS.md, run O).
+    compiles: bool = True
 
     @property
     def is_quantized(self) -> bool:
+        return self.quantization is not None or self.weight_only_bits is not None
+
+    @property
+    def uses_bitsandbytes(self) -> bool:
         return self.quantization is not None
+
+    @property
+    def is_weight_only(self) -> bool:
+        return self.weight_only_bits is not None
+
+    def help(self, device: str | None = None) -> str:
+        """What the mode costs on this kind of device ("cpu", "cuda"; default: this machine's),
+        for the dropdown: bytes per parameter (scales and zero points included) and the path."""
+        device = device or default_device()
+        cost = f"{self.bytes_per_param:.2f} B/param"
+        if device == "cpu":
+            return f"{cost}; on the CPU every mode decodes eagerly (slow)" + (
+                ", weights dequantized in every forward" if self.is_weight_only else "")
+        if not self.compiles:
+            return f"{cost}; slow on this GPU: eager path"
+        kernel = {4: ", tinygemm int4 kernel", 8: ", dequantization fused into the matmul"}
+        return f"{cost}; compiled CUDA-graph path" + kernel.get(self.weight_only_bits, "")
 
 
 MODES: dict[str, Mode] = {
@@ -44,18 +79,41 @@ MODES: dict[str, Mode] = {
         Mode("fp32", "fp32 (full precision, 4 B/param)", torch.float32, bytes_per_param=4.0),
         Mode("bf16", "bf16 (2 B/param)", torch.bfloat16, bytes_per_param=2.0),
         Mode("fp16", "fp16 (2 B/param)", torch.float16, bytes_per_param=2.0),
+        # + one bf16 scale and one bf16 zero point per 128 weights
+        Mode("int4-wo", "int4 weight-only, group 128", torch.bfloat16, group=FAST,
+             weight_only_bits=4, group_size=128, bytes_per_param=0.5 + 4 / 128),
+        # + one bf16 scale per output row (rows of 3584-18944 weights in a 7B model)
+        Mode("int8-wo", "int8 weight-only, per-row scales", torch.bfloat16, group=FAST,
+             weight_only_bits=8, bytes_per_param=1.0, bytes_per_row=2.0),
         Mode("int8", "int8 LLM.int8 (bitsandbytes, ~1 B/param)", torch.float16, "int8",
-             bytes_per_param=1.0 + 4 / 4096),  # + one fp32 row scale per output row
+             bytes_per_param=1.0 + 4 / 4096, group=SAVERS, compiles=False),
         Mode("nf4", "nf4 4-bit (bitsandbytes)", torch.bfloat16, "nf4",
-             bytes_per_param=0.5 + 4 / 64),
+             bytes_per_param=0.5 + 4 / 64, group=SAVERS),
         Mode("nf4-dq", "nf4 4-bit + double quant", torch.bfloat16, "nf4", double_quant=True,
-             bytes_per_param=0.5 + 1 / 64 + 4 / (64 * 256)),
+             bytes_per_param=0.5 + 1 / 64 + 4 / (64 * 256), group=SAVERS),
         Mode("fp4", "fp4 4-bit (bitsandbytes)", torch.bfloat16, "fp4",
-             bytes_per_param=0.5 + 4 / 64),
+             bytes_per_param=0.5 + 4 / 64, group=SAVERS),
         Mode("fp4-dq", "fp4 4-bit + double quant", torch.bfloat16, "fp4", double_quant=True,
-             bytes_per_param=0.5 + 1 / 64 + 4 / (64 * 256)),
+             bytes_per_param=0.5 + 1 / 64 + 4 / (64 * 256), group=SAVERS),
     )
 }
+
+
+def default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def dropdown_choices(device: str | None = None) -> list[tuple[str, str]]:
+    """(label, name) for the mode dropdown, section by section; each label carries its section
+    and its cost on this device (a dropdown has no sections or per-entry help of its own)."""
+    return [(f"{group}: {m.label} ({m.help(device)})", m.name)
+            for group in GROUPS for m in MODES.values() if m.group == group]
+
+
+def dropdown_info(device: str | None = None) -> str:
+    where = "on this GPU" if (device or default_device()) == "cuda" else "on the CPU"
+    return (f"{' / '.join(GROUPS)}. Each entry: bytes per parameter with its scales and zero "
+            f"points, and how it decodes {where}.")
 
 
 def get_mode(name: str) -> Mode:
@@ -69,7 +127,7 @@ def unavailable_reason(mode: Mode, *, device: str) -> str | None:
     """Why this mode cannot run on this kind of device ("cpu" or "cuda"), or None."""
     if device not in mode.runs_on:
         return f"{mode.name} does not run on {device} (runs on: {', '.join(mode.runs_on)})"
-    if mode.is_quantized:
+    if mode.uses_bitsandbytes:
         try:
             import bitsandbytes  # noqa: F401
         except ImportError:

@@ -10,7 +10,7 @@ import time
 import gradio as gr
 
 from model_utils.engine import Engine
-from model_utils.modes import MODES
+from model_utils.modes import dropdown_choices, dropdown_info
 from model_utils.placement import STRATEGIES, available_placements
 
 from . import model_actions as actions
@@ -35,7 +35,7 @@ def build_model_panel(engine: Engine, *, demo: gr.Blocks, status: gr.State,
                                          "(overrides the list when filled)",
                                          value=picks["model_path"], elem_id="model-path",
                                          placeholder="/models/Qwen2.5-7B-Instruct or Qwen/Qwen3-8B")
-            c["mode"] = gr.Dropdown([(m.label, name) for name, m in MODES.items()], label="Mode",
+            c["mode"] = gr.Dropdown(dropdown_choices(), label="Mode", info=dropdown_info(),
                                     value=picks["mode"], elem_id="mode")
             c["placement"] = gr.Dropdown(placements, label="Placement", value=picks["placement"],
                                          elem_id="placement", info=_placement_note(placements))

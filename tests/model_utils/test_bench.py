@@ -16,14 +16,15 @@ FIELDS = {"mode", "batch", "load_s", "weights_gb", "peak_gb", "ttft_ms", "tok_s"
 def test_bench_writes_table_json_and_chart(tmp_path):
     out = tmp_path / "results.json"
     result = subprocess.run(
-        [sys.executable, "-m", "model_utils.bench", "--model", "demo", "--modes", "fp32,nf4",
-         "--batch", "1,2", "--prompt-tokens", "16", "--new-tokens", "24",
+        [sys.executable, "-m", "model_utils.bench", "--model", "demo", "--modes",
+         "fp32,int4-wo,nf4", "--batch", "1,2", "--prompt-tokens", "16", "--new-tokens", "24",
          "--match-prompts", "2", "--out", str(out)],
         cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     assert "| mode | batch |" in result.stdout  # the markdown table
     rows = json.loads(out.read_text())["rows"]
     assert [(r["mode"], r["batch"]) for r in rows] == [("fp32", 1), ("fp32", 2),
+                                                        ("int4-wo", 1), ("int4-wo", 2),
                                                         ("nf4", 1), ("nf4", 2)]
     for row in rows:
         assert FIELDS <= row.keys()
@@ -39,6 +40,12 @@ def test_bench_writes_table_json_and_chart(tmp_path):
         assert row["kv_gb"] > 0  # the batch cache the replies were decoded in
         assert row["tok_s"] > 0 and row["peer_tok_s"] > 0
     assert out.with_suffix(".png").stat().st_size > 1000
+    # Accuracy beside speed: next-token distributions against the fp32 model's.
+    quality = {r["mode"]: (r["kl_vs_fp32"], r["top1_vs_fp32"]) for r in rows}
+    assert quality["fp32"] == (0.0, 1.0)
+    for mode in ("int4-wo", "nf4"):
+        kl, top1 = quality[mode]
+        assert 0 < kl < 0.1 and 0 < top1 <= 1, (mode, kl, top1)
 
 
 def test_bench_refuses_an_unknown_mode_with_status_2(tmp_path):

@@ -35,12 +35,17 @@ def test_mode_loads_on_cpu_and_generates(load_demo, mode_name):
 
 
 def _assert_precision(model, mode) -> None:
-    """The weights are what the mode promises: the dtype, or bitsandbytes layers of its kind."""
+    """The weights are what the mode promises: the dtype, or quantized layers of its kind."""
     import bitsandbytes as bnb
+
+    from model_utils.weight_only import Int4WeightOnlyLinear, Int8WeightOnlyLinear
 
     assert model.get_input_embeddings().weight.dtype == mode.dtype
     q_proj = model.model.layers[0].self_attn.q_proj
-    if mode.quantization is None:
+    if mode.is_weight_only:
+        kind = Int4WeightOnlyLinear if mode.weight_only_bits == 4 else Int8WeightOnlyLinear
+        assert isinstance(q_proj, kind)
+    elif mode.quantization is None:
         assert type(q_proj) is torch.nn.Linear
         assert q_proj.weight.dtype == mode.dtype
     elif mode.quantization == "int8":

@@ -1,0 +1,341 @@
+"""Weight-only quantization candidates side by side, through the engine's decode path.
+
+    python benchmarks/quant_candidates.py --config benchmarks/configs/qwen2.5-7b-instruct.config.json \\
+        --out "$OUT"
+
+One process, one GPU, a checkpoint of the config's shape with random bf16 weights (speed does
+not depend on the values). Each candidate is loaded through the engine (the path a user's load
+takes: compiled one-row step, CUDA graphs for every batch size and for the prefills), then:
+time to first token and decode tokens/s for one stream (128-token prompt, 256 new tokens,
+greedy), the aggregate for 32 concurrent streams, the weights' memory and the peak while
+loading, mean KL and top-1 agreement of next-token distributions against the fp32 model, and a
+torch.profiler summary of one decode step (per kernel). Candidates:
+
+- bf16, int4-wo, int8-wo, nf4, ...: the app's own modes (model_utils/modes.py);
+- torchao-int4 / torchao-int8: torchao 0.18's Int4WeightOnlyConfig (tinygemm,
+  int4_packing_format="tile_packed_to_4d", group 128) / Int8WeightOnlyConfig, applied to the
+  engine's bf16 model before it compiles;
+- gemlite-int4 / gemlite-int8: gemlite's Triton kernels (A16Wn with the app's own int4 numbers,
+  A16W8_INT8), swapped in the same way;
+- int8-wo-aten: the app's int8-wo with PyTorch's own torch._weight_int8pack_mm kernel;
+  int8-wo-hybrid: the same for two rows or more (batches, prefills), the compiled one-row step
+  as in int8-wo; int4-wo-head8: int4-wo with lm_head in int8 weight-only as well.
+A candidate whose package is missing, or that fails, is recorded with the reason, and the run
+goes on. Candidates that would not finish within --budget-s are skipped (reported). JSON and
+markdown are written after every candidate, so a run cut short still leaves its results.
+On a machine without a GPU the same script runs eagerly (use a tiny config) to check it works.
+Packages beyond the app's: torchao 0.18.0 and gemlite 0.6.0.post2 (pure Python over Triton) for
+their candidates, bitsandbytes for nf4; the app's own modes need none of them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import logging
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from quant_swaps import LIBRARY_INDUCTOR_OPTIONS, SWAPS, missing  # beside this script
+
+from model_utils import bench, quality
+from model_utils.engine import Engine
+from model_utils.fused_qkv import fuse_qkv
+from model_utils.manager import LoadRequest
+from model_utils.memory import GB
+from model_utils.placement import Placement
+
+log = logging.getLogger("quant_candidates")
+DEFAULT = ("bf16,int4-wo,int8-wo,torchao-int4,gemlite-int4,int4-wo-head8,int8-wo-hybrid,"
+           "gemlite-int8,int8-wo-aten,torchao-int8")
+CUDA = torch.cuda.is_available()
+
+
+# -- measuring one candidate ------------------------------------------------------------------------
+class LoadLog(logging.Handler):
+    """What the engine said while getting a candidate ready (which forward each graph captured,
+    what failed): kept with its results, since a GPU run is seldom repeated."""
+
+    NAMES = ("model_utils.fast_path", "model_utils.prefill", "model_utils.engine",
+             "model_utils.weight_only", "model_utils.batching")
+
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record):
+        if "reply:" not in record.getMessage():
+            self.lines.append(f"{record.levelname} {record.getMessage()[:300]}")
+
+    def __enter__(self):
+        for name in self.NAMES:
+            logging.getLogger(name).addHandler(self)
+            logging.getLogger(name).setLevel(logging.INFO)
+        return self
+
+    def __exit__(self, *exc):
+        for name in self.NAMES:
+            logging.getLogger(name).removeHandler(self)
+
+
+def profile_step(engine: Engine, steps: int = 3) -> dict:
+    """torch.profiler over `steps` one-row decode steps as served (the captured graph on a GPU):
+    per kernel, its time per step; and the step's wall time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    batcher = engine.manager.loaded.batcher
+
+    @torch.inference_mode()  # as the scheduler's own steps: the cache is an inference tensor
+    def run():
+        kv = batcher.kv
+        kv.relayout(0, 0)
+        b, w = kv.prepare_step(1, 0)
+        for _ in range(3):
+            batcher.step_fn(kv, b, w)
+        bench.sync()
+        start = time.perf_counter()
+        for _ in range(10):
+            batcher.step_fn(kv, b, w)
+        bench.sync()
+        wall_ms = (time.perf_counter() - start) / 10 * 1000
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if CUDA else [])
+        with profile(activities=activities) as prof:
+            for _ in range(steps):
+                batcher.step_fn(kv, b, w)
+            bench.sync()
+        kv.relayout(0, 0)
+        return wall_ms, prof
+
+    wall_ms, prof = engine.worker.call(run)
+    rows = _kernel_rows(prof, steps)
+    where = "as served: a graph replay on a GPU"
+    compiled = getattr(batcher.step_fn, "compiled", None)
+    if CUDA and len(rows) < 5 and compiled is not None:
+        # The profiler saw no kernels inside the graph replays: the same compiled forward,
+        # uncaptured, shows the same kernels (with launch gaps between them).
+        @torch.inference_mode()
+        def uncaptured():
+            kv = batcher.kv
+            kv.relayout(0, 0)
+            b, w = kv.prepare_step(1, 0)
+            inputs = kv.inputs(b, w)
+            compiled(**inputs)
+            bench.sync()
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as again:
+                for _ in range(steps):
+                    compiled(**inputs)
+                bench.sync()
+            kv.relayout(0, 0)
+            return again
+
+        rows = _kernel_rows(engine.worker.call(uncaptured), steps)
+        where = "the compiled forward, uncaptured"
+    return {"step_wall_ms": round(wall_ms, 3), "profiled": where,
+            "kernel_us_per_step": round(sum(r["us_per_step"] for r in rows), 1),
+            "kernels": rows[:40]}
+
+
+def _kernel_rows(prof, steps: int) -> list[dict]:
+    """Per kernel (per op on a CPU): calls and device time per step, largest first."""
+    rows = []
+    for event in prof.key_averages():
+        device_us = getattr(event, "self_device_time_total", None)
+        if device_us is None:
+            device_us = getattr(event, "self_cuda_time_total", 0)
+        us = device_us if CUDA else event.self_cpu_time_total
+        if us > 0 and (not CUDA or event.device_type.name == "CUDA"):
+            rows.append({"kernel": event.key[:160], "calls_per_step": event.count / steps,
+                         "us_per_step": round(us / steps, 2)})
+    rows.sort(key=lambda r: -r["us_per_step"])
+    return rows
+
+
+def measure(engine: Engine, folder: str, candidate: str, args, prompts, reference) -> dict:
+    swap, _, _, mode = SWAPS.get(candidate, (None, None, None, candidate))
+    placement = Placement("cuda:0" if CUDA else "cpu")
+    seen: dict = {}
+    prepare = engine._prepare_decoding
+
+    def on_loaded(loaded, progress):  # between the weights' load and the compile
+        if CUDA:
+            seen["load_peak_gb"] = round(torch.cuda.max_memory_allocated() / GB, 3)
+        if swap is not None:
+            fuse_qkv(loaded.model)  # on the bf16 weights, as the app's own modes do (no-op)
+            swap(loaded.model)
+            if mode == "bf16":  # another library's layers: the inductor settings it advises
+                loaded.model.inductor_options = LIBRARY_INDUCTOR_OPTIONS
+        if CUDA:
+            torch.cuda.synchronize()
+            seen["weights_gb"] = round(torch.cuda.memory_allocated() / GB, 3)
+        prepare(loaded, progress)
+
+    engine.manager.on_loaded = on_loaded
+    bench.reset_peaks()
+    start = time.perf_counter()
+    try:
+        with LoadLog() as load_log:
+            status = engine.load(LoadRequest(folder, mode, placement, context_tokens=1024))
+    finally:
+        engine.manager.on_loaded = prepare
+    seen["load_log"] = load_log.lines[:60]
+    result = {"candidate": candidate, "mode": mode, "decode_path": status["decode_path"],
+              "decode_path_reason": status["decode_path_reason"],
+              "load_and_compile_s": round(time.perf_counter() - start, 1),
+              "footprint_gb": status["footprint_gb"], **seen}
+    if swap is not None and mode == "bf16":
+        result["footprint_gb"] = None  # the table's count is the bf16 one; see weights_gb
+    bench.engine_decode(engine, prompts[0], 8)  # first reply after the load
+    singles = [bench.engine_decode(engine, prompts[i], args.new_tokens) for i in range(2)]
+    result["tok_s_1"] = round(statistics.median(s.tok_s for _, s in singles), 1)
+    result["ttft_ms_1"] = round(statistics.median(s.ttft_ms for _, s in singles), 2)
+    if args.streams > 1:
+        many = bench.engine_concurrent(engine, prompts[:args.streams], args.new_tokens)
+        result[f"aggregate_tok_s_{args.streams}"] = round(many["aggregate"], 1)
+        result[f"ttft_ms_p50_{args.streams}"] = round(many["ttft_ms"], 2)
+        result["batched_with"] = many["batched_with"]
+    if reference is not None:
+        model = engine.manager.loaded.model
+        result.update(engine.worker.call(lambda: quality.compare(
+            reference[1], quality.next_token_logprobs(model, reference[0]))))
+    result["profile"] = profile_step(engine) if engine.manager.loaded.batcher else None
+    if CUDA:
+        result["peak_gb"] = round(torch.cuda.max_memory_allocated() / GB, 3)
+    engine.unload()
+    return result
+
+
+# -- output ---------------------------------------------------------------------------------------
+def markdown(results: list[dict], meta: dict, streams: int) -> str:
+    bf16 = next((r for r in results if r["candidate"] == "bf16" and "tok_s_1" in r), None)
+    head = ["candidate", "path", "weights GB", "load peak GB", "tok/s 1 stream", "x bf16",
+            "TTFT ms", f"tok/s {streams} streams", f"x bf16 ({streams})", "KL vs fp32",
+            "top-1 vs fp32", "step ms", "load+compile s"]
+    lines = [f"Host: {meta}", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in results:
+        if "tok_s_1" not in r:
+            lines.append(f"| {r['candidate']} | {r.get('skipped') or r.get('error')} |" +
+                         " |" * (len(head) - 2))
+            continue
+        agg = r.get(f"aggregate_tok_s_{streams}")
+        ratio = (lambda a, b: f"{a / b:.2f}x" if a and b else "")
+        cells = [r["candidate"], r["decode_path"], r.get("weights_gb", r["footprint_gb"]),
+                 r.get("load_peak_gb"), r["tok_s_1"],
+                 ratio(r["tok_s_1"], bf16 and bf16["tok_s_1"]), r["ttft_ms_1"], agg,
+                 ratio(agg, bf16 and bf16.get(f"aggregate_tok_s_{streams}")),
+                 r.get("kl_vs_fp32"), r.get("top1_vs_fp32"),
+                 r["profile"] and r["profile"]["step_wall_ms"], r["load_and_compile_s"]]
+        lines.append("| " + " | ".join("" if c is None else str(c) for c in cells) + " |")
+    goal = ("Targets (one H200, 7B shape): int4 one stream >= 1.7x bf16, int8 >= 1.5x; "
+            f"{streams} streams >= bf16's aggregate; time to first token <= bf16's.")
+    lines += ["", goal, ""]
+    for r in results:
+        if "tok_s_1" in r and bf16 and r is not bf16:
+            lines.append(f"- {r['candidate']}: " + "; ".join(targets(r, bf16, streams)))
+    for r in results:
+        if r.get("profile"):
+            p = r["profile"]
+            title = (f"### {r['candidate']}: one decode step, {p['step_wall_ms']} ms wall, "
+                     f"{p['kernel_us_per_step']} us in kernels; {p['profiled']}")
+            lines += ["", title, "", "| kernel | calls | us per step |", "|---|---|---|"]
+            lines += [f"| `{k['kernel'][:100]}` | {k['calls_per_step']:g} | {k['us_per_step']} |"
+                      for k in p["kernels"][:15]]
+    return "\n".join(lines) + "\n"
+
+
+def targets(r: dict, bf16: dict, streams: int) -> list[str]:
+    """Each target of the weight-only modes, met or missed, with the figures."""
+    out = []
+    need = 1.7 if "int4" in r["candidate"] else 1.5 if "int8" in r["candidate"] else None
+    one = r["tok_s_1"] / bf16["tok_s_1"]
+    if need:
+        out.append(f"one stream {one:.2f}x bf16 ({'met' if one >= need else 'missed'}, "
+                   f"target {need}x)")
+    key = f"aggregate_tok_s_{streams}"
+    if r.get(key) and bf16.get(key):
+        many = r[key] / bf16[key]
+        out.append(f"{streams} streams {many:.2f}x bf16 ({'met' if many >= 1 else 'missed'})")
+    ttft = r["ttft_ms_1"] / bf16["ttft_ms_1"]
+    out.append(f"TTFT {ttft:.2f}x bf16 ({'met' if ttft <= 1 else 'missed'})")
+    return out
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", required=True, help="config.json of the shape to build")
+    parser.add_argument("--candidates", default=DEFAULT)
+    parser.add_argument("--prompt-tokens", type=int, default=128)
+    parser.add_argument("--new-tokens", type=int, default=256)
+    parser.add_argument("--streams", type=int, default=32)
+    parser.add_argument("--quality-positions", type=int, default=254)
+    parser.add_argument("--budget-s", type=float, default=430,
+                        help="start no candidate after this many seconds minus one "
+                             "candidate's expected time")
+    parser.add_argument("--out", required=True, help="folder for quant_candidates.json / .md")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING)
+    start = time.perf_counter()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    import transformers
+
+    meta = {"gpu": torch.cuda.get_device_name(0) if CUDA else platform.processor() or "cpu",
+            "torch": torch.__version__, "transformers": transformers.__version__,
+            "config": Path(args.config).name, "prompt_tokens": args.prompt_tokens,
+            "new_tokens": args.new_tokens}
+    for package in ("torchao", "gemlite", "triton", "bitsandbytes"):
+        try:
+            meta[package] = __import__(package).__version__
+        except Exception:  # noqa: BLE001 - not installed
+            meta[package] = None
+    folder = Path(tempfile.mkdtemp(prefix="quant-candidates-"))
+    bench.build_random_model(Path(args.config), folder, "cuda" if CUDA else "cpu")
+    engine = Engine(max_batch=max(args.streams, 1), max_queue=64)
+    engine.registry.allow_root(str(folder))
+    vocab = json.loads((folder / "config.json").read_text()).get("vocab_size", 1000)
+    prompts = bench.random_prompts(max(args.streams, 2), args.prompt_tokens, vocab)
+    reference = bench.quality_reference(engine, str(folder), args.quality_positions)
+    meta["setup_s"] = round(time.perf_counter() - start, 1)
+    results: list[dict] = []
+    longest = 0.0
+    for candidate in [c.strip() for c in args.candidates.split(",") if c.strip()]:
+        elapsed = time.perf_counter() - start
+        expected = max(longest, 60.0 if CUDA else 0.0)
+        if reason := missing(candidate):
+            results.append({"candidate": candidate, "skipped": reason})
+        elif elapsed + expected > args.budget_s:
+            results.append({"candidate": candidate,
+                            "skipped": f"time: {elapsed:.0f} s gone, ~{expected:.0f} s each"})
+        else:
+            begun = time.perf_counter()
+            try:
+                results.append(measure(engine, str(folder), candidate, args, prompts, reference))
+            except Exception as error:  # noqa: BLE001 - recorded; the next candidate runs
+                log.exception("candidate %s failed", candidate)
+                results.append({"candidate": candidate,
+                                "error": f"{type(error).__name__}: {str(error)[:300]}"})
+                if engine.manager.loaded is not None:
+                    engine.unload()
+            longest = max(longest, time.perf_counter() - begun)
+            gc.collect()
+        print(json.dumps({k: v for k, v in results[-1].items()
+                          if k not in ("profile", "load_log")}), flush=True)
+        meta["elapsed_s"] = round(time.perf_counter() - start, 1)
+        (out / "quant_candidates.json").write_text(json.dumps({"meta": meta, "results": results},
+                                                              indent=2))
+        (out / "quant_candidates.md").write_text(markdown(results, meta, args.streams))
+    print(markdown(results, meta, args.streams))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

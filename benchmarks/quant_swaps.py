@@ -1,0 +1,126 @@
+"""The benchmark's candidates from other libraries, and variants of the app's own modes: each
+swaps layers into a model the engine has just loaded, before it compiles (quant_candidates.py).
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+
+from model_utils.modes import MODES
+from model_utils.weight_only import quantize_int4
+
+CUDA = torch.cuda.is_available()
+
+
+def _linears(model):
+    """(parent, child name, layer) of every Linear but lm_head."""
+    for name, module in list(model.named_modules()):
+        if type(module) is torch.nn.Linear and not name.endswith("lm_head"):
+            parent, _, child = name.rpartition(".")
+            yield model.get_submodule(parent), child, module
+
+
+def torchao_int4(model):
+    from torchao.quantization import Int4WeightOnlyConfig, quantize_
+
+    quantize_(model, Int4WeightOnlyConfig(group_size=128,
+                                          int4_packing_format="tile_packed_to_4d"),
+              filter_fn=lambda m, fqn: isinstance(m, torch.nn.Linear) and "lm_head" not in fqn)
+
+
+def torchao_int8(model):
+    from torchao.quantization import Int8WeightOnlyConfig, quantize_
+
+    quantize_(model, Int8WeightOnlyConfig(),
+              filter_fn=lambda m, fqn: isinstance(m, torch.nn.Linear) and "lm_head" not in fqn)
+
+
+def gemlite_int4(model):
+    """gemlite's kernel on the app's own int4 numbers: gemlite dequantizes (q - zero) * scale
+    with the zero point in q's units, the app (q - 8) * scale + zero."""
+    from gemlite.helper import A16Wn
+
+    device = model.get_input_embeddings().weight.device
+    for parent, child, linear in _linears(model):
+        q, scales, zeros = quantize_int4(linear.weight, 128)
+        zero_q = 8 - zeros.float() / scales.float()
+        layer = A16Wn(device=device, dtype=torch.bfloat16).from_weights(
+            q, scales, zero_q.to(torch.bfloat16), 4, 128, bias=linear.bias)
+        setattr(parent, child, layer)
+        del linear
+    torch.cuda.empty_cache()
+
+
+def gemlite_int8(model):
+    from gemlite.helper import A16W8_INT8
+
+    device = model.get_input_embeddings().weight.device
+    for parent, child, linear in _linears(model):
+        setattr(parent, child, A16W8_INT8(device=device, dtype=torch.bfloat16).from_linear(linear))
+        del linear
+    torch.cuda.empty_cache()
+
+
+def aten_int8(model, *, rows_from: int = 1):
+    """The app's int8-wo numbers through PyTorch's own int8 weight-only kernel
+    (torch._weight_int8pack_mm, CUDA and CPU) for inputs of at least `rows_from` rows, instead
+    of the dequantize-and-multiply (which the one-row step compiles into one reduction)."""
+    from model_utils.weight_only import Int8WeightOnlyLinear
+
+    def forward(self, x):
+        x2 = x.reshape(-1, self.in_features)
+        if x2.shape[0] < rows_from:  # a static shape: decided once, when compiled or captured
+            return Int8WeightOnlyLinear.forward(self, x)
+        y = torch._weight_int8pack_mm(x2.contiguous(), self.qweight, self.scales.to(x.dtype))
+        y = y.reshape(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
+
+    for module in model.modules():
+        if isinstance(module, Int8WeightOnlyLinear):
+            module.forward = types.MethodType(forward, module)
+
+
+def int8_head(model):
+    """lm_head in int8 weight-only too (the app's modes keep it in bf16): on the 7B shape it is
+    1.09 GB of the ~4.5 GB an int4 token reads."""
+    from model_utils.weight_only import Int8WeightOnlyLinear
+
+    head = model.get_output_embeddings()
+    if type(head) is torch.nn.Linear and head.weight is not model.get_input_embeddings().weight:
+        model.set_output_embeddings(Int8WeightOnlyLinear(head))
+        del head
+        if CUDA:
+            torch.cuda.empty_cache()
+
+
+# What torchao's README advises for its weight-only layers under torch.compile (gpt-fast's
+# settings); given to the torchao and gemlite candidates' compiled step.
+LIBRARY_INDUCTOR_OPTIONS = {"coordinate_descent_tuning": True,
+                            "coordinate_descent_check_all_directions": True,
+                            "force_fuse_int_mm_with_mul": True, "use_mixed_mm": True}
+
+# name: (swap, package it needs, CUDA only, the app's mode it starts from)
+SWAPS = {"torchao-int4": (torchao_int4, "torchao", True, "bf16"),
+         "torchao-int8": (torchao_int8, "torchao", False, "bf16"),
+         "gemlite-int4": (gemlite_int4, "gemlite", True, "bf16"),
+         "gemlite-int8": (gemlite_int8, "gemlite", True, "bf16"),
+         "int8-wo-aten": (aten_int8, "torch", False, "int8-wo"),
+         "int8-wo-hybrid": (lambda m: aten_int8(m, rows_from=2), "torch", False, "int8-wo"),
+         "int4-wo-head8": (int8_head, "torch", False, "int4-wo")}
+
+
+def missing(candidate: str) -> str | None:
+    if candidate in MODES:
+        return None
+    if candidate not in SWAPS:
+        return f"unknown candidate (modes: {', '.join(MODES)}; swaps: {', '.join(SWAPS)})"
+    _, package, cuda_only, _ = SWAPS[candidate]
+    if cuda_only and not CUDA:
+        return "needs a CUDA GPU"
+    try:
+        __import__(package)
+    except Exception as error:  # noqa: BLE001 - a missing or broken package, reported
+        return f"{package} not importable: {type(error).__name__}: {str(error)[:200]}"
+    return None

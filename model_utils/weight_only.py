@@ -1,0 +1,265 @@
+"""Weight-only int8 and int4 quantization, done by the app at load from a bf16 checkpoint.
+
+Decoding one token is a matrix-vector product per layer: the GPU's time goes to reading the
+weights, so weights stored in 8 or 4 bits are read 2x or 4x faster, if the dequantization is
+fused into the product instead of writing a bf16 copy first (what made bitsandbytes' int8 and
+torchao's defaults slower than bf16, BENCHMARKS.md). Here:
+
+- int4: asymmetric, one bf16 scale and one bf16 zero point per `group` weights of a row, the
+  scheme of PyTorch's own tinygemm kernel (torch.ops.aten._weight_int4pack_mm, the kernel of
+  gpt-fast and of torchao's int4 "tile_packed_to_4d"): w = (q - 8) * scale + zero, q in 0..15.
+  On a CUDA GPU with bf16 compute the weights are kept in tinygemm's packed layout and every
+  forward is one tinygemm call, eager, compiled or captured alike. Elsewhere (the CPU, other
+  compute dtypes) they are kept two to a byte and dequantized in the forward: slow, but the same
+  numbers, which is what the tests compare.
+- int8: symmetric, one bf16 scale per output row: w = q * scale, q in -127..127. The forward is
+  linear(x, q.to(x.dtype)) * scale; compiled for one row, inductor turns that into one reduction
+  that reads the int8 weights once (with coordinate-descent tuning, see inductor_options).
+
+Loading never holds two copies of the model on the GPU: the bf16 checkpoint is read into CPU
+memory and each Linear is moved to the device, quantized there and its bf16 weight dropped, one
+at a time. lm_head stays in the compute dtype (as bitsandbytes leaves it).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .fused_qkv import fuse_qkv
+
+log = logging.getLogger(__name__)
+
+INT4_INNER_K_TILES = 8  # tinygemm's packing: in_features must be a multiple of 16 x this
+TINYGEMM_K_MULTIPLE = 16 * INT4_INNER_K_TILES
+TINYGEMM_N_MULTIPLE = 8
+
+
+# -- the numbers ---------------------------------------------------------------------------------
+def quantize_int4(weight: torch.Tensor, group: int):
+    """(q uint8 [N, K] in 0..15, scales bf16 [N, K/group], zeros bf16 [N, K/group]).
+
+    Computed in fp32, then q is taken against the bf16-rounded scale and zero that are stored,
+    so that dequantizing from what is stored is exact to what the kernels read."""
+    n, k = weight.shape
+    w = weight.detach().float().reshape(n, k // group, group)
+    low, high = w.amin(-1), w.amax(-1)
+    scales = ((high - low) / 15).clamp(min=torch.finfo(torch.bfloat16).smallest_normal)
+    zeros = low + 8 * scales
+    scales, zeros = scales.to(torch.bfloat16), zeros.to(torch.bfloat16)
+    s, z = scales.float().unsqueeze(-1), zeros.float().unsqueeze(-1)
+    q = torch.clamp(torch.round((w - (z - 8 * s)) / s), 0, 15).to(torch.uint8)
+    return q.reshape(n, k), scales, zeros
+
+
+def dequantize_int4(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                    dtype: torch.dtype) -> torch.Tensor:
+    n, k = q.shape
+    groups = scales.shape[1]
+    w = (q.reshape(n, groups, k // groups).to(dtype) - 8) * scales.to(dtype).unsqueeze(-1) \
+        + zeros.to(dtype).unsqueeze(-1)
+    return w.reshape(n, k)
+
+
+def quantize_int8(weight: torch.Tensor):
+    """(q int8 [N, K] in -127..127, scales bf16 [N])."""
+    w = weight.detach().float()
+    scales = (w.abs().amax(-1) / 127).clamp(min=torch.finfo(torch.bfloat16).smallest_normal)
+    scales = scales.to(torch.bfloat16)
+    q = torch.clamp(torch.round(w / scales.float().unsqueeze(-1)), -127, 127).to(torch.int8)
+    return q, scales
+
+
+def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
+    """[N, K] values 0..15 -> [N, K/2] bytes, even columns in the high nibble (tinygemm's input)."""
+    return (q[:, ::2] << 4 | q[:, 1::2]).contiguous()
+
+
+def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
+    return torch.stack([packed >> 4, packed & 15], dim=-1).reshape(packed.shape[0], -1)
+
+
+# -- the layers ----------------------------------------------------------------------------------
+class Int4WeightOnlyLinear(nn.Module):
+    """A Linear whose weight is int4 with per-group scales and zero points (see module doc)."""
+
+    def __init__(self, linear: nn.Linear, group: int, *, tinygemm: bool):
+        super().__init__()
+        self.in_features, self.out_features, self.group = (linear.in_features,
+                                                           linear.out_features, group)
+        q, scales, zeros = quantize_int4(linear.weight, group)
+        self.tinygemm = tinygemm
+        if tinygemm:
+            self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack(
+                pack_nibbles(q), INT4_INNER_K_TILES))
+            # [K/group, N, 2]: what the kernel reads
+            self.register_buffer("scales_and_zeros",
+                                 torch.stack([scales, zeros], -1).transpose(0, 1).contiguous())
+        else:
+            self.register_buffer("packed", pack_nibbles(q))
+            self.register_buffer("scales", scales)
+            self.register_buffer("zeros", zeros)
+        self.bias = linear.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tinygemm:
+            y = torch.ops.aten._weight_int4pack_mm(x.reshape(-1, self.in_features).contiguous(),
+                                                   self.packed, self.group,
+                                                   self.scales_and_zeros)
+            y = y.reshape(*x.shape[:-1], self.out_features)
+            return y if self.bias is None else y + self.bias
+        return F.linear(x, self.dequantized(x.dtype), self.bias)
+
+    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
+        if self.tinygemm:
+            raise NotImplementedError("tinygemm's packed layout is read by its kernel only")
+        return dequantize_int4(unpack_nibbles(self.packed), self.scales, self.zeros, dtype)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"group={self.group}, {'tinygemm' if self.tinygemm else 'dequantize'}")
+
+
+class Int8WeightOnlyLinear(nn.Module):
+    """A Linear whose weight is int8 with one scale per output row (see module doc)."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        q, scales = quantize_int8(linear.weight)
+        self.register_buffer("qweight", q)
+        self.register_buffer("scales", scales)
+        self.bias = linear.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float16:
+            # x @ q (|q| up to 127) can pass fp16's largest value before the scale brings it
+            # back: scale the weight first (one more pass over it when not compiled).
+            return F.linear(x, self.dequantized(x.dtype), self.bias)
+        y = F.linear(x, self.qweight.to(x.dtype)) * self.scales.to(x.dtype)
+        return y if self.bias is None else y + self.bias
+
+    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
+        return self.qweight.to(dtype) * self.scales.to(dtype).unsqueeze(-1)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}"
+
+
+WEIGHT_ONLY_LAYERS = (Int4WeightOnlyLinear, Int8WeightOnlyLinear)
+
+
+# -- a whole model -------------------------------------------------------------------------------
+def quantizable(name: str, linear: nn.Linear, bits: int, group: int | None) -> bool:
+    """Every decoder Linear; lm_head stays full precision. int4 needs whole groups per row and
+    tinygemm's tile multiples; a layer of another shape keeps its weight (counted as such)."""
+    if name.split(".")[-1] == "lm_head":
+        return False
+    if bits == 4:
+        return (linear.in_features % group == 0 and linear.in_features % TINYGEMM_K_MULTIPLE == 0
+                and linear.out_features % TINYGEMM_N_MULTIPLE == 0)
+    return True
+
+
+def uses_tinygemm(device: torch.device, compute_dtype: torch.dtype) -> bool:
+    return device.type == "cuda" and compute_dtype == torch.bfloat16
+
+
+def quantize_model(model: nn.Module, bits: int, group: int | None, device: torch.device,
+                   progress=None) -> dict:
+    """Replace the model's Linear layers by weight-only ones on `device`, one layer at a time,
+    then move the rest there. Returns {quantized, kept, seconds}."""
+    start = time.perf_counter()
+    if device.type == "cuda":
+        # What the engine does to a bf16 model it compiles, done before quantizing (rows are
+        # quantized one by one, so the fused layer has the separate layers' numbers): one
+        # q/k/v kernel per layer instead of three.
+        fuse_qkv(model)
+    compute = model.get_input_embeddings().weight.dtype
+    tinygemm = bits == 4 and uses_tinygemm(device, compute)
+    # Names only: a list of the modules would keep every bf16 weight alive to the end.
+    targets = [name for name, module in model.named_modules() if type(module) is nn.Linear]
+    kept = []
+    with torch.no_grad():
+        for i, name in enumerate(targets):
+            parent_name, _, child = name.rpartition(".")
+            parent = model.get_submodule(parent_name)
+            linear = getattr(parent, child)
+            if not quantizable(name, linear, bits, group):
+                kept.append(name)
+                continue
+            linear.to(device)  # this one layer in the compute dtype, on the device
+            layer = (Int4WeightOnlyLinear(linear, group, tinygemm=tinygemm) if bits == 4
+                     else Int8WeightOnlyLinear(linear))
+            setattr(parent, child, layer)
+            del linear  # the parent held the only other reference: its weight is freed
+            if progress and i % 32 == 0:
+                progress(0.3 + 0.3 * i / len(targets),
+                         f"quantizing to int{bits}: layer {i + 1} of {len(targets)}")
+        model.to(device)
+    model.weight_only = {"bits": bits, "group": group, "kernel": "tinygemm" if tinygemm else
+                         ("dequantize" if bits == 4 else "int8 matmul")}
+    seconds = time.perf_counter() - start
+    log.info("quantized %d Linear layers to int%d (%s) in %.1f s; kept %s", len(targets) -
+             len(kept), bits, model.weight_only["kernel"], seconds, kept or "none")
+    return {"quantized": len(targets) - len(kept), "kept": kept, "seconds": seconds}
+
+
+def load_quantized(path, bits: int, group: int | None, *, device_map: dict, dtype: torch.dtype,
+                   progress=None, **from_pretrained_kwargs) -> nn.Module:
+    """from_pretrained into CPU memory in `dtype`, then quantize_model onto the one device of
+    `device_map` ({"": "cpu"} or {"": gpu index})."""
+    from transformers import AutoModelForCausalLM
+
+    if not isinstance(device_map, dict) or set(device_map) != {""}:
+        raise ValueError(f"int{bits} weight-only runs on one device: pick the CPU or one GPU "
+                         "(splitting and offloading are for the other modes)")
+    target = device_map[""]
+    device = torch.device(f"cuda:{target}" if isinstance(target, int) else target)
+    check_staging_memory(path)
+    model = AutoModelForCausalLM.from_pretrained(path, device_map={"": "cpu"}, dtype=dtype,
+                                                 **from_pretrained_kwargs)
+    quantize_model(model, bits, group, device, progress)
+    # accelerate's map still says "cpu"; the weights now live on `device`.
+    if getattr(model, "hf_device_map", None) is not None:
+        model.hf_device_map = {"": str(device)}
+    return model
+
+
+def check_staging_memory(path) -> None:
+    """The checkpoint passes through CPU memory on its way to being quantized: refuse (with the
+    numbers) a load whose weights are larger than the memory available, rather than let the
+    operating system end the process half-way."""
+    from pathlib import Path
+
+    import psutil
+
+    from .memory import GB
+
+    files = list(Path(path).glob("*.safetensors")) if Path(path).is_dir() else []
+    needed = sum(f.stat().st_size for f in files)
+    available = psutil.virtual_memory().available
+    if needed > available:
+        raise ValueError(f"weight-only modes quantize the checkpoint on its way from CPU memory: "
+                         f"its {needed / GB:.1f} GB of weights exceed the {available / GB:.1f} "
+                         "GB of memory available")
+
+
+def inductor_options(model: nn.Module) -> dict:
+    """Inductor settings for compiling a model with weight-only layers, {} for any other.
+
+    Coordinate-descent tuning is what makes inductor decompose a one-row matmul into a fused
+    reduction (torch/_inductor/decomposition.py, mm), so int8's dequantization is fused into
+    the product; it also tunes that reduction's block sizes, which matrix-vector products need
+    to reach the memory bandwidth (gpt-fast sets the same). A model may carry its own
+    (`model.inductor_options`: the benchmark's candidates from other libraries do)."""
+    own = getattr(model, "inductor_options", None)
+    if own is not None:
+        return dict(own)
+    if not any(isinstance(m, WEIGHT_ONLY_LAYERS) for m in model.modules()):
+        return {}
+    return {"coordinate_descent_tuning": True}
