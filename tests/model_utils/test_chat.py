@@ -8,8 +8,13 @@ import jinja2
 import pytest
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from model_utils.chat import (ChatInputError, normalize_messages, prepare_prompt, render_prompt,
-                              split_reasoning)
+from model_utils.chat import (
+    ChatInputError,
+    normalize_messages,
+    prepare_prompt,
+    render_prompt,
+    split_reasoning,
+)
 from model_utils.generation import GenerationSettings, IncrementalDetokenizer
 
 from .helpers import FIXTURES, copy_demo, cpu_request
