@@ -240,14 +240,20 @@ def test_stop_frees_the_place_within_a_step_and_the_others_complete(small_engine
         results[i] = submit(loaded, prompts[i], greedy(n))
 
     # Three rows: two long replies and a short one fill them; the fourth waits for a place,
-    # which only the Stop of a long reply gives it in time.
+    # which only the Stop of a long reply gives it in time. The worker is held until all four
+    # wait, in that order, so the first three take the rows however slow the machine is.
     first = threading.Thread(target=stopped_after, args=(0, 20))
     second = threading.Thread(target=stopped_after, args=(1, 400))
     third = threading.Thread(target=complete, args=(2, 60))
-    first.start(), second.start(), third.start()
-    wait_until(lambda: loaded.batcher.load()["active"] == 3)
     fourth = threading.Thread(target=complete, args=(3, 30))
-    fourth.start()
+    gate = threading.Event()
+    small_engine.worker.post(gate.wait)
+    try:
+        for n, thread in enumerate((first, second, third, fourth), 1):
+            thread.start()
+            wait_until(lambda n=n: loaded.batcher.load()["waiting"] == n)
+    finally:
+        gate.set()  # a failed check must not leave the worker blocked for the next tests
     for t in (first, second, third, fourth):
         t.join(timeout=300)
     assert results[0].finish_reason == "stop" and results[0].stopped
@@ -293,22 +299,26 @@ def test_a_switch_waits_for_streaming_replies_and_never_corrupts_them(small_engi
     loaded = small_engine.manager.loaded
     prompt = [9, 8, 7, 6]
     stop = threading.Event()
-    got: dict = {}
+    tokens: list[int] = []
+    stats = ReplyStats()
 
     def reply():
         with small_engine.manager.use():  # what engine.chat holds while it streams
-            got["tokens"], got["stats"] = submit(loaded, prompt, greedy(4000), stop)
+            tokens.extend(loaded.batcher.submit(prompt, greedy(4000), eos_ids=eos_ids(loaded),
+                                                stop=stop, stats=stats))
 
     thread = threading.Thread(target=reply)
     thread.start()
-    wait_until(lambda: loaded.batcher.load()["active"] == 1 or "stats" in got)
+    wait_until(lambda: loaded.batcher.load()["active"] == 1 or not thread.is_alive())
     with pytest.raises(ModelBusy):  # busy_timeout_s is 1 s: the reply is still streaming
         small_engine.load(cpu_request("fp16"))
+    # Enough of the reply to compare, however many tokens the busy wait above lasted.
+    wait_until(lambda: stats.new_tokens >= 100 or not thread.is_alive())
     stop.set()
     thread.join(timeout=300)
     assert small_engine.status()["mode"] == "fp32"
-    assert got["stats"].finish_reason == "stop" and len(got["tokens"]) > 100
-    assert got["tokens"][:100] == alone(loaded, prompt, greedy(100))
+    assert stats.finish_reason == "stop" and len(tokens) >= 100
+    assert tokens[:100] == alone(loaded, prompt, greedy(100))
 
 
 def test_a_reply_that_cannot_fit_its_row_is_refused_before_it_joins(small_engine):

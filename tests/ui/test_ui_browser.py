@@ -119,10 +119,13 @@ def test_conversation_survives_a_reload(page):
 def test_regenerate_replaces_the_last_reply(page, app):
     replies_before = app.log().count("reply: model=")
     users, bots = page.locator('#chatbot [data-testid="user"]').count(), bot_messages(page).count()
+    # The reload reset the sliders: a short greedy reply again, so that it ends in good time.
+    set_number(page, "temperature", 0)
+    set_number(page, "max_new_tokens", 64)
     page.locator("#regenerate").click()
     # The new reply ends with its own stats line; the stopped one it replaces says "stopped".
-    bot_messages(page).last.locator("sub").filter(has_not_text="stopped").wait_for(
-        timeout=90000)
+    bot_messages(page).last.locator("sub", has_text="64 out").filter(
+        has_not_text="stopped").wait_for(timeout=90000)
     assert app.log().count("reply: model=") == replies_before + 1
     assert page.locator('#chatbot [data-testid="user"]').count() == users
     assert bot_messages(page).count() == bots
@@ -172,6 +175,8 @@ def test_switch_mode_updates_status_and_memory(page, artifacts):
     page.locator("#estimate").get_by_text("Fits").wait_for()
     page.locator("#load").click()
     page.locator("#model-message").get_by_text("Loaded demo model").wait_for(timeout=60000)
+    # The status box is refreshed by a timer too: one taken mid-switch may still be on its way.
+    page.locator("#model-status").get_by_text("nf4", exact=False).wait_for()
     status = page.locator("#model-status").inner_text()
     assert "nf4" in status and "cpu" in status and "0-3" in status
     # The header follows (a memory tick taken mid-switch may show "no model" for a moment).
