@@ -143,6 +143,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1
 
     # Heavy imports after the checks: --help and refused flags answer at once.
+    from fastapi import APIRouter
+
     import ui
     from model_utils.engine import Engine
     from model_utils.manager import freeze_long_lived
@@ -169,18 +171,21 @@ def main(argv: list[str] | None = None) -> int:
     # request through to it (the reply handlers' concurrency is max_batch + max_queue).
     reply_slots = ui.reply_concurrency(engine)
     demo.queue(max_size=reply_slots + 16, default_concurrency_limit=1)
+    # The OpenAI-compatible routes are handed to the FastAPI app that launch() builds, so they
+    # exist before the port opens; added after launch(), a client that came at once got 404.
+    openai_routes = APIRouter()
+    ui.register_openai_api(openai_routes, engine, logins)
     try:
-        app, local_url, share_url = demo.launch(
+        _, local_url, share_url = demo.launch(
             server_name=args.host, server_port=args.port, share=args.share,
             auth=logins or None, auth_message=ui.LOGIN_MESSAGE, prevent_thread_lock=True,
-            ssr_mode=False, css=ui.CSS,
-            max_threads=reply_slots + 40,
+            ssr_mode=False, css=ui.CSS, max_threads=reply_slots + 40,
+            app_kwargs={"routes": openai_routes.routes},
             footer_links=["api", "settings"])
     except OSError as error:  # the port is taken, or the address is not this machine's
         log.error("cannot serve on %s:%s: %s", args.host, args.port, error)
         return 1
     log.info("serving on %s", local_url)
-    ui.register_openai_api(app, engine, logins)
     freeze_long_lived()  # the web server's objects too: no long GC pauses while serving
     if args.share:
         if share_url:

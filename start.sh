@@ -20,8 +20,8 @@ STAMP="$VENV/.requirements.stamp"
 PYTHON="${PYTHON:-python3}"
 
 if [ ! -x "$VENV/bin/python" ]; then
-    "$PYTHON" -c 'import sys; sys.exit(sys.version_info < (3, 10))' || {
-        echo "start.sh: Python 3.10 or newer is needed ($PYTHON is $("$PYTHON" -V 2>&1))" >&2
+    "$PYTHON" -c 'import sys; sys.exit(sys.version_info < (3, 11))' || {
+        echo "start.sh: Python 3.11 or newer is needed ($PYTHON is $("$PYTHON" -V 2>&1))" >&2
         exit 1
     }
     echo "start.sh: creating $VENV with $("$PYTHON" -V 2>&1)"

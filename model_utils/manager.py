@@ -28,7 +28,7 @@ import torch
 
 from . import preflight
 from .memory import GB
-from .modes import COMPUTE_DTYPES, Mode, get_mode, quantization_config
+from .modes import Mode, get_mode, quantization_config, torch_dtype
 from .modes import unavailable_reason as mode_unavailable
 from .placement import (
     FitEstimate,
@@ -377,7 +377,7 @@ class ModelManager:
                                                   trust_remote_code=self.trust_remote_code)
         progress(0.3, f"loading weights in {mode.name} ({estimate.plan})")
         if mode.is_weight_only:  # quantized by the app as it loads, one layer at a time
-            kwargs["dtype"] = COMPUTE_DTYPES[request.compute_dtype]
+            kwargs["dtype"] = torch_dtype(request.compute_dtype)
             model = load_quantized(source.path, mode.weight_only_bits, mode.group_size,
                                    progress=progress, use_safetensors=True,
                                    trust_remote_code=self.trust_remote_code, **kwargs)

@@ -7,16 +7,22 @@ benchmark all read the same frozen rows, so adding a mode is adding one line her
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 Quantization = Literal["int8", "nf4", "fp4"] | None
-COMPUTE_DTYPES: dict[str, torch.dtype] = {
-    "bf16": torch.bfloat16,
-    "fp16": torch.float16,
-    "fp32": torch.float32,
-}
+# Dtypes by name, turned into torch dtypes only when used: reading the table (app.py --help
+# lists the modes) must not cost the seconds that importing torch takes.
+COMPUTE_DTYPES: dict[str, str] = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype of a COMPUTE_DTYPES name: "bf16" -> torch.bfloat16."""
+    import torch
+
+    return getattr(torch, COMPUTE_DTYPES[name])
 
 
 # Sections of the mode dropdown, in order.
@@ -28,8 +34,10 @@ GROUPS = (FULL, FAST, SAVERS)
 class Mode:
     name: str
     label: str
-    dtype: torch.dtype  # dtype of the weights that stay unquantized (norms, embeddings, lm_head)
-    quantization: Quantization = None  # bitsandbytes' kind, None for the others
+    # A COMPUTE_DTYPES name: dtype of the weights that stay unquantized (norms, embeddings,
+    # lm_head); .dtype is the torch dtype.
+    weight_dtype: str
+    quantization: Quantization = None
     double_quant: bool = False
     # Bytes a parameter costs in memory. 4-bit packs two weights a byte and adds one absmax
     # scale per 64-weight block (fp32, or 8-bit plus a second-level scale with double quant).
@@ -72,34 +80,40 @@ class Mode:
         kernel = {4: ", tinygemm int4 kernel", 8: ", dequantization fused into the matmul"}
         return f"{cost}; compiled CUDA-graph path" + kernel.get(self.weight_only_bits, "")
 
+    @property
+    def dtype(self) -> torch.dtype:
+        return torch_dtype(self.weight_dtype)
+
 
 MODES: dict[str, Mode] = {
     m.name: m
     for m in (
-        Mode("fp32", "fp32 (full precision, 4 B/param)", torch.float32, bytes_per_param=4.0),
-        Mode("bf16", "bf16 (2 B/param)", torch.bfloat16, bytes_per_param=2.0),
-        Mode("fp16", "fp16 (2 B/param)", torch.float16, bytes_per_param=2.0),
+        Mode("fp32", "fp32 (full precision, 4 B/param)", "fp32", bytes_per_param=4.0),
+        Mode("bf16", "bf16 (2 B/param)", "bf16", bytes_per_param=2.0),
+        Mode("fp16", "fp16 (2 B/param)", "fp16", bytes_per_param=2.0),
         # + one bf16 scale and one bf16 zero point per 128 weights
-        Mode("int4-wo", "int4 weight-only, group 128", torch.bfloat16, group=FAST,
+        Mode("int4-wo", "int4 weight-only, group 128", "bf16", group=FAST,
              weight_only_bits=4, group_size=128, bytes_per_param=0.5 + 4 / 128),
         # + one bf16 scale per output row (rows of 3584-18944 weights in a 7B model)
-        Mode("int8-wo", "int8 weight-only, per-row scales", torch.bfloat16, group=FAST,
+        Mode("int8-wo", "int8 weight-only, per-row scales", "bf16", group=FAST,
              weight_only_bits=8, bytes_per_param=1.0, bytes_per_row=2.0),
-        Mode("int8", "int8 LLM.int8 (bitsandbytes, ~1 B/param)", torch.float16, "int8",
+        Mode("int8", "int8 LLM.int8 (bitsandbytes, ~1 B/param)", "fp16", "int8",
              bytes_per_param=1.0 + 4 / 4096, group=SAVERS, compiles=False),
-        Mode("nf4", "nf4 4-bit (bitsandbytes)", torch.bfloat16, "nf4",
+        Mode("nf4", "nf4 4-bit (bitsandbytes)", "bf16", "nf4",
              bytes_per_param=0.5 + 4 / 64, group=SAVERS),
-        Mode("nf4-dq", "nf4 4-bit + double quant", torch.bfloat16, "nf4", double_quant=True,
+        Mode("nf4-dq", "nf4 4-bit + double quant", "bf16", "nf4", double_quant=True,
              bytes_per_param=0.5 + 1 / 64 + 4 / (64 * 256), group=SAVERS),
-        Mode("fp4", "fp4 4-bit (bitsandbytes)", torch.bfloat16, "fp4",
+        Mode("fp4", "fp4 4-bit (bitsandbytes)", "bf16", "fp4",
              bytes_per_param=0.5 + 4 / 64, group=SAVERS),
-        Mode("fp4-dq", "fp4 4-bit + double quant", torch.bfloat16, "fp4", double_quant=True,
+        Mode("fp4-dq", "fp4 4-bit + double quant", "bf16", "fp4", double_quant=True,
              bytes_per_param=0.5 + 1 / 64 + 4 / (64 * 256), group=SAVERS),
     )
 }
 
 
 def default_device() -> str:
+    import torch
+
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
@@ -152,6 +166,6 @@ def quantization_config(mode: Mode, *, compute_dtype: str = "bf16", cpu_offload:
         load_in_4bit=True,
         bnb_4bit_quant_type=mode.quantization,
         bnb_4bit_use_double_quant=mode.double_quant,
-        bnb_4bit_compute_dtype=COMPUTE_DTYPES[compute_dtype],
+        bnb_4bit_compute_dtype=torch_dtype(compute_dtype),
         llm_int8_enable_fp32_cpu_offload=cpu_offload,
     )

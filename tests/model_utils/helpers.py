@@ -10,9 +10,8 @@ from model_utils.manager import LoadRequest
 from model_utils.placement import Placement
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-# CI clones the repository into some folder with shared/ beside it, so this is found relative
-# to the repository and not by an absolute path.
-SHARED_TESTDATA = REPO_ROOT / ".." / "shared" / "testdata"
+# Files the tests compare against, kept in the repository (tests/fixtures/README.md says what).
+FIXTURES = REPO_ROOT / "tests" / "fixtures"
 
 CPU = Placement("cpu")
 # A few greedy tokens, EOS masked so that every reply has exactly max_new_tokens tokens.

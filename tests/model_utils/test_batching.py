@@ -47,7 +47,7 @@ def run_together(jobs: list) -> list:
     return results
 
 
-def wait_until(condition, timeout: float = 30) -> None:
+def wait_until(condition, timeout: float = 120) -> None:
     deadline = time.monotonic() + timeout
     while not condition():
         assert time.monotonic() < deadline, "timed out"
@@ -172,9 +172,9 @@ def test_prompts_arriving_together_share_one_padded_prefill(load_demo):
 
     padded.__class__ = Counting
     cases = [([5 + i + j for j in range(3 + 7 * i)], greedy(16 + i)) for i in range(8)]
+    gate = threading.Event()
     try:
         expected = [alone(loaded, p, s) for p, s in cases]
-        gate = threading.Event()
         engine.worker.post(gate.wait)  # the decode worker is busy while all eight arrive
         results: list = [None] * len(cases)
 
@@ -187,8 +187,9 @@ def test_prompts_arriving_together_share_one_padded_prefill(load_demo):
         wait_until(lambda: batcher.load()["waiting"] == len(cases))
         gate.set()
         for t in threads:
-            t.join(timeout=120)
+            t.join(timeout=300)
     finally:
+        gate.set()  # a failed check must not leave the worker blocked for the next tests
         batcher.padded_prefill = None
     assert groups == [[3 + 7 * i for i in range(8)]]
     for i, ((tokens, _), reference) in enumerate(zip(results, expected)):
@@ -204,10 +205,15 @@ def test_prompts_prefilled_together_give_the_replies_they_get_alone(small_engine
              ([(11 * i) % 500 + 3 for i in range(17)], greedy(30))]
     expected = [alone(loaded, p, s) for p, s in cases]
     # Keep the worker busy so that all three are waiting when the loop starts.
-    small_engine.worker.post(lambda: time.sleep(0.3))
-    streams = [loaded.batcher.submit(p, s, eos_ids=eos_ids(loaded), stop=threading.Event(),
-                                     stats=ReplyStats()) for p, s in cases]
-    assert loaded.batcher.load()["waiting"] == 3
+    gate = threading.Event()
+    small_engine.worker.post(gate.wait)
+    try:
+        streams = [loaded.batcher.submit(p, s, eos_ids=eos_ids(loaded),
+                                         stop=threading.Event(), stats=ReplyStats())
+                   for p, s in cases]
+        assert loaded.batcher.load()["waiting"] == 3
+    finally:
+        gate.set()  # a failed check must not leave the worker blocked for the next tests
     assert [list(stream) for stream in streams] == expected
 
 
@@ -234,14 +240,20 @@ def test_stop_frees_the_place_within_a_step_and_the_others_complete(small_engine
         results[i] = submit(loaded, prompts[i], greedy(n))
 
     # Three rows: two long replies and a short one fill them; the fourth waits for a place,
-    # which only the Stop of a long reply gives it in time.
+    # which only the Stop of a long reply gives it in time. The worker is held until all four
+    # wait, in that order, so the first three take the rows however slow the machine is.
     first = threading.Thread(target=stopped_after, args=(0, 20))
     second = threading.Thread(target=stopped_after, args=(1, 400))
     third = threading.Thread(target=complete, args=(2, 60))
-    first.start(), second.start(), third.start()
-    wait_until(lambda: loaded.batcher.load()["active"] == 3)
     fourth = threading.Thread(target=complete, args=(3, 30))
-    fourth.start()
+    gate = threading.Event()
+    small_engine.worker.post(gate.wait)
+    try:
+        for n, thread in enumerate((first, second, third, fourth), 1):
+            thread.start()
+            wait_until(lambda n=n: loaded.batcher.load()["waiting"] == n)
+    finally:
+        gate.set()  # a failed check must not leave the worker blocked for the next tests
     for t in (first, second, third, fourth):
         t.join(timeout=300)
     assert results[0].finish_reason == "stop" and results[0].stopped
@@ -269,10 +281,10 @@ def test_a_full_queue_refuses_at_once_with_a_busy_error(small_engine):
     streams = [loaded.batcher.submit([5 + i, 6, 7], greedy(4000), eos_ids=eos_ids(loaded),
                                      stop=stops[i], stats=ReplyStats()) for i in range(7)]
     assert loaded.batcher.load()["active"] + loaded.batcher.load()["waiting"] == 7
-    start = time.monotonic()
     with pytest.raises(QueueFull) as caught:
         next(small_engine.chat([{"role": "user", "content": "one more"}], greedy(4)))
-    assert time.monotonic() - start < 5
+    # Refused while all seven are still in flight: it did not wait for a place to free up.
+    assert loaded.batcher.load()["active"] + loaded.batcher.load()["waiting"] == 7
     assert "busy" in str(caught.value) and "try again" in str(caught.value)
     assert isinstance(caught.value, ModelBusy)  # what the UI already shows as a message
     for stop in stops:
@@ -287,22 +299,26 @@ def test_a_switch_waits_for_streaming_replies_and_never_corrupts_them(small_engi
     loaded = small_engine.manager.loaded
     prompt = [9, 8, 7, 6]
     stop = threading.Event()
-    got: dict = {}
+    tokens: list[int] = []
+    stats = ReplyStats()
 
     def reply():
         with small_engine.manager.use():  # what engine.chat holds while it streams
-            got["tokens"], got["stats"] = submit(loaded, prompt, greedy(4000), stop)
+            tokens.extend(loaded.batcher.submit(prompt, greedy(4000), eos_ids=eos_ids(loaded),
+                                                stop=stop, stats=stats))
 
     thread = threading.Thread(target=reply)
     thread.start()
-    wait_until(lambda: loaded.batcher.load()["active"] == 1 or "stats" in got)
+    wait_until(lambda: loaded.batcher.load()["active"] == 1 or not thread.is_alive())
     with pytest.raises(ModelBusy):  # busy_timeout_s is 1 s: the reply is still streaming
         small_engine.load(cpu_request("fp16"))
+    # Enough of the reply to compare, however many tokens the busy wait above lasted.
+    wait_until(lambda: stats.new_tokens >= 100 or not thread.is_alive())
     stop.set()
     thread.join(timeout=300)
     assert small_engine.status()["mode"] == "fp32"
-    assert got["stats"].finish_reason == "stop" and len(got["tokens"]) > 100
-    assert got["tokens"][:100] == alone(loaded, prompt, greedy(100))
+    assert stats.finish_reason == "stop" and len(tokens) >= 100
+    assert tokens[:100] == alone(loaded, prompt, greedy(100))
 
 
 def test_a_reply_that_cannot_fit_its_row_is_refused_before_it_joins(small_engine):
@@ -325,10 +341,15 @@ def test_with_memory_for_fewer_rows_the_surplus_waits_its_turn(demo_path, monkey
         loaded = engine.manager.loaded
         prompts = [[10 + i, 11, 12 + i] for i in range(5)]
         expected = [alone(loaded, p, greedy(20)) for p in prompts]
-        engine.worker.post(lambda: time.sleep(0.3))  # all five wait when the loop starts
-        streams = [loaded.batcher.submit(p, greedy(20), eos_ids=eos_ids(loaded),
-                                         stop=threading.Event(), stats=ReplyStats())
-                   for p in prompts]
+        gate = threading.Event()
+        engine.worker.post(gate.wait)  # all five wait when the loop starts
+        try:
+            streams = [loaded.batcher.submit(p, greedy(20), eos_ids=eos_ids(loaded),
+                                             stop=threading.Event(), stats=ReplyStats())
+                       for p in prompts]
+            assert loaded.batcher.load()["waiting"] == 5
+        finally:
+            gate.set()
         assert [list(stream) for stream in streams] == expected
         assert loaded.batcher.kv.rows == loaded.batcher.peak_rows == 2
     finally:

@@ -8,13 +8,18 @@ import jinja2
 import pytest
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from model_utils.chat import (ChatInputError, normalize_messages, prepare_prompt, render_prompt,
-                              split_reasoning)
+from model_utils.chat import (
+    ChatInputError,
+    normalize_messages,
+    prepare_prompt,
+    render_prompt,
+    split_reasoning,
+)
 from model_utils.generation import GenerationSettings, IncrementalDetokenizer
 
-from .helpers import SHARED_TESTDATA, copy_demo, cpu_request
+from .helpers import FIXTURES, copy_demo, cpu_request
 
-TEMPLATE_FILE = SHARED_TESTDATA / "qwen3-chat-template.jinja"
+TEMPLATE_FILE = FIXTURES / "qwen3-chat-template.jinja"  # Qwen3's published template
 
 CONVERSATIONS = {
     "one user turn": [{"role": "user", "content": "What is the capital of France?"}],
@@ -71,7 +76,6 @@ def render_reference(messages: list[dict], *, thinking: bool) -> str:
 
 @pytest.fixture
 def qwen3_tokenizer(demo_tokenizer):
-    assert TEMPLATE_FILE.is_file(), f"missing {TEMPLATE_FILE} (shared/ beside the repository)"
     demo_tokenizer.chat_template = TEMPLATE_FILE.read_text()
     return demo_tokenizer
 

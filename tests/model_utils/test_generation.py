@@ -10,8 +10,13 @@ import torch
 from model_utils.chat import render_prompt
 from model_utils.decoders import EagerDecoder
 from model_utils.engine import eos_ids
-from model_utils.generation import (GenerationSettings, IncrementalDetokenizer, InvalidParameter,
-                                    ReplyStats, decode_tokens)
+from model_utils.generation import (
+    GenerationSettings,
+    IncrementalDetokenizer,
+    InvalidParameter,
+    ReplyStats,
+    decode_tokens,
+)
 
 from .helpers import HELLO
 

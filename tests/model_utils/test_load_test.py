@@ -35,7 +35,7 @@ def app_url(tmp_path_factory):
              "--placement", "cpu"], cwd=REPO_ROOT, stdout=console, stderr=subprocess.STDOUT,
             env=env)
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + 300
         while True:
             if proc.poll() is not None:
                 pytest.fail(f"app exited: {(folder / 'console.txt').read_text()[-2000:]}")
@@ -45,7 +45,7 @@ def app_url(tmp_path_factory):
             except OSError:
                 if time.monotonic() > deadline:
                     proc.kill()
-                    pytest.fail("app did not start in 120 s")
+                    pytest.fail("app did not start in 300 s")
                 time.sleep(0.3)
         yield url
         proc.terminate()

@@ -1,7 +1,8 @@
 """Run the real app (python app.py ...) as a subprocess and wait until it serves.
 
-Starting the app costs ~10 s on two cores (imports + the demo model), so each test module
-shares one instance through a module-scoped fixture.
+Starting the app costs ~10 s on two idle cores (imports + the demo model), several times that
+on a loaded machine, so each test module shares one instance through a module-scoped fixture
+and the wait for it is generous.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ class RunningApp:
              str(self.log_file), *args],
             cwd=ROOT, stdout=self._console, stderr=subprocess.STDOUT, env=env)
 
-    def wait_ready(self, timeout: float = 120) -> RunningApp:
+    def wait_ready(self, timeout: float = 300) -> RunningApp:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

@@ -29,7 +29,9 @@ def load(client: Client, mode: str, model: str = "demo") -> dict:
 def test_chat_streams_a_reply(client):
     job = client.submit("Tell me about the sea.", [], GREEDY, api_name="/chat")
     updates = list(job)
-    assert len(updates) >= 3, "a 24-token reply should arrive in several pieces"
+    # The first piece of text is sent on its own, the rest at most every 50 ms and the end
+    # with the stats: at least two updates, however fast the machine decodes.
+    assert len(updates) >= 2, "a 24-token reply should arrive in pieces"
     answers = [u["answer"] for u in updates]
     # Streaming: each update extends the one before it.
     assert all(b.startswith(a) for a, b in itertools.pairwise(answers))
