@@ -214,6 +214,10 @@ def measure(engine: Engine, folder: str, candidate: str, args, prompts, referenc
 
 
 # -- output ---------------------------------------------------------------------------------------
+def ratio(a, b) -> str:
+    return f"{a / b:.2f}x" if a and b else ""
+
+
 def markdown(results: list[dict], meta: dict, streams: int) -> str:
     bf16 = next((r for r in results if r["candidate"] == "bf16" and "tok_s_1" in r), None)
     head = ["candidate", "path", "weights GB", "load peak GB", "tok/s 1 stream", "x bf16",
@@ -226,7 +230,6 @@ def markdown(results: list[dict], meta: dict, streams: int) -> str:
                          " |" * (len(head) - 2))
             continue
         agg = r.get(f"aggregate_tok_s_{streams}")
-        ratio = (lambda a, b: f"{a / b:.2f}x" if a and b else "")
         cells = [r["candidate"], r["decode_path"], r.get("weights_gb", r["footprint_gb"]),
                  r.get("load_peak_gb"), r["tok_s_1"],
                  ratio(r["tok_s_1"], bf16 and bf16["tok_s_1"]), r["ttft_ms_1"], agg,
