@@ -18,6 +18,7 @@ from pathlib import Path
 log = logging.getLogger("app")
 
 LOOPBACK_NAMES = {"localhost"}
+LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -54,6 +55,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="most chat requests waiting for a place before new ones are refused")
     p.add_argument("--max-batch", type=int, default=8,
                    help="most chat replies decoded together as one batch (1-64)")
+    p.add_argument("--allowed-host", action="append", default=[], metavar="NAME",
+                   help="without logins, also answer requests for this Host name (besides "
+                        "localhost, 127.0.0.1, ::1 and --host); repeat for more")
+    p.add_argument("--shutdown-grace", type=float, default=5.0, metavar="SECONDS",
+                   help="on SIGTERM/SIGINT, how long open replies may go on before they are "
+                        "ended with an error (default 5)")
     # model_utils.fast_path.COMPILE_MODES, spelled out: --help must answer without importing torch
     p.add_argument("--compile-mode", default="default",
                    choices=("default", "max-autotune-no-cudagraphs"),
@@ -132,6 +139,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logins = read_logins(args, _parser_error)
     check_exposure(args, logins, _parser_error)
+    if not 0 <= args.shutdown_grace <= 3600:  # also refuses nan
+        _parser_error(f"--shutdown-grace must be between 0 and 3600 s, got {args.shutdown_grace}")
     setup_logging(args.log_file)
     config = {k: v for k, v in vars(args).items() if k not in ("auth", "auth_file")}
     config["logins"] = [user for user, _ in logins]  # user names only, never passwords
@@ -178,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
         log.error("cannot serve on %s:%s: %s", args.host, args.port, error)
         return 1
     log.info("serving on %s", local_url)
-    ui.register_openai_api(app, engine, logins)
+    ui.register_openai_api(app, engine, logins, allowed_hosts=served_hosts(args))
     freeze_long_lived()  # the web server's objects too: no long GC pauses while serving
     if args.share:
         if share_url:
@@ -189,13 +198,16 @@ def main(argv: list[str] | None = None) -> int:
                     f"gradio share server?); serving locally only at {local_url}")
             log.warning(note)  # the console handler shows it too
             info.share_note = note
-    try:
-        demo.block_thread()
-    except KeyboardInterrupt:
-        pass
-    finally:
-        demo.close()
+    from ui.shutdown import shut_down, wait_for_signal
+
+    why = wait_for_signal()
+    shut_down(engine, demo, why=why, grace_s=args.shutdown_grace)
     return 0
+
+
+def served_hosts(args: argparse.Namespace) -> set[str]:
+    """The Host names answered without logins: loopback's, the bound host's, --allowed-host."""
+    return {*LOOPBACK_HOSTS, args.host.lower(), *(h.lower() for h in args.allowed_host)}
 
 
 def load_initial_model(engine, args, info) -> None:
