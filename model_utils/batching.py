@@ -37,9 +37,10 @@ import torch
 
 from .batch_cache import BatchKV, bucket, kv_bytes_per_row
 from .decoders import input_device
-from .generation import GenerationSettings, ReplyStats, sample_token
+from .generation import GenerationSettings, ReplyStats
 from .manager import ModelBusy
 from .prefill import PaddedPrefill
+from .sampling import is_greedy, sample_token
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +80,7 @@ class Request:
 
     @property
     def greedy(self) -> bool:
-        return self.settings.temperature == 0 and self.settings.repetition_penalty == 1.0
+        return is_greedy(self.settings) and self.settings.repetition_penalty == 1.0
 
 
 class BatchScheduler:
@@ -230,16 +231,39 @@ class BatchScheduler:
             else:
                 starting.append(request)
         for chunk, padded in self._prefill_groups(starting):
+            self._prefill_isolated(chunk, padded)
+
+    def _prefill_isolated(self, requests: list[Request], padded: bool) -> None:
+        """Prefill a group; if that fails, prefill each of its requests alone, so that a
+        request that cannot be prefilled (whatever the cause) ends by itself and the others
+        of its group go on."""
+        try:
+            self._prefill(requests, padded)
+            return
+        except Exception as error:  # noqa: BLE001 - sorted out below, request by request
+            if len(requests) == 1:
+                self._fail_unplaced(requests, error)
+                return
+            log.warning("prefill of %d prompts together failed (%s): each alone now",
+                        len(requests), error)
+        for request in self._unplaced(requests):
+            request.sampled, request.seen, request.generator = 0, None, None
             try:
-                self._prefill(chunk, padded)
-            except Exception as error:  # noqa: BLE001 - these requests fail, the others go on
-                log.exception("prefill failed")
-                with self._lock:
-                    requeued = set(self._waiting)
-                for request in chunk:  # those not already placed, ended or sent back to wait
-                    if request not in self.rows and not request.stats.finish_reason \
-                            and request not in requeued:
-                        self._finish(request, "error", error)
+                self._prefill([request], padded)
+            except Exception as error:  # noqa: BLE001 - this request fails, the others go on
+                self._fail_unplaced([request], error)
+
+    def _unplaced(self, requests: list[Request]) -> list[Request]:
+        """Those of `requests` not placed in a row, not ended and not sent back to wait."""
+        with self._lock:
+            requeued = set(self._waiting)
+        return [r for r in requests if r not in self.rows and not r.stats.finish_reason
+                and r not in requeued]
+
+    def _fail_unplaced(self, requests: list[Request], error: Exception) -> None:
+        log.error("prefill failed: %s", error, exc_info=error)
+        for request in self._unplaced(requests):
+            self._finish(request, "error", error)
 
     def _prefill_groups(self, requests: list[Request]) -> Iterator[tuple[list[Request], bool]]:
         """(requests, padded): how admitted prompts are prefilled.
@@ -277,7 +301,7 @@ class BatchScheduler:
         exactly the forward of a single reply); the padded prefill right-pads them."""
         for request in requests:
             settings = request.settings
-            if settings.seed is not None and settings.temperature > 0:
+            if settings.seed is not None and not is_greedy(settings):
                 request.generator = torch.Generator(device=self.device).manual_seed(
                     settings.seed)
             if settings.repetition_penalty != 1.0:
@@ -325,7 +349,7 @@ class BatchScheduler:
             requests = requests[:keep]
         tokens = self._sample(logits[:len(requests)], requests).tolist()
         for i, (request, token) in enumerate(zip(requests, tokens)):
-            if not self._accept(request, token):
+            if request.finished or not self._accept(request, token):  # (failed sampling)
                 continue
             request.length = len(request.input_ids)
             row = len(self.rows)
@@ -382,7 +406,8 @@ class BatchScheduler:
         """Launch another step before reading the one in flight? Not when that one ends a row
         (its last token by max_new_tokens), a row was stopped, or a request waits."""
         return not self._waiting and not any(
-            r.sampled >= r.settings.max_new_tokens or r.stop.is_set() for r in self.rows)
+            r.finished or r.sampled >= r.settings.max_new_tokens or r.stop.is_set()
+            for r in self.rows)
 
     def _must_regroup(self) -> bool:
         return bool(self._waiting) or any(r.finished or r.stop.is_set() for r in self.rows)
@@ -413,6 +438,8 @@ class BatchScheduler:
         Greedy rows (the common case for benchmarks, and what the equality tests compare) are
         one argmax for all of them; others go through sample_token, the same function a single
         reply uses. The repetition penalty's record of seen tokens grows here, on the device.
+        A row whose sampling raises ends alone (its request gets the error); its slot keeps the
+        greedy token so the step's tensors stay whole, and it leaves before the next step.
         """
         masked = [i for i, r in enumerate(requests)
                   if r.sampled < r.settings.min_new_tokens and r.eos is not None]
@@ -420,14 +447,23 @@ class BatchScheduler:
             logits = logits.float()
             for i in masked:
                 logits[i].index_fill_(0, requests[i].eos, -math.inf)
+        # A NaN row's argmax is still some token id: nothing to guard for the greedy rows (and
+        # no extra pass over [rows, vocabulary] each step); sample_token guards its own.
         tokens = logits.argmax(-1)
         for i, request in enumerate(requests):
+            if request.finished:  # ended in an earlier step still being read: its token is void
+                continue
             request.sampled += 1
-            if not request.greedy:
-                seen = request.seen if request.seen is not None else tokens.new_empty(0)
-                tokens[i] = sample_token(logits[i], request.settings, seen, request.generator)
-            if request.seen is not None:
-                request.seen = torch.cat([request.seen, tokens[i:i + 1]])
+            try:
+                if not request.greedy:
+                    seen = request.seen if request.seen is not None else tokens.new_empty(0)
+                    tokens[i] = sample_token(logits[i], request.settings, seen,
+                                             request.generator)
+                if request.seen is not None:
+                    request.seen = torch.cat([request.seen, tokens[i:i + 1]])
+            except Exception as error:  # noqa: BLE001 - this row fails, the others go on
+                log.error("sampling failed for one reply: %s", error, exc_info=error)
+                self._finish(request, "error", error)
         return tokens
 
     def _accept(self, request: Request, token: int) -> bool:

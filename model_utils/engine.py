@@ -10,7 +10,7 @@ import logging
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -270,6 +270,10 @@ class Engine:
                                     context_tokens=loaded.context_tokens,
                                     reserve_tokens=settings.max_new_tokens,
                                     system_prompt=system_prompt, thinking=thinking)
+            if prompt.reply_clamped:  # a longer reply than the context leaves: what fits
+                settings = replace(settings, max_new_tokens=prompt.max_new_tokens,
+                                   min_new_tokens=min(settings.min_new_tokens,
+                                                      prompt.max_new_tokens))
             if self.log_prompts:
                 log.info("prompt: %r", prompt.text)
             stats = ReplyStats()

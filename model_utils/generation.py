@@ -15,6 +15,16 @@ from dataclasses import asdict, dataclass, replace
 
 import torch
 
+from .sampling import is_greedy, sample_next
+from .sampling import sample_token  # noqa: F401 - where callers have always found it
+
+# The ranges the sampler is known to handle (sampling.py): a value that passes here cannot make
+# it produce NaN probabilities or raise. Wider ones would buy nothing a user could notice.
+MAX_TEMPERATURE = 100.0
+REPETITION_PENALTY_RANGE = (0.01, 10.0)
+MAX_TOP_K = 1_000_000  # more than any vocabulary: "all tokens"
+MAX_SEED = 2**63 - 1  # torch.Generator.manual_seed takes a signed 64-bit integer
+
 
 class InvalidParameter(ValueError):
     """A generation setting out of range; .name is the parameter."""
@@ -29,7 +39,7 @@ class GenerationSettings:
     """None means "the model's generation_config default"."""
 
     max_new_tokens: int | None = None
-    temperature: float | None = None  # 0 = greedy
+    temperature: float | None = None  # 0 (or below GREEDY_TEMPERATURE) = greedy
     top_p: float | None = None
     top_k: int | None = None  # 0 = off
     repetition_penalty: float | None = None
@@ -37,7 +47,8 @@ class GenerationSettings:
     min_new_tokens: int = 0  # benchmarks: random weights emit EOS at random
 
     def resolved(self, generation_config, *, context_tokens: int) -> GenerationSettings:
-        """Fill unset values from the model's generation_config, then validate."""
+        """Fill unset values from the model's generation_config, then validate. A temperature
+        below GREEDY_TEMPERATURE comes back as 0 (greedy), which is what it means."""
         gc = generation_config
         sampling = bool(getattr(gc, "do_sample", False))
         defaults = {
@@ -49,77 +60,50 @@ class GenerationSettings:
         }
         filled = replace(self, **{k: v for k, v in defaults.items() if getattr(self, k) is None})
         filled.validate(context_tokens=context_tokens)
+        if is_greedy(filled) and filled.temperature != 0:
+            filled = replace(filled, temperature=0.0)
         return filled
 
-    def validate(self, *, context_tokens: int) -> None:
-        def number(name, value):
+    def validate(self, *, context_tokens: int | None = None) -> None:
+        """Refuse, by name, a value the sampler cannot use. A max_new_tokens longer than what
+        the context leaves is not refused: the engine clamps it to what fits (with a notice)
+        once the prompt's length is known; `context_tokens` is kept for the callers' sake."""
+        def number(name, low, high):
+            value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or \
                     not math.isfinite(value):
                 raise InvalidParameter(name, f"must be a finite number, got {value!r}")
+            if not low <= value <= high:
+                raise InvalidParameter(name, f"must be between {low:g} and {high:g}, "
+                                       f"got {value!r}")
 
-        for name in ("temperature", "top_p", "repetition_penalty"):
-            number(name, getattr(self, name))
-        if self.temperature < 0:
-            raise InvalidParameter("temperature", f"must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise InvalidParameter("top_p", f"must be in (0, 1], got {self.top_p}")
-        if self.repetition_penalty <= 0:
-            raise InvalidParameter("repetition_penalty",
-                                   f"must be > 0, got {self.repetition_penalty}")
-        for name in ("top_k", "max_new_tokens", "min_new_tokens"):
+        def integer(name, low, high=None):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool):
                 raise InvalidParameter(name, f"must be an integer, got {value!r}")
-        if self.top_k < 0:
-            raise InvalidParameter("top_k", f"must be >= 0, got {self.top_k}")
-        if not 1 <= self.max_new_tokens <= context_tokens:
-            raise InvalidParameter("max_new_tokens", f"must be between 1 and the context "
-                                   f"window ({context_tokens}), got {self.max_new_tokens}")
-        if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
-            raise InvalidParameter("seed", f"must be a non-negative integer, got {self.seed!r}")
+            if value < low or (high is not None and value > high):
+                bounds = f"between {low} and {high}" if high is not None else f">= {low}"
+                # a huge integer is not worth echoing in full
+                shown = str(value) if len(str(value)) <= 30 else f"{str(value)[:12]}... " \
+                    f"({len(str(value))} digits)"
+                raise InvalidParameter(name, f"must be {bounds}, got {shown}")
+
+        number("temperature", 0.0, MAX_TEMPERATURE)
+        top_p = self.top_p
+        if not isinstance(top_p, (int, float)) or isinstance(top_p, bool) or \
+                not math.isfinite(top_p):
+            raise InvalidParameter("top_p", f"must be a finite number, got {top_p!r}")
+        if not 0 < top_p <= 1:
+            raise InvalidParameter("top_p", f"must be in (0, 1], got {top_p!r}")
+        number("repetition_penalty", *REPETITION_PENALTY_RANGE)
+        integer("top_k", 0, MAX_TOP_K)
+        integer("max_new_tokens", 1)
+        integer("min_new_tokens", 0)
+        if self.seed is not None:
+            integer("seed", 0, MAX_SEED)
 
     def as_dict(self) -> dict:
         return asdict(self)
-
-
-# -- sampling -----------------------------------------------------------------------------------
-def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: float):
-    # logits: [V] float32; seen: [n] ids already in prompt or reply (CTRL paper's penalty,
-    # as transformers applies it: divide positive scores, multiply negative ones).
-    scores = logits.gather(0, seen)
-    scores = torch.where(scores < 0, scores * penalty, scores / penalty)
-    return logits.scatter(0, seen, scores)
-
-
-def sample_token(logits: torch.Tensor, settings: GenerationSettings, seen: torch.Tensor,
-                 generator: torch.Generator | None) -> torch.Tensor:
-    """logits [V] -> the next token id as a 0-d tensor on logits' device, in transformers'
-    order: penalty, temperature, top-k, top-p. Temperature 0 is greedy (argmax), which is what
-    the equality tests compare. Nothing here waits for the device, so a batch can feed its next
-    step with tokens the host has not read yet."""
-    logits = logits.float()
-    if settings.repetition_penalty != 1.0:
-        logits = apply_repetition_penalty(logits, seen, settings.repetition_penalty)
-    if settings.temperature == 0:
-        return logits.argmax()
-    logits = logits / settings.temperature
-    if settings.top_k:
-        kth = torch.topk(logits, min(settings.top_k, logits.numel())).values[-1]
-        logits = logits.masked_fill(logits < kth, -math.inf)
-    if settings.top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True)
-        cumulative = sorted_logits.softmax(-1).cumsum(-1)
-        # Drop tokens once the mass before them already reaches top_p; the first always stays.
-        drop = (cumulative - sorted_logits.softmax(-1)) >= settings.top_p
-        logits = logits.scatter(0, order, sorted_logits.masked_fill(drop, -math.inf))
-    probs = logits.softmax(-1)
-    return torch.multinomial(probs, 1, generator=generator)[0]
-
-
-def sample_next(logits: torch.Tensor, settings: GenerationSettings, seen: torch.Tensor,
-                generator: torch.Generator | None) -> int:
-    """sample_token, read on the host."""
-    return int(sample_token(logits, settings, seen, generator))
 
 
 # -- streaming text -----------------------------------------------------------------------------
@@ -178,7 +162,7 @@ def decode_tokens(decoder, input_ids: list[int], settings: GenerationSettings, *
     stats = stats if stats is not None else ReplyStats()
     stop = stop or threading.Event()
     generator = None
-    if settings.seed is not None and settings.temperature > 0:
+    if settings.seed is not None and not is_greedy(settings):
         generator = torch.Generator(device=decoder.sample_device).manual_seed(settings.seed)
     seen = torch.tensor(input_ids, dtype=torch.long, device=decoder.sample_device)
     stats.prompt_tokens = len(input_ids)

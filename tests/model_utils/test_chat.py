@@ -191,7 +191,8 @@ def test_long_history_keeps_the_newest_turns_with_a_notice(load_demo):
 def test_single_overlong_message_is_refused_not_crashed(load_demo):
     engine = load_demo("fp32", context_tokens=256)
     huge = [{"role": "user", "content": "please explain the sea " * 200}]
-    with pytest.raises(ChatInputError, match=r"tokens long.*room for \d+ \(256 minus 16"):
+    with pytest.raises(ChatInputError,
+                       match=r"is \d+ tokens long and leaves no room .* window of 256 tokens"):
         next(engine.chat(huge, GenerationSettings(max_new_tokens=16)))
     # The model is untouched and answers the next, reasonable message.
     reply = engine.generate_text([{"role": "user", "content": "hi"}],
@@ -238,3 +239,105 @@ def test_split_reasoning_while_streaming_token_by_token(demo_tokenizer):
     first_answer = next(i for i, (_, answer) in enumerate(seen) if answer)
     assert all(not answer for _, answer in seen[:first_answer])
     assert all(r == final_reasoning for r, _ in seen[first_answer:])
+
+
+def _trim_by_dropping_one_at_a_time(tokenizer, messages, *, context_tokens, reserve_tokens):
+    """The reference: drop the oldest turn (then any that would lead without a user turn) and
+    render again, until it fits: what prepare_prompt computes, the slow way."""
+    system, turns = messages[:1], messages[1:]
+    dropped = 0
+    while True:
+        text = render_prompt(tokenizer, system + turns)
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        if len(ids) <= context_tokens - reserve_tokens or len(turns) <= 1:
+            return dropped, ids
+        turns, dropped = turns[1:], dropped + 1
+        while len(turns) > 1 and turns[0]["role"] != "user":
+            turns, dropped = turns[1:], dropped + 1
+
+
+@pytest.mark.parametrize("context_tokens", [200, 256, 300, 512, 1024, 3000])
+def test_trimming_finds_the_same_cut_as_dropping_one_turn_at_a_time(demo_tokenizer,
+                                                                    context_tokens):
+    messages = _long_history(turns=30)
+    # Turns of uneven lengths, so that a per-turn estimate is off and must be corrected.
+    for i, message in enumerate(messages[1:], 1):
+        message["content"] += " more words" * (i * 7 % 23)
+    messages.insert(5, {"role": "user", "content": "two user turns in a row"})
+    expected_dropped, expected_ids = _trim_by_dropping_one_at_a_time(
+        demo_tokenizer, messages, context_tokens=context_tokens, reserve_tokens=16)
+    prepared = prepare_prompt(demo_tokenizer, messages, context_tokens=context_tokens,
+                              reserve_tokens=16)
+    assert prepared.dropped_messages == expected_dropped
+    assert prepared.input_ids == expected_ids
+
+
+def test_a_maximal_history_is_prepared_in_bounded_time(demo_tokenizer):
+    """CPU cost guard: the largest history accepted (MAX_MESSAGES tiny turns) is prepared in
+    well under STATED_BOUND_S on this machine's 2 shared cores (dropping one turn per render
+    took 25 s), and one over the bounds is refused before any tokenizing."""
+    import time
+
+    from model_utils.chat import MAX_MESSAGES, MAX_PROMPT_CHARS
+
+    stated_bound_s = 3.0
+    messages = [{"role": "user" if i % 2 == 0 else "assistant", "content": f"hi {i}"}
+                for i in range(MAX_MESSAGES - 1)]
+    start = time.process_time()
+    prepared = prepare_prompt(demo_tokenizer, messages, context_tokens=4096, reserve_tokens=512)
+    cpu_s = time.process_time() - start
+    assert prepared.dropped_messages > 1000 and len(prepared.input_ids) <= 4096 - 512
+    assert cpu_s < stated_bound_s, f"{cpu_s:.2f} s of CPU"
+    with pytest.raises(ChatInputError, match=f"has {MAX_MESSAGES + 1} messages; at most"):
+        prepare_prompt(demo_tokenizer, [{"role": "user", "content": "x"}] * (MAX_MESSAGES + 1),
+                       context_tokens=4096, reserve_tokens=512)
+    with pytest.raises(ChatInputError, match="characters long; at most"):
+        prepare_prompt(demo_tokenizer, [{"role": "user", "content": "x" * (MAX_PROMPT_CHARS + 1)}],
+                       context_tokens=4096, reserve_tokens=512)
+
+
+def test_a_reply_longer_than_the_context_leaves_is_clamped_with_a_notice(load_demo):
+    engine = load_demo("fp32", context_tokens=256)
+    message = [{"role": "user", "content": "please explain the sea " * 25}]  # ~220 tokens
+    reply = engine.generate_text(message, GenerationSettings(max_new_tokens=10**9,
+                                                             min_new_tokens=10**9))
+    prompt_tokens = reply.stats.prompt_tokens
+    assert reply.stats.finish_reason == "length"
+    assert reply.stats.new_tokens == 256 - prompt_tokens
+    assert f"limited to {256 - prompt_tokens} tokens" in reply.notice
+    assert "asked: 1000000000" in reply.notice
+    # A reply that fits is not touched.
+    reply = engine.generate_text(message, GenerationSettings(max_new_tokens=3, min_new_tokens=3))
+    assert reply.stats.new_tokens == 3 and not reply.notice
+
+
+@pytest.mark.parametrize("messages, system_prompt, says", [
+    ([{"role": "user", "content": "hi"}], 123, "system prompt must be text, got a number"),
+    ([{"role": "user", "content": "hi"}], ["x"], "system prompt must be text, got a list"),
+    ([{"role": "user", "content": 42}], None, "message 0: content must be text, got a number"),
+    ([{"role": "user", "content": {"a": 1}}], None, "message 0: part 0 must be a string"),
+    ([{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}], None,
+     "only text parts"),
+    ([{"role": "user", "content": [{"type": "text", "text": 5}]}], None, "part 0 must be"),
+    ([{"role": 7, "content": "hi"}], None, "unknown role"),
+    ([{"role": "user", "content": "bad \ud800 text"}], None, "lone UTF-16 surrogate"),
+    ([{"role": "user", "content": [{"type": "text", "text": "\udfff"}]}], None, "surrogate"),
+    ([{"role": "user", "content": "hi"}], "sys \ud83d", "system prompt contains an invalid"),
+    ({"role": "user", "content": "hi"}, None, "messages must be a list"),
+    ("hello", None, "messages must be a list"),
+])
+def test_wrong_types_and_invalid_text_are_input_errors(load_demo, messages, system_prompt, says):
+    engine = load_demo("fp32")
+    with pytest.raises(ChatInputError) as caught:
+        next(engine.chat(messages, GenerationSettings(max_new_tokens=2),
+                         system_prompt=system_prompt))
+    assert says in str(caught.value)
+    with pytest.raises(ChatInputError):
+        engine.render_prompt(messages, system_prompt=system_prompt)
+
+
+def test_text_parts_are_accepted_as_openai_sends_them(demo_tokenizer):
+    parts = [{"role": "user", "content": [{"type": "text", "text": "What is "},
+                                          {"type": "text", "text": "the sea?"}]}]
+    plain = [{"role": "user", "content": "What is the sea?"}]
+    assert render_prompt(demo_tokenizer, parts) == render_prompt(demo_tokenizer, plain)

@@ -24,7 +24,6 @@ from .helpers import HELLO
     ("top_p", 1.5),
     ("top_k", -1),
     ("max_new_tokens", 0),
-    ("max_new_tokens", 4097),  # the demo's context window is 4096 tokens
     ("repetition_penalty", 0.0),
     ("seed", -5),
 ])
