@@ -22,6 +22,7 @@ from .conversation import (
     import_json,
     without_last_reply,
     without_last_turn,
+    validate_history,
 )
 from .replies import SETTING_NAMES, StopSignals, make_settings, stats_line, stream
 
@@ -92,6 +93,10 @@ def _wire(c: dict, engine: Engine, signals: StopSignals, export_dir: Path, demo:
         """Stream one reply after `before` + the user's `message`.
         Yields (chatbot, conversation, message box, notice)."""
         settings = make_settings(values)  # bad values: gr.Error before anything changes
+        try:  # the browser holds the conversation: the same checks as an API history
+            before = validate_history(before)
+        except ConversationError as error:
+            raise user_error(str(error)) from error
         turns = [*before, {"role": "user", "content": message}]
         mode = engine.status().get("mode", "?")
         session = getattr(request, "session_hash", None)
