@@ -20,9 +20,9 @@ from .conversation import (
     engine_messages,
     export_json,
     import_json,
+    validate_history,
     without_last_reply,
     without_last_turn,
-    validate_history,
 )
 from .replies import SETTING_NAMES, StopSignals, make_settings, stats_line, stream
 
