@@ -102,9 +102,10 @@ def _unescape(message: str) -> str:
 
 
 # -- server paths ---------------------------------------------------------------------------------
-# An absolute path in a message: starts with "/" not preceded by a word character (so "Qwen/
-# Qwen3-8B" is a hub id, not a path), up to a quote, a space or punctuation that ends it.
-_ABSOLUTE = re.compile(r"(?<![\w.~-])/[^\s'\"(),;]*")
+# An absolute path in a message: a "/" at the start or after a space, a quote, "(" or "=" (so
+# "Qwen/Qwen3-8B" is a hub id and "<b>x</b>" is not a path), up to a quote, a space or
+# punctuation that ends it.
+_ABSOLUTE = re.compile(r"(?<![^\s'\"(\[=])/[^\s'\"(),;<>]*")
 
 
 def shows_full_paths(admin: str | None, user: str | None) -> bool:
@@ -119,7 +120,8 @@ def client_path(path: str | Path, models_dir: Path | None) -> str:
     path = Path(path)
     if models_dir is not None:
         try:
-            return str(path.relative_to(models_dir)) or "."
+            relative = str(path.relative_to(models_dir))
+            return "the models folder" if relative == "." else relative
         except ValueError:
             pass
     return f"…/{path.name}" if path.name else "…"
