@@ -309,3 +309,28 @@ def test_a_maximal_history_costs_a_bounded_time(side, messages, chars):
     assert outcome.status == 200, outcome  # trimmed to fit, with a notice
     assert seconds < MAX_HISTORY_SECONDS, f"{seconds:.1f} s"
     assert results == {"v1": "complete", "chat": "complete"}
+
+
+def test_the_api_schema_needs_a_login(side):
+    with httpx.Client(base_url=side.url, timeout=60) as anonymous:
+        refused = anonymous.get("/openapi.json")
+        assert refused.status_code == 401
+        assert refused.headers["www-authenticate"].startswith("Bearer")
+        assert "paths" not in refused.text
+    assert "/v1/chat/completions" in side.v1.get("/openapi.json").json()["paths"]  # bearer
+    assert side.page.get("/openapi.json").status_code == 200  # the page's login cookie
+
+
+def test_guests_see_the_model_folder_relative_to_the_models_folder(side, models_dir):
+    folder = models_dir / "demo-copy"
+    try:
+        loaded = side.admin.predict(str(folder), "fp32", "cpu", api_name="/load_model")
+        assert loaded["model_path"] == str(folder)  # the admin sees where it is
+        assert side.guest.predict(api_name="/status")["model_path"] == "demo-copy"
+        assert [m["id"] for m in side.v1.get("/v1/models").json()["data"]] == ["demo-copy"]
+        refusal = named(side.guest, "/load_model", str(folder), "fp32", "cpu")
+        assert str(models_dir) not in refusal.message
+        estimate = page_handler(side.page, "estimate", {1: str(folder / "missing")})
+        assert "missing" in estimate.message and str(models_dir) not in estimate.message
+    finally:
+        side.admin.predict("demo", "fp32", "cpu", api_name="/load_model")
