@@ -72,29 +72,29 @@ class GenerationSettings:
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or \
                     not math.isfinite(value):
-                raise InvalidParameter(name, f"must be a finite number, got {value!r}")
+                raise InvalidParameter(name, f"must be a finite number, got {_shown(value)}")
             if not low <= value <= high:
-                raise InvalidParameter(name, f"must be between {low:g} and {high:g}, "
-                                       f"got {value!r}")
+                raise InvalidParameter(name, f"must be >= {low:g} and <= {high:g}, "
+                                       f"got {_shown(value)}")
 
         def integer(name, low, high=None):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool):
-                raise InvalidParameter(name, f"must be an integer, got {value!r}")
+                raise InvalidParameter(name, f"must be an integer, got {_shown(value)}")
             if value < low or (high is not None and value > high):
-                bounds = f"between {low} and {high}" if high is not None else f">= {low}"
-                # a huge integer is not worth echoing in full
-                shown = str(value) if len(str(value)) <= 30 else f"{str(value)[:12]}... " \
-                    f"({len(str(value))} digits)"
-                raise InvalidParameter(name, f"must be {bounds}, got {shown}")
+                bounds = f">= {low} and <= {high}" if high is not None else f">= {low}"
+                if name == "max_new_tokens":
+                    bounds = (f"between {low} and what the context window leaves after the "
+                              "prompt (a longer one is limited to that)")
+                raise InvalidParameter(name, f"must be {bounds}, got {_shown(value)}")
 
         number("temperature", 0.0, MAX_TEMPERATURE)
         top_p = self.top_p
         if not isinstance(top_p, (int, float)) or isinstance(top_p, bool) or \
                 not math.isfinite(top_p):
-            raise InvalidParameter("top_p", f"must be a finite number, got {top_p!r}")
+            raise InvalidParameter("top_p", f"must be a finite number, got {_shown(top_p)}")
         if not 0 < top_p <= 1:
-            raise InvalidParameter("top_p", f"must be in (0, 1], got {top_p!r}")
+            raise InvalidParameter("top_p", f"must be in (0, 1], got {_shown(top_p)}")
         number("repetition_penalty", *REPETITION_PENALTY_RANGE)
         integer("top_k", 0, MAX_TOP_K)
         integer("max_new_tokens", 1)
@@ -104,6 +104,12 @@ class GenerationSettings:
 
     def as_dict(self) -> dict:
         return asdict(self)
+
+
+def _shown(value) -> str:
+    """A value as a refusal quotes it: short, whatever was sent (a megabyte string, 2**4000)."""
+    text = repr(value)
+    return text if len(text) <= 40 else f"{text[:24]}... ({len(text)} characters)"
 
 
 # -- streaming text -----------------------------------------------------------------------------

@@ -3,6 +3,12 @@
 A switch is transactional: the old model is unloaded first (two 7B models rarely fit at once),
 and if the new one fails to load for any reason the old one is loaded again, same mode and same
 placement, before the error reaches the caller. Unload checks that memory came back.
+
+Everything that can be judged without the weights is judged before the old model is unloaded
+(preflight): the request's types, the folder and every file in it, safetensors present, the
+config, the mode on this hardware, the devices and caps, the context window, and the fit, with
+the memory the old model would free counted as free. A refusal then costs nothing; only a
+failure of the load itself costs a reload (minutes for a 14B model).
 """
 
 from __future__ import annotations
@@ -21,9 +27,11 @@ import psutil
 import torch
 
 from .memory import GB
+from . import preflight
 from .modes import Mode, get_mode, quantization_config
 from .modes import unavailable_reason as mode_unavailable
-from .placement import FitEstimate, Placement, device_map_kwargs, estimate_fit, may_offload_to_cpu
+from .placement import (FitEstimate, Placement, check_placement, device_map_kwargs, estimate_fit,
+                        may_offload_to_cpu)
 from .placement import unavailable_reason as placement_unavailable
 from .registry import ModelRegistry, ModelSource
 
@@ -256,7 +264,7 @@ class ModelManager:
             # Plainly wrong input (no such folder, unknown mode) is refused before the current
             # model is touched; only a failure of the load itself costs a reload.
             try:
-                self._check(request)
+                self._preflight(request)
             except Exception as error:
                 raise LoadError(_user_message(error)) from error
             with self._switch():
@@ -293,26 +301,40 @@ class ModelManager:
             return self._unload_locked()
 
     def estimate(self, request: LoadRequest) -> FitEstimate:
-        source = self.registry.resolve(request.model)
-        config = self._config(source)
-        return estimate_fit(config, get_mode(request.mode), request.placement,
-                            context_tokens=self._context_tokens(config, request))
+        try:
+            source, mode, config = self._check(request)
+        except Exception as error:
+            raise LoadError(_user_message(error)) from error
+        # What a load would find: the current model's memory is freed before it.
+        return estimate_fit(config, mode, request.placement,
+                            context_tokens=self._context_tokens(config, request),
+                            reclaimable_gb=preflight.held_gb(self._loaded))
+
+    def _preflight(self, request: LoadRequest) -> None:
+        """Refuse, while the current model still serves, whatever would fail the load for a
+        reason known without the weights; the fit counts the current model's memory as free."""
+        source, mode, config = self._check(request)
+        estimate = estimate_fit(config, mode, request.placement,
+                                context_tokens=self._context_tokens(config, request),
+                                reclaimable_gb=preflight.held_gb(self._loaded))
+        if not estimate.fits:
+            raise LoadError(f"{source.label} in {mode.name} does not fit: {estimate.message()}")
 
     def _config(self, source: ModelSource):
-        from transformers import AutoConfig
-
-        return AutoConfig.from_pretrained(source.path, trust_remote_code=self.trust_remote_code)
+        return preflight.read_config(source, trust_remote_code=self.trust_remote_code)
 
     @staticmethod
     def _context_tokens(config, request: LoadRequest) -> int:
-        text = config.get_text_config() if hasattr(config, "get_text_config") else config
-        native = getattr(text, "max_position_embeddings", None) or 4096
-        return request.context_tokens or min(native, 8192)
+        return preflight.context_tokens(config, request.context_tokens)
 
     def _check(self, request: LoadRequest):
         """Resolve and validate a request without loading anything."""
+        preflight.check_types(request)
         source = self.registry.resolve(request.model)
+        preflight.require_safetensors(source)
         mode = get_mode(request.mode)
+        preflight.check_compute_dtype(mode, request.compute_dtype)
+        check_placement(request.placement)
         target = request.placement.target
         device_kind = "cpu" if target == "cpu" else "cuda"
         if reason := placement_unavailable(target) or mode_unavailable(mode, device=device_kind):
@@ -320,7 +342,9 @@ class ModelManager:
         if request.placement.offload_folder:
             # The load writes weights there: only under folders the operator allowed.
             self.registry.check_under_roots(request.placement.offload_folder, "offload folder")
-        return source, mode, self._config(source)
+        config = self._config(source)
+        preflight.check_context(config, request.context_tokens)
+        return source, mode, config
 
     def _load_locked(self, request: LoadRequest, progress: Progress) -> LoadedModel:
         from transformers import AutoModelForCausalLM, AutoTokenizer

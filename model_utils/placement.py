@@ -11,6 +11,7 @@ waits on both devices in turn and on the copy between them.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import psutil
@@ -38,6 +39,38 @@ class Placement:
         if self.offload_folder:
             text += f", disk offload to {self.offload_folder}"
         return text
+
+
+def check_placement(placement: Placement) -> None:
+    """Refuse (ValueError, a plain message) what no load could use: a target that is not a
+    name, a cap for a device this machine lacks, a cap that is not a positive number. Checked
+    before the current model is unloaded."""
+    if not isinstance(placement, Placement):
+        raise ValueError("placement must be a Placement")
+    if not isinstance(placement.target, str):
+        raise ValueError("the placement must be a name: cpu, cuda:N or one of "
+                         f"{', '.join(STRATEGIES)}")
+    if reason := unavailable_reason(placement.target):
+        raise ValueError(reason)
+    caps = placement.max_memory_gb
+    if not isinstance(caps, dict):
+        raise ValueError("max_memory must map device names to GB, e.g. {\"cuda:0\": 20}")
+    known = known_devices()
+    for device, gb in caps.items():
+        if not isinstance(device, str) or device not in known:
+            shown = repr(device) if isinstance(device, str) and len(device) <= 40 else "a name"
+            raise ValueError(f"max_memory names device {shown}, which this machine does not "
+                             f"have (it has: {', '.join(known)})")
+        if isinstance(gb, bool) or not isinstance(gb, (int, float)) or not 0 < gb < math.inf:
+            raise ValueError(f"max_memory for {device} must be a positive number of GB, "
+                             f"got {gb!r}"[:160])
+    if placement.offload_folder is not None and not isinstance(placement.offload_folder, str):
+        raise ValueError("the offload folder must be a path")
+
+
+def known_devices() -> list[str]:
+    """The device names a max_memory cap may use here (accelerate also takes "disk")."""
+    return ["cpu", *(f"cuda:{i}" for i in range(torch.cuda.device_count())), "disk"]
 
 
 def available_placements() -> list[str]:
@@ -72,6 +105,8 @@ class FitEstimate:
     fits: bool
     plan: str  # one line: where it would go
     caps_gb: dict[str, float] = field(default_factory=dict)  # the Placement's per-device caps
+    # Memory the model now loaded would give back (counted in free_gb): judged before unloading
+    reclaimable_gb: dict[str, float] = field(default_factory=dict)
 
     @property
     def needed_gb(self) -> float:
@@ -84,6 +119,9 @@ class FitEstimate:
             f"{d} {size(g)}" + (f" (capped at {self.caps_gb[d]:g} GB)"
                                 if self.caps_gb.get(d, float("inf")) < g else "")
             for d, g in self.free_gb.items())
+        reclaimed = ", ".join(f"{d} {size(g)}" for d, g in self.reclaimable_gb.items() if g)
+        if reclaimed:
+            free += f" (counting {reclaimed} that unloading the current model frees)"
         return (f"needs {size(self.needed_gb)} (weights {size(self.weights_gb)} + KV cache "
                 f"{size(self.kv_cache_gb)} for {self.context_tokens} tokens); free: {free}; "
                 f"{self.plan}")
@@ -134,12 +172,16 @@ def kv_cache_bytes(config, context_tokens: int, *, batch: int = 1, dtype_bytes: 
     return 2 * text.num_hidden_layers * kv_heads * head_dim * context_tokens * batch * dtype_bytes
 
 
-def estimate_fit(config, mode: Mode, placement: Placement, *, context_tokens: int) -> FitEstimate:
+def estimate_fit(config, mode: Mode, placement: Placement, *, context_tokens: int,
+                 reclaimable_gb: dict[str, float] | None = None) -> FitEstimate:
+    """Whether the model fits where `placement` puts it. reclaimable_gb: per device, what is
+    held now but would be freed first (the model a switch unloads), counted as free."""
     weights = weight_bytes(config, mode) / GB
     kv = kv_cache_bytes(config, context_tokens,
                         dtype_bytes=4 if mode.dtype == torch.float32 else 2) / GB
     need = weights + kv
-    free = free_memory_gb()
+    reclaimable = {d: g for d, g in (reclaimable_gb or {}).items() if g > 0}
+    free = {d: g + reclaimable.get(d, 0.0) for d, g in free_memory_gb().items()}
     caps = {d: min(free.get(d, 0.0), placement.max_memory_gb.get(d, float("inf")))
             for d in free}
     target = placement.target
@@ -160,7 +202,8 @@ def estimate_fit(config, mode: Mode, placement: Placement, *, context_tokens: in
         if spill:
             plan += ", offloaded to the " + " and ".join(spill)
     return FitEstimate(weights, kv, context_tokens, free, fits, plan,
-                       caps_gb=dict(placement.max_memory_gb))
+                       caps_gb=dict(placement.max_memory_gb),
+                       reclaimable_gb={d: g for d, g in reclaimable.items() if d in free})
 
 
 def _best_single_gpu(caps: dict[str, float], need: float) -> str | None:

@@ -2,16 +2,24 @@
 
 Sources: the embedded demo model, model folders under a models directory, snapshots in the local
 Hugging Face cache, and hub ids (which must already be in that cache: nothing is downloaded).
-A path typed by a user is resolved (symlinks and ../ included) and must lie under an allowed root.
+A path typed by a user is resolved (symlinks and ../ included) and must lie under an allowed root,
+and so must every file in the folder the loader may open: a model.safetensors inside an allowed
+folder that links elsewhere is refused like a folder elsewhere. Hub-cache snapshots link their
+files into the cache's own blobs/, which is under the cache root, so they pass the same rule.
+Refusals name what the user typed, never the server's folders (the log has those).
 """
 
 from __future__ import annotations
 
+import logging
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
 from .demo_model import DEMO_LABEL, DEMO_NAME, default_cache_dir, demo_model_path
+
+log = logging.getLogger(__name__)
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
@@ -87,12 +95,20 @@ class ModelRegistry:
         if _HUB_ID.match(name):
             local = self._hub_snapshot(name)
             if local is not None:
+                # The same rule as a folder: the snapshot and every file in it (links into
+                # the cache's blobs/) must resolve under an allowed root.
+                if not self._allowed(local.resolve()):
+                    log.warning("refused %s: its snapshot %s resolves outside the allowed roots",
+                                name, local)
+                    raise ModelNotFound(f"{name!r}: its Hugging Face cache snapshot lies outside "
+                                        "the allowed model folders")
+                self.check_files(local, name)
                 return ModelSource(name, local, f"{name} (HF cache)")
             if self.models_dir and (self.models_dir / name).is_dir():
                 return self._folder(self.models_dir / name, name)
             raise ModelNotFound(
-                f"{name!r} is not in the local Hugging Face cache ({self.hub_cache}) and this "
-                f"app does not download: fetch it first (hf download {name}) or give a folder")
+                f"{name!r} is not in the local Hugging Face cache and this app does not "
+                f"download: fetch it first (hf download {name}) or give a folder")
         if self.models_dir is None:
             raise ModelNotFound(f"{name!r} is neither a folder path, a hub id nor 'demo'")
         return self._folder(self.models_dir / name, name)
@@ -100,11 +116,31 @@ class ModelRegistry:
     def check_under_roots(self, path: str | Path, what: str = "") -> Path:
         """The resolved path, if it lies under an allowed root (symlinks and ../ resolved)."""
         resolved = Path(path).expanduser().resolve()
-        if not any(resolved == root or resolved.is_relative_to(root) for root in self.roots):
+        if not self._allowed(resolved):
+            log.warning("refused %s %s: resolves to %s, outside the allowed roots %s", what,
+                        path, resolved, ", ".join(str(r) for r in self.roots))
             raise ModelNotFound(
                 f"{what + ' ' if what else ''}{str(path)!r} is outside the allowed model folders "
-                f"({', '.join(str(r) for r in self.roots)})")
+                "(the models folder, the Hugging Face cache and folders named at start-up)")
         return resolved
+
+    def _allowed(self, resolved: Path) -> bool:
+        return any(resolved == root or resolved.is_relative_to(root) for root in self.roots)
+
+    def check_files(self, folder: Path, name: str) -> None:
+        """Refuse a model folder holding a file or folder that resolves outside the allowed
+        roots (a symlink to elsewhere). Walks the folder without following links, so that each
+        link is judged by where it points, not entered."""
+        for parent, dirs, files in os.walk(folder, followlinks=False):
+            for entry in (*dirs, *files):
+                path = Path(parent, entry)
+                if path.is_symlink() and not self._allowed(path.resolve()):
+                    relative = path.relative_to(folder)
+                    log.warning("refused %s: %s links to %s, outside the allowed roots", name,
+                                path, path.resolve())
+                    raise ModelNotFound(
+                        f"{name!r}: its file {str(relative)!r} links outside the allowed model "
+                        "folders; copy the file into the folder instead")
 
     def _folder(self, path: Path, name: str) -> ModelSource:
         resolved = self.check_under_roots(path)
@@ -112,6 +148,7 @@ class ModelRegistry:
             raise ModelNotFound(f"model folder {name!r} does not exist")
         if not (resolved / "config.json").is_file():
             raise ModelNotFound(f"{name!r} has no config.json: not a Hugging Face model folder")
+        self.check_files(resolved, name)
         return ModelSource(name, resolved, f"{resolved.name} (folder)")
 
     def _hub_snapshot(self, hub_id: str) -> Path | None:

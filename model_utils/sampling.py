@@ -2,10 +2,13 @@
 
 Shared by the single-stream loop (generation.decode_tokens) and the batch scheduler, which
 samples each row with that row's own settings. Nothing here waits for the device, so a batch can
-feed its next step with tokens the host has not read yet; that is also why a row whose
-probabilities are not usable (logits that overflowed to inf or NaN) is not detected with an
-`if` on the host but replaced on the device by its greedy token: no error, no sync, and the
-other rows of the batch never see it.
+feed its next step with tokens the host has not read yet.
+
+Non-finite logits (a model that overflowed to inf or NaN, or a score pushed past float32 by the
+penalty or a small temperature) are not detected with an `if` on the host, which would stop the
+device: the logits are kept finite instead (NaN scores lowest, +-inf becomes the largest float).
+The softmax of a finite vector is finite, and its largest entry is 1 before normalising, so the
+probabilities handed to torch.multinomial are always valid, whatever the settings did.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import torch
 # Below this a temperature is greedy: dividing float32 logits by 2.28e-39 gives inf, and then
 # NaN probabilities. At 1e-5 a logit gap of 0.001 is already e^100 apart, i.e. argmax anyway.
 GREEDY_TEMPERATURE = 1e-5
+FLOAT32_MAX = torch.finfo(torch.float32).max
 
 
 def is_greedy(settings) -> bool:
@@ -32,9 +36,9 @@ def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: 
 
 
 def finite_logits(logits: torch.Tensor) -> torch.Tensor:
-    """NaN as the lowest score, +-inf as the largest/lowest finite float32: argmax of the result
-    is always a real token, and softmax of it never produces NaN."""
-    return logits.float().nan_to_num(nan=-torch.finfo(torch.float32).max)
+    """float32 logits with NaN as the lowest score and +-inf as the largest/lowest finite float:
+    argmax of the result is always a real token, and its softmax never NaN."""
+    return logits.float().nan_to_num(nan=-FLOAT32_MAX)
 
 
 def sample_token(logits: torch.Tensor, settings, seen: torch.Tensor,
@@ -45,10 +49,10 @@ def sample_token(logits: torch.Tensor, settings, seen: torch.Tensor,
     logits = finite_logits(logits)
     if settings.repetition_penalty != 1.0 and seen.numel():
         logits = apply_repetition_penalty(logits, seen, settings.repetition_penalty)
-    greedy = logits.argmax()
+        logits = logits.nan_to_num_()  # a score the penalty pushed past float32: finite again
     if is_greedy(settings):
-        return greedy
-    logits = logits / settings.temperature
+        return logits.argmax()
+    logits = (logits / settings.temperature).nan_to_num_()  # likewise for a small temperature
     if settings.top_k:
         kth = torch.topk(logits, min(settings.top_k, logits.numel())).values[-1]
         logits = logits.masked_fill(logits < kth, -math.inf)
@@ -60,12 +64,8 @@ def sample_token(logits: torch.Tensor, settings, seen: torch.Tensor,
         drop = (sorted_probs.cumsum(-1) - sorted_probs) >= settings.top_p
         drop[0] = False
         logits = logits.scatter(0, order, sorted_logits.masked_fill(drop, -math.inf))
-    probs = logits.softmax(-1)
-    # Usable probabilities: finite, none negative, some mass. Otherwise this row is greedy.
-    usable = torch.isfinite(probs).all() & (probs.sum() > 0)
-    fallback = torch.zeros_like(probs).index_fill_(0, greedy.view(1), 1.0)
-    probs = torch.where(usable, probs.nan_to_num(0.0, 0.0, 0.0).clamp_min(0.0), fallback)
-    return torch.multinomial(probs, 1, generator=generator)[0]
+    # Finite logits, at least one unmasked (top-k keeps the k-th, top-p the first): valid.
+    return torch.multinomial(logits.softmax(-1), 1, generator=generator)[0]
 
 
 def sample_next(logits: torch.Tensor, settings, seen: torch.Tensor,

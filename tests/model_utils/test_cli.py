@@ -41,6 +41,8 @@ def _cases(folder) -> dict[str, list[str]]:
     (folder / "broken.json").write_text('[{"role": "user", "content": ')
     (folder / "object.json").write_text('{"role": "user", "content": "hi"}')
     (folder / "robot.json").write_text('[{"role": "robot", "content": "hi"}]')
+    (folder / "number.json").write_text('[{"role": "user", "content": 123}]')
+    (folder / "surrogate.json").write_text('[{"role": "user", "content": "bad \\ud800"}]')
     cases = {
         "chat --json": ["chat", *GREEDY, "--json"],
         "chat streamed": ["chat", *GREEDY],
@@ -57,7 +59,16 @@ def _cases(folder) -> dict[str, list[str]]:
         "unknown mode": ["chat", "--mode", "fp8", "--prompt", "hi"],
         "negative temperature": ["chat", "--prompt", "hi", "--temperature", "-1"],
         "max_new_tokens over the context": ["chat", "--prompt", "hi", "--mode", "fp32",
-                                            "--placement", "cpu", "--max-new-tokens", "5000"],
+                                            "--placement", "cpu", "--context-tokens", "64",
+                                            "--max-new-tokens", "5000", "--json"],
+        "tiny temperature": ["chat", "--prompt", "hi", "--mode", "fp32", "--placement", "cpu",
+                             "--temperature", "2.28e-39", "--max-new-tokens", "4", "--json"],
+        "huge seed": ["chat", "--prompt", "hi", "--seed", str(2**70)],
+        "negative max_new_tokens": ["chat", "--prompt", "hi", "--max-new-tokens", "-5"],
+        "huge temperature": ["chat", "--prompt", "hi", "--temperature", "1e300"],
+        "content a number": ["prompt", "--messages", str(folder / "number.json")],
+        "lone surrogate in a file": ["prompt", "--messages", str(folder / "surrogate.json")],
+        "undecodable argument": ["prompt", "--prompt", b"caf\xff"],
         "not a number": ["chat", "--prompt", "hi", "--temperature", "warm"],
         "bad JSON": ["prompt", "--messages", str(folder / "broken.json")],
         "missing file": ["prompt", "--messages", str(folder / "missing.json")],
@@ -134,8 +145,13 @@ REFUSALS = {
     "outside the roots": "outside the allowed model folders",
     "dot-dot out of models_dir": "outside the allowed model folders",
     "unknown mode": "unknown mode 'fp8'",
-    "negative temperature": "temperature: must be >= 0",
-    "max_new_tokens over the context": "max_new_tokens: must be between 1 and the context",
+    "negative temperature": "temperature: must be >= 0 and <= 100, got -1.0",
+    "huge seed": "seed: must be >= 0 and <= 9223372036854775807, got 1180591620717411303424",
+    "negative max_new_tokens": "max_new_tokens: must be between 1 and what the context window leaves",
+    "huge temperature": "temperature: must be >= 0 and <= 100",
+    "content a number": "message 0: content must be text, got a number",
+    "lone surrogate in a file": "message 0 contains an invalid character",
+    "undecodable argument": "message 0 contains an invalid character",
     "not a number": "argument --temperature: invalid float value: 'warm'",
     "bad JSON": "is not valid JSON",
     "missing file": "cannot read messages file",
@@ -154,7 +170,23 @@ def test_bad_input_exits_2_with_one_line(runs, case):
     assert len(lines) == 1, result.stderr
     assert "Traceback" not in result.stderr
     assert REFUSALS[case] in lines[0]
+    assert "9223372036854775807" not in lines[0] or case == "huge seed"
 
+
+def test_a_reply_longer_than_the_context_leaves_is_clamped_not_refused(runs):
+    result = runs["max_new_tokens over the context"]
+    _ok(result)
+    reply = json.loads(result.stdout)
+    assert reply["context_tokens"] == 64
+    assert reply["prompt_tokens"] + reply["new_tokens"] <= 64
+    assert "The reply is limited to" in reply["notice"] and "asked: 5000" in reply["notice"]
+
+
+def test_a_tiny_temperature_is_greedy_and_runs(runs):
+    result = runs["tiny temperature"]
+    _ok(result)
+    reply = json.loads(result.stdout)
+    assert reply["finish_reason"] in ("length", "eos") and reply["new_tokens"] <= 4
 
 
 def test_ctrl_c_mid_reply_exits_130_cleanly():

@@ -28,18 +28,20 @@ VICTIM_PROMPTS = ["Tell me about the sea.", "What is two plus two?", "Name a col
 
 # -- at the door --------------------------------------------------------------------------------
 @pytest.mark.parametrize("name, value, says", [
-    ("seed", 2**70, "must be between 0 and 9223372036854775807"),
+    ("seed", 2**70, "must be >= 0 and <= 9223372036854775807"),
     ("seed", True, "must be an integer"),
     ("temperature", math.inf, "finite number"),
     ("temperature", math.nan, "finite number"),
-    ("temperature", 1e300, "between 0 and 100"),
+    ("temperature", 1e300, ">= 0 and <= 100"),
     ("top_p", math.nan, "finite number"),
     ("top_p", 1e-400, "in (0, 1]"),  # 0.0 once parsed
-    ("repetition_penalty", 1e-300, "between 0.01 and 10"),
+    ("repetition_penalty", 1e-300, ">= 0.01 and <= 10"),
     ("repetition_penalty", math.inf, "finite number"),
-    ("top_k", 10**12, "between 0 and 1000000"),
-    ("max_new_tokens", -5, "must be >= 1"),
+    ("top_k", 10**12, ">= 0 and <= 1000000"),
+    ("max_new_tokens", -5, "must be between 1 and"),
     ("max_new_tokens", 2.5, "must be an integer"),
+    ("seed", "x" * 10**6, "must be an integer, got 'xxxxxxxxxxxxxxxxxxxxxxx... (1000002 characters)"),
+    ("top_k", 2**4000, "(1205 characters)"),
 ])
 def test_out_of_range_settings_are_refused_with_a_plain_message(load_demo, name, value, says):
     engine = load_demo("fp32")
@@ -47,7 +49,7 @@ def test_out_of_range_settings_are_refused_with_a_plain_message(load_demo, name,
         next(engine.chat(HELLO, GenerationSettings(**{name: value})))
     message = str(caught.value)
     assert caught.value.name == name and says in message, message
-    assert "Overflow" not in message and "Traceback" not in message and len(message) < 120
+    assert "Overflow" not in message and "Traceback" not in message and len(message) < 160
 
 
 @pytest.mark.parametrize("temperature", [2.28e-39, 1e-300, 5e-6])
@@ -185,20 +187,27 @@ def _consume(iterator, into: list, box: dict, key: str, on_first=None) -> thread
     return thread
 
 
-def test_a_request_that_fails_its_prefill_ends_alone_in_its_group(load_demo):
-    """A seed torch cannot take (2**70, not validated: handed to the scheduler directly) fails
-    while its group is prefilled; the innocent prompts of the same group are prefilled again
-    without it and decode exactly what they decode alone."""
+@pytest.mark.parametrize("attack", ["seed", "token id"])
+def test_a_request_that_fails_its_prefill_ends_alone_in_its_group(load_demo, attack):
+    """Handed to the scheduler directly (nothing validated): a seed torch cannot take (2**70)
+    fails the request's own set-up; a token id past the vocabulary fails the group's forward,
+    which is then run again request by request. Either way the innocent prompts of the same
+    group decode exactly what they decode alone, and only the bad one gets an error."""
     engine = load_demo("fp32")
     loaded = engine.manager.loaded
     n = 12
     prompts = _victim_prompts(loaded)
-    bad = GenerationSettings(max_new_tokens=n, temperature=1.0, top_p=1.0, top_k=0,
-                             repetition_penalty=1.0, seed=2**70)
+    if attack == "seed":
+        bad_prompt = prompts[0]
+        bad = GenerationSettings(max_new_tokens=n, temperature=1.0, top_p=1.0, top_k=0,
+                                 repetition_penalty=1.0, seed=2**70)
+    else:
+        bad_prompt = [*prompts[0][:-1], loaded.model.config.vocab_size + 5]
+        bad = greedy(n)
     held = _Held(engine)
     outputs, errors, threads, stats = [], {}, [], []
     try:
-        for i, prompt in enumerate([prompts[0], prompts[1], prompts[0], prompts[2]]):
+        for i, prompt in enumerate([prompts[0], prompts[1], bad_prompt, prompts[2]]):
             settings = bad if i == 2 else greedy(n)
             stats.append(ReplyStats())
             outputs.append([])
@@ -210,10 +219,11 @@ def test_a_request_that_fails_its_prefill_ends_alone_in_its_group(load_demo):
     for t in threads:
         t.join(timeout=300)
     assert set(errors) == {"2"} and stats[2].finish_reason == "error"
-    assert "Overflow" in str(errors["2"]) or "long" in str(errors["2"])
+    assert outputs[2] == []
     for i, prompt in zip((0, 1, 3), (prompts[0], prompts[1], prompts[2])):
         assert stats[i].finish_reason == "length"
         assert outputs[i] == alone(loaded, prompt, greedy(n)), i
+    assert max(s.batched_with for s in stats) == 3  # the three decoded together
 
 
 @dataclass(frozen=True)

@@ -94,7 +94,7 @@ def test_uncached_hub_id_says_nothing_is_downloaded(layout):
         registry.resolve("Qwen/Qwen3-8B")
     message = str(caught.value)
     assert "'Qwen/Qwen3-8B' is not in the local Hugging Face cache" in message
-    assert str(hub) in message and "does not download" in message
+    assert str(hub) not in message and "does not download" in message  # no server paths
 
 
 def test_name_that_is_nothing_says_so(tmp_path):
@@ -130,3 +130,78 @@ def test_roots_are_resolved(tmp_path):
     os.symlink(real, tmp_path / "alias")
     registry = ModelRegistry(tmp_path / "alias", cache_dir=tmp_path, hub_cache=tmp_path / "hub")
     assert registry.models_dir == real
+
+
+# -- every file the loader opens, not only the folder -------------------------------------------
+def test_a_weights_file_linking_outside_is_refused(layout, demo_path):
+    registry, models, outside, _hub = layout
+    folder = models / "linked-weights"
+    folder.mkdir()
+    for item in demo_path.iterdir():
+        if item.is_file() and item.suffix != ".safetensors":
+            (folder / item.name).write_bytes(item.read_bytes())
+    secret = outside / "model.safetensors"
+    secret.write_bytes((demo_path / "model.safetensors").read_bytes())
+    os.symlink(secret, folder / "model.safetensors")
+    with pytest.raises(ModelNotFound, match="'model.safetensors' links outside the allowed"):
+        registry.resolve("linked-weights")
+    with pytest.raises(ModelNotFound, match="links outside") as caught:
+        registry.resolve(str(folder))
+    assert str(outside) not in str(caught.value)  # where it points stays in the log
+    # A link that stays inside the allowed folders is fine (and so is a plain file).
+    (folder / "model.safetensors").unlink()
+    inside = models / "shared-weights.safetensors"
+    inside.write_bytes(secret.read_bytes())
+    os.symlink(inside, folder / "model.safetensors")
+    assert registry.resolve("linked-weights").path == folder.resolve()
+
+
+def test_a_linked_subfolder_outside_is_refused(layout):
+    registry, models, outside, _hub = layout
+    os.symlink(outside, models / "good" / "tokenizer")
+    with pytest.raises(ModelNotFound, match="'tokenizer' links outside"):
+        registry.resolve("good")
+
+
+def _hub_snapshot(hub: Path, files: dict[str, Path | str]) -> Path:
+    """models--acme--tiny-chat as huggingface_hub lays it out: snapshot files are links to
+    ../../blobs/<name>, or, for a Path value, to that path."""
+    repo = hub / "models--acme--tiny-chat"
+    snapshot = repo / "snapshots" / ("0" * 40)
+    snapshot.mkdir(parents=True)
+    (repo / "blobs").mkdir()
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("0" * 40)
+    for name, target in files.items():
+        if isinstance(target, Path):
+            os.symlink(target, snapshot / name)
+        else:
+            (repo / "blobs" / name).write_text(target)
+            os.symlink(Path("..", "..", "blobs", name), snapshot / name)
+    return snapshot
+
+
+def test_a_hub_snapshot_linking_into_its_blobs_resolves(layout):
+    registry, _models, _outside, hub = layout
+    snapshot = _hub_snapshot(hub, {"config.json": "{}", "model.safetensors": "weights"})
+    assert (snapshot / "model.safetensors").is_symlink()
+    assert registry.resolve("acme/tiny-chat").path.resolve() == snapshot.resolve()
+
+
+def test_a_hub_snapshot_linking_outside_the_cache_is_refused(layout):
+    registry, _models, outside, hub = layout
+    secret = outside / "stolen.safetensors"
+    secret.write_text("weights from elsewhere")
+    _hub_snapshot(hub, {"config.json": "{}", "model.safetensors": secret})
+    with pytest.raises(ModelNotFound, match="'model.safetensors' links outside the allowed"):
+        registry.resolve("acme/tiny-chat")
+    # Nor does the snapshot folder itself get to live elsewhere.
+    snapshots = hub / "models--acme--tiny-chat" / "snapshots"
+    for item in (snapshots / ("0" * 40)).iterdir():
+        item.unlink()
+    (snapshots / ("0" * 40)).rmdir()
+    (outside / "moved-snapshot").mkdir()
+    (outside / "moved-snapshot" / "config.json").write_text("{}")
+    os.symlink(outside / "moved-snapshot", snapshots / ("0" * 40))
+    with pytest.raises(ModelNotFound, match="snapshot lies outside the allowed"):
+        registry.resolve("acme/tiny-chat")

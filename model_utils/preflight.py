@@ -1,0 +1,116 @@
+"""What a load request is checked against before the current model is unloaded.
+
+Everything here is judged without the weights: the request's types, the files (safetensors
+present), the config, the compute dtype, the context window. A refusal is a ValueError with a
+plain message (the manager presents it as a LoadError), naming the model by its label, never by
+a server path. The fit itself is placement.estimate_fit, given held_gb() as reclaimable.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from .memory import GB
+from .modes import COMPUTE_DTYPES, Mode
+
+log = logging.getLogger(__name__)
+
+# A context window a model may be loaded with: room for a short prompt and reply at least, at
+# most what the model's positions cover (rope scaling included), and 1M tokens when the config
+# does not say.
+MIN_CONTEXT_TOKENS = 16
+MAX_CONTEXT_TOKENS = 2**20
+DEFAULT_CONTEXT_CAP = 8192
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+
+
+class PreflightError(ValueError):
+    """A load request refused before anything was unloaded or loaded."""
+
+
+def check_types(request) -> None:
+    """Each field of a load request of the type it must have (front ends pass JSON values
+    through); refused before anything else is looked at."""
+    for name in ("model", "mode", "compute_dtype"):
+        value = getattr(request, name)
+        if not isinstance(value, str) or len(value) > 4096:
+            raise PreflightError(f"{name} must be a name (text), got {type(value).__name__}")
+    context = request.context_tokens
+    if context is not None and (isinstance(context, bool) or not isinstance(context, int)):
+        raise PreflightError(f"context_tokens must be a whole number of tokens, got "
+                             f"{type(context).__name__} {str(context)[:30]}")
+
+
+def require_safetensors(source) -> None:
+    """The loader reads safetensors only (use_safetensors=True: a pickle file can run code when
+    read), so a folder without any is refused now rather than after an unload."""
+    if source.is_demo:
+        return
+    if not any(source.path.glob("*.safetensors")):
+        pickles = sorted(p.name for p in source.path.iterdir() if p.suffix in PICKLE_SUFFIXES)
+        found = f" (it has {', '.join(pickles[:3])})" if pickles else ""
+        raise PreflightError(f"{source.label} has no .safetensors weights{found}: this app "
+                             "loads safetensors only, as pickle files can run code when read")
+
+
+def check_compute_dtype(mode: Mode, compute_dtype: str) -> None:
+    if mode.is_quantized and compute_dtype not in COMPUTE_DTYPES:
+        raise PreflightError(f"unknown compute dtype {compute_dtype[:40]!r}; choose one of: "
+                             f"{', '.join(COMPUTE_DTYPES)}")
+
+
+def read_config(source, *, trust_remote_code: bool):
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(source.path, trust_remote_code=trust_remote_code)
+    except Exception as error:  # noqa: BLE001 - one line for the user, without our paths
+        log.warning("config of %s unreadable: %s", source.path, error)
+        lines = str(error).strip().splitlines()
+        reason = (lines[0] if lines else type(error).__name__).replace(str(source.path),
+                                                                        source.path.name)
+        raise PreflightError(f"{source.label}: its config cannot be read ({reason[:300]})"
+                             ) from error
+
+
+def _text_config(config):
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def native_context(config) -> int | None:
+    native = getattr(_text_config(config), "max_position_embeddings", None)
+    return native if isinstance(native, int) and native > 0 else None
+
+
+def context_tokens(config, requested: int | None) -> int:
+    """The context window a load gets: the one asked for, or the model's own, capped."""
+    return requested or min(native_context(config) or 4096, DEFAULT_CONTEXT_CAP)
+
+
+def check_context(config, requested: int | None) -> None:
+    """A context window the model's positions cover (a 1e12-token one would be refused only
+    by the fit, after a KV cache estimate of petabytes)."""
+    if requested is None:
+        return
+    native = native_context(config)
+    scaling = getattr(_text_config(config), "rope_scaling", None) or {}
+    factor = scaling.get("factor", 1.0) if isinstance(scaling, dict) else 1.0
+    factor = factor if isinstance(factor, (int, float)) and factor >= 1 else 1.0
+    limit = min(int(native * factor) if native else MAX_CONTEXT_TOKENS, MAX_CONTEXT_TOKENS)
+    if not MIN_CONTEXT_TOKENS <= requested <= limit:
+        raise PreflightError(f"context_tokens must be between {MIN_CONTEXT_TOKENS} and {limit} "
+                             f"for this model, got {requested}")
+
+
+def held_gb(loaded) -> dict[str, float]:
+    """Per device, what the loaded model holds and unloading gives back: its weights and its
+    batch KV cache (the fit of the next model counts it as free)."""
+    if loaded is None:
+        return {}
+    held = {device: entry["gb"] for device, entry in loaded.device_map.items()}
+    batcher = loaded.batcher
+    device = getattr(batcher, "device", None)
+    if device is not None:
+        name = "cpu" if device.type == "cpu" else f"cuda:{device.index or 0}"
+        held[name] = held.get(name, 0.0) + batcher.cache_bytes() / GB
+    return held
