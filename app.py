@@ -182,12 +182,14 @@ def main(argv: list[str] | None = None) -> int:
             server_name=args.host, server_port=args.port, share=args.share,
             auth=logins or None, prevent_thread_lock=True, ssr_mode=False, css=ui.CSS,
             max_threads=reply_slots + 40,
+            # Checks before any route (guards.py), in place before the port opens.
+            app_kwargs={"middleware": [ui.request_guard(logins, served_hosts(args))]},
             footer_links=["api", "settings"])
     except OSError as error:  # the port is taken, or the address is not this machine's
         log.error("cannot serve on %s:%s: %s", args.host, args.port, error)
         return 1
     log.info("serving on %s", local_url)
-    ui.register_openai_api(app, engine, logins, allowed_hosts=served_hosts(args))
+    ui.register_openai_api(app, engine, logins)
     freeze_long_lived()  # the web server's objects too: no long GC pauses while serving
     if args.share:
         if share_url:

@@ -18,6 +18,7 @@ from .api import register_api
 from .bench_panel import build_bench_panel
 from .chat_panel import build_chat_panel
 from .common import AppInfo, reply_concurrency
+from .guards import request_guard
 from .memory_panel import build_memory_panel
 from .model_actions import headline
 from .model_panel import build_model_panel
@@ -63,4 +64,5 @@ def build(engine: Engine, *, admin: str | None = None, info: AppInfo | None = No
     return demo
 
 
-__all__ = ["AppInfo", "PanelBuilder", "build", "register_openai_api", "reply_concurrency"]
+__all__ = ["AppInfo", "PanelBuilder", "build", "register_openai_api", "reply_concurrency",
+           "request_guard"]

@@ -20,6 +20,8 @@ import hmac
 import json
 import logging
 
+from starlette.middleware import Middleware
+
 from .errors import ClientError
 from .request_models import MAX_JSON_BYTES, parse_json
 
@@ -60,12 +62,15 @@ def host_name(host: str) -> str:
 
 
 class RequestGuard:
+    """The middleware; `request_guard` makes its entry for the app's middleware list."""
+
     def __init__(self, app, *, logins: list[tuple[str, str]] | None,
-                 allowed_hosts: set[str] | None, gradio_app=None):
+                 allowed_hosts: set[str] | None):
         self.app = app
         self.logins = logins or []
-        self.allowed_hosts = {h.lower() for h in allowed_hosts} if allowed_hosts else None
-        self.gradio_app = gradio_app  # for its session cookies (a logged-in page)
+        # Logins protect the app on their own (and a share link has a Host of its own).
+        self.allowed_hosts = {h.lower() for h in allowed_hosts} \
+            if allowed_hosts and not self.logins else None
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -106,7 +111,7 @@ class RequestGuard:
     def _logged_in(self, scope) -> bool:
         if login_user(_header(scope, b"authorization"), self.logins):
             return True
-        app = self.gradio_app
+        app = scope.get("app")  # gradio's App (Starlette puts itself here): its sessions
         cookie_id = getattr(app, "cookie_id", None)
         if app is None or cookie_id is None:
             return False
@@ -134,16 +139,12 @@ class RequestGuard:
         await send({"type": "http.response.body", "body": body})
 
 
-def install_guards(app, *, logins: list[tuple[str, str]] | None,
-                   allowed_hosts: set[str] | None) -> None:
-    """Put RequestGuard around `app` (gradio's FastAPI app). Before the server has started,
-    as an ordinary middleware; once it has (Starlette then refuses add_middleware), around the
-    middleware stack it built, which every request goes through."""
-    options = {"logins": logins, "allowed_hosts": allowed_hosts, "gradio_app": app}
-    if getattr(app, "middleware_stack", None) is None:
-        app.add_middleware(RequestGuard, **options)
-    else:
-        app.middleware_stack = RequestGuard(app.middleware_stack, **options)
+def request_guard(logins: list[tuple[str, str]] | None,
+                  allowed_hosts: set[str] | None) -> Middleware:
+    """The guard as an entry of the FastAPI app's middleware list, so that it is in place
+    before the port opens: demo.launch(app_kwargs={"middleware": [request_guard(...)]}).
+    allowed_hosts: the Host names answered when there are no logins (None: any)."""
+    return Middleware(RequestGuard, logins=logins, allowed_hosts=allowed_hosts)
 
 
 def _header(scope, name: bytes) -> str:

@@ -31,14 +31,14 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import anyio
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from model_utils.engine import ChatUpdate, Engine
 
 from .conversation import validate_history
 from .errors import ClientError, client_error, hide_paths
-from .guards import REALM, install_guards, login_user
+from .guards import REALM, login_user
 from .replies import make_settings, paced
 from .request_models import ChatCompletionRequest, parse_json
 from .stop_strings import StopStrings
@@ -72,13 +72,11 @@ def model_id(status: dict) -> str:
     return name.replace(" ", "-") or "model"
 
 
-def register_openai_api(app: FastAPI, engine: Engine,
-                        logins: list[tuple[str, str]] | None = None, *,
-                        allowed_hosts: set[str] | None = None) -> None:
-    """Add the routes and the request guards (guards.py) to gradio's FastAPI app.
-    allowed_hosts: the Host names answered when there are no logins (None: any)."""
+def register_openai_api(app: FastAPI | APIRouter, engine: Engine,
+                        logins: list[tuple[str, str]] | None = None) -> None:
+    """Add the routes to gradio's FastAPI app (or to a router handed to it). The checks every
+    request passes first (Host, Content-Type, body) are guards.request_guard's."""
     models_dir = engine.registry.models_dir
-    install_guards(app, logins=logins, allowed_hosts=None if logins else allowed_hosts)
 
     def refused(error: BaseException, call: ChatCall | None = None) -> JSONResponse:
         mapped = client_error(error, context="openai chat")

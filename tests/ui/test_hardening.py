@@ -45,7 +45,7 @@ def deep(levels: int) -> bytes:
 @pytest.fixture(scope="module")
 def models_dir(tmp_path_factory):
     """A models folder: a copy of the demo model, one with pickle weights only, and one whose
-    safetensors file is a symlink to a file outside the folder."""
+    safetensors file is a symlink to a file outside every allowed folder."""
     root = tmp_path_factory.mktemp("models")
     demo = demo_model_path()
     shutil.copytree(demo, root / "demo-copy")
@@ -55,7 +55,9 @@ def models_dir(tmp_path_factory):
             if file.name != "model.safetensors":
                 shutil.copy(file, root / name / file.name)
     (root / "pickle-only" / "pytorch_model.bin").write_bytes(b"\x80\x04not really a pickle")
-    (root / "linked" / "model.safetensors").symlink_to(demo / "model.safetensors")
+    outside = tmp_path_factory.mktemp("outside")  # under no allowed root
+    shutil.copy(demo / "model.safetensors", outside / "model.safetensors")
+    (root / "linked" / "model.safetensors").symlink_to(outside / "model.safetensors")
     return root
 
 
@@ -83,6 +85,7 @@ class Side:
     page: httpx.Client
     victim_headers: dict
     log: object
+    models: object = None  # the models folder (the app with logins)
 
     def model(self) -> tuple:
         status = self.admin.predict(api_name="/status")
@@ -91,11 +94,12 @@ class Side:
 
 
 @pytest.fixture(scope="module")
-def side(app):
+def side(app, models_dir):
     page = page_login(app.url, *GUEST)
     with httpx.Client(base_url=app.url, timeout=300, headers=BEARER) as http:
         yield Side(app.url, http, Client(app.url, auth=GUEST, verbose=False),
-                   Client(app.url, auth=ADMIN, verbose=False), page, BEARER, app.log)
+                   Client(app.url, auth=ADMIN, verbose=False), page, BEARER, app.log,
+                   models_dir)
     page.close()
 
 
@@ -230,6 +234,19 @@ ADMIN_CASES = [
      ("AppError", "context_tokens")),
     ("load-max-memory-negative", lambda s: named(s.admin, "/load_model", "demo", "fp32", "cpu",
                                                  {"cpu": -1}), ("AppError", "max_memory_gb")),
+    # Refused before the running model is unloaded (checked: it is not even loaded again).
+    ("load-pickle-only-folder", lambda s: named(s.admin, "/load_model",
+                                                str(s.models / "pickle-only"), "fp32", "cpu"),
+     ("AppError", "safetensors")),
+    ("load-symlinked-safetensors", lambda s: named(s.admin, "/load_model",
+                                                   str(s.models / "linked"), "fp32", "cpu"),
+     ("AppError", "links outside the allowed model")),
+    ("load-context-1e12", lambda s: named(s.admin, "/load_model", "demo", "fp32", "cpu", None,
+                                          None, "bf16", 10**12), ("AppError", "context")),
+    ("load-unknown-device", lambda s: named(s.admin, "/load_model", "demo", "fp32", "cpu",
+                                            {"cuda:7": 1}), ("AppError", "cuda:7")),
+    ("load-cpu-cap-too-small", lambda s: named(s.admin, "/load_model", "demo", "fp32", "cpu",
+                                               {"cpu": 0.001}), ("AppError", "does not fit")),
 ]
 
 OPEN = [

@@ -112,14 +112,37 @@ def test_bad_path_keeps_the_previous_model(client):
     assert client.predict("Hello", [], GREEDY, api_name="/chat")["done"]
 
 
-def test_mode_that_does_not_fit_restores_the_previous_model(client):
-    # A CPU cap of 1 MB: the fit check refuses it after the old model was unloaded, and the
-    # engine loads the old one again.
-    with pytest.raises(AppError, match="does not fit.*serving again"):
+def test_a_mode_that_does_not_fit_is_refused_before_unloading(client):
+    # A CPU cap of 1 MB: the fit check refuses it before the running model is touched.
+    before = client.predict(api_name="/status")
+    with pytest.raises(AppError, match="does not fit"):
         client.predict("demo", "fp32", "cpu", {"cpu": 0.001}, api_name="/load_model")
     status = client.predict(api_name="/status")
     assert status["loaded"] and status["mode"] == "bf16"
+    assert status["load_s"] == before["load_s"]  # not loaded again
     assert client.predict("Hello", [], GREEDY, api_name="/chat")["done"]
+
+
+@pytest.mark.parametrize(("args", "expected"), [
+    ((5,), "message: Input should be a valid string"),
+    (("hi", [], None, 123), "system_prompt: Input should be a valid string"),
+    (("hi", [], {"<i>x</i>": 1}), "unknown setting(s) <i>x</i>"),  # plain, no &lt;
+])
+def test_chat_refusals_are_plain_text_naming_the_field(client, args, expected):
+    with pytest.raises(AppError) as caught:
+        client.predict(*args, api_name="/chat")
+    assert expected in str(caught.value) and "&lt;" not in str(caught.value)
+
+
+@pytest.mark.parametrize(("args", "expected"), [
+    (("demo", "bf16", "cpu", [1, 2]), "max_memory_gb: Input should be a valid dictionary"),
+    ((123,), "model: Input should be a valid string"),
+    (("demo", "bf16", "cpu", None, None, "bf16", "big"), "context_tokens"),
+])
+def test_load_refusals_name_the_field(client, args, expected):
+    with pytest.raises(AppError, match=expected.replace("(", r"\(")):
+        client.predict(*args, api_name="/load_model")
+    assert client.predict(api_name="/status")["mode"] == "bf16"
 
 
 def test_log_has_loads_and_replies_but_not_prompts(app, client):
