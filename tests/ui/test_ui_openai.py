@@ -152,7 +152,7 @@ def test_a_streamed_reply_adds_up_to_the_whole_reply(http):
 
 
 @pytest.mark.parametrize(("body", "param", "words"), [
-    ({"messages": MESSAGES, "temperature": -1}, "temperature", "must be between 0"),
+    ({"messages": MESSAGES, "temperature": -1}, "temperature", "temperature: must be >= 0"),
     ({"messages": MESSAGES, "max_tokens": 0}, "max_tokens", "max_tokens: must be"),
     ({"messages": MESSAGES, "max_completion_tokens": -1}, "max_completion_tokens",
      "max_completion_tokens: must be"),
