@@ -26,12 +26,18 @@ from dataclasses import dataclass, field
 import psutil
 import torch
 
-from .memory import GB
 from . import preflight
+from .memory import GB
 from .modes import Mode, get_mode, quantization_config
 from .modes import unavailable_reason as mode_unavailable
-from .placement import (FitEstimate, Placement, check_placement, device_map_kwargs, estimate_fit,
-                        may_offload_to_cpu)
+from .placement import (
+    FitEstimate,
+    Placement,
+    check_placement,
+    device_map_kwargs,
+    estimate_fit,
+    may_offload_to_cpu,
+)
 from .placement import unavailable_reason as placement_unavailable
 from .registry import ModelRegistry, ModelSource
 
@@ -302,7 +308,7 @@ class ModelManager:
 
     def estimate(self, request: LoadRequest) -> FitEstimate:
         try:
-            source, mode, config = self._check(request)
+            _source, mode, config = self._check(request)
         except Exception as error:
             raise LoadError(_user_message(error)) from error
         # What a load would find: the current model's memory is freed before it.

@@ -46,15 +46,16 @@ def check_placement(placement: Placement) -> None:
     name, a cap for a device this machine lacks, a cap that is not a positive number. Checked
     before the current model is unloaded."""
     if not isinstance(placement, Placement):
-        raise ValueError("placement must be a Placement")
+        raise ValueError("placement must be a Placement")  # noqa: TRY004 - a refusal
     if not isinstance(placement.target, str):
-        raise ValueError("the placement must be a name: cpu, cuda:N or one of "
+        raise ValueError("the placement must be a name: cpu, cuda:N or one of "  # noqa: TRY004
                          f"{', '.join(STRATEGIES)}")
     if reason := unavailable_reason(placement.target):
         raise ValueError(reason)
     caps = placement.max_memory_gb
     if not isinstance(caps, dict):
-        raise ValueError("max_memory must map device names to GB, e.g. {\"cuda:0\": 20}")
+        raise ValueError("max_memory must map device names to GB, "  # noqa: TRY004
+                         "e.g. {\"cuda:0\": 20}")
     known = known_devices()
     for device, gb in caps.items():
         if not isinstance(device, str) or device not in known:

@@ -12,7 +12,6 @@ Refusals name what the user typed, never the server's folders (the log has those
 from __future__ import annotations
 
 import logging
-import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -128,19 +127,17 @@ class ModelRegistry:
         return any(resolved == root or resolved.is_relative_to(root) for root in self.roots)
 
     def check_files(self, folder: Path, name: str) -> None:
-        """Refuse a model folder holding a file or folder that resolves outside the allowed
-        roots (a symlink to elsewhere). Walks the folder without following links, so that each
-        link is judged by where it points, not entered."""
-        for parent, dirs, files in os.walk(folder, followlinks=False):
-            for entry in (*dirs, *files):
-                path = Path(parent, entry)
-                if path.is_symlink() and not self._allowed(path.resolve()):
-                    relative = path.relative_to(folder)
-                    log.warning("refused %s: %s links to %s, outside the allowed roots", name,
-                                path, path.resolve())
-                    raise ModelNotFound(
-                        f"{name!r}: its file {str(relative)!r} links outside the allowed model "
-                        "folders; copy the file into the folder instead")
+        """Refuse a model folder holding an entry that resolves outside the allowed roots (a
+        symlink to elsewhere). The loader opens the folder's own files only (config, tokenizer,
+        weights, their index), so those are what is resolved: one look per entry, however
+        large a tree may lie below."""
+        for path in folder.iterdir():
+            if path.is_symlink() and not self._allowed(path.resolve()):
+                log.warning("refused %s: %s links to %s, outside the allowed roots", name,
+                            path, path.resolve())
+                raise ModelNotFound(
+                    f"{name!r}: its file {path.name!r} links outside the allowed model "
+                    "folders; copy the file into the folder instead")
 
     def _folder(self, path: Path, name: str) -> ModelSource:
         resolved = self.check_under_roots(path)

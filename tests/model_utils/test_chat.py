@@ -341,3 +341,18 @@ def test_text_parts_are_accepted_as_openai_sends_them(demo_tokenizer):
                                           {"type": "text", "text": "the sea?"}]}]
     plain = [{"role": "user", "content": "What is the sea?"}]
     assert render_prompt(demo_tokenizer, parts) == render_prompt(demo_tokenizer, plain)
+
+
+def test_the_engine_applies_the_bounds_on_its_own_path(load_demo):
+    """engine.chat (what the page's Send, /chat and /v1 all call) refuses a 5000-turn
+    conversation before tokenizing, and answers a maximal one with its oldest turns left out."""
+    from model_utils.chat import MAX_MESSAGES
+
+    engine = load_demo("fp32")
+    turns = [{"role": "user" if i % 2 == 0 else "assistant", "content": f"turn {i}"}
+             for i in range(5001)]
+    with pytest.raises(ChatInputError, match="has 5001 messages; at most"):
+        next(engine.chat(turns, GenerationSettings(max_new_tokens=2)))
+    reply = engine.generate_text(turns[:MAX_MESSAGES - 1],
+                                 GenerationSettings(max_new_tokens=2, min_new_tokens=2))
+    assert reply.stats.new_tokens == 2 and "left out of the prompt" in reply.notice

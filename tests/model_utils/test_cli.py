@@ -147,7 +147,7 @@ REFUSALS = {
     "unknown mode": "unknown mode 'fp8'",
     "negative temperature": "temperature: must be >= 0 and <= 100, got -1.0",
     "huge seed": "seed: must be >= 0 and <= 9223372036854775807, got 1180591620717411303424",
-    "negative max_new_tokens": "max_new_tokens: must be between 1 and what the context window leaves",
+    "negative max_new_tokens": "max_new_tokens: must be between 1 and what the context window",
     "huge temperature": "temperature: must be >= 0 and <= 100",
     "content a number": "message 0: content must be text, got a number",
     "lone surrogate in a file": "message 0 contains an invalid character",

