@@ -18,6 +18,7 @@ from pathlib import Path
 log = logging.getLogger("app")
 
 LOOPBACK_NAMES = {"localhost"}
+LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -54,6 +55,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="most chat requests waiting for a place before new ones are refused")
     p.add_argument("--max-batch", type=int, default=8,
                    help="most chat replies decoded together as one batch (1-64)")
+    p.add_argument("--allowed-host", action="append", default=[], metavar="NAME",
+                   help="without logins, also answer requests for this Host name (besides "
+                        "localhost, 127.0.0.1, ::1 and --host); repeat for more")
+    p.add_argument("--shutdown-grace", type=float, default=5.0, metavar="SECONDS",
+                   help="on SIGTERM/SIGINT, how long open replies may go on before they are "
+                        "ended with an error (default 5)")
     # model_utils.fast_path.COMPILE_MODES, spelled out: --help must answer without importing torch
     p.add_argument("--compile-mode", default="default",
                    choices=("default", "max-autotune-no-cudagraphs"),
@@ -132,6 +139,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logins = read_logins(args, _parser_error)
     check_exposure(args, logins, _parser_error)
+    if not 0 <= args.shutdown_grace <= 3600:  # also refuses nan
+        _parser_error(f"--shutdown-grace must be between 0 and 3600 s, got {args.shutdown_grace}")
     setup_logging(args.log_file)
     config = {k: v for k, v in vars(args).items() if k not in ("auth", "auth_file")}
     config["logins"] = [user for user, _ in logins]  # user names only, never passwords
@@ -180,7 +189,10 @@ def main(argv: list[str] | None = None) -> int:
             server_name=args.host, server_port=args.port, share=args.share,
             auth=logins or None, auth_message=ui.LOGIN_MESSAGE, prevent_thread_lock=True,
             ssr_mode=False, css=ui.CSS, max_threads=reply_slots + 40,
-            app_kwargs={"routes": openai_routes.routes},
+            # The guards (guards.py) run before any route; both are in place before the port
+            # opens.
+            app_kwargs={"routes": openai_routes.routes,
+                        "middleware": [ui.request_guard(logins, served_hosts(args))]},
             footer_links=["api", "settings"])
     except OSError as error:  # the port is taken, or the address is not this machine's
         log.error("cannot serve on %s:%s: %s", args.host, args.port, error)
@@ -196,13 +208,16 @@ def main(argv: list[str] | None = None) -> int:
                     f"gradio share server?); serving locally only at {local_url}")
             log.warning(note)  # the console handler shows it too
             info.share_note = note
-    try:
-        demo.block_thread()
-    except KeyboardInterrupt:
-        pass
-    finally:
-        demo.close()
+    from ui.shutdown import shut_down, wait_for_signal
+
+    why = wait_for_signal()
+    shut_down(engine, demo, why=why, grace_s=args.shutdown_grace)
     return 0
+
+
+def served_hosts(args: argparse.Namespace) -> set[str]:
+    """The Host names answered without logins: loopback's, the bound host's, --allowed-host."""
+    return {*LOOPBACK_HOSTS, args.host.lower(), *(h.lower() for h in args.allowed_host)}
 
 
 def load_initial_model(engine, args, info) -> None:

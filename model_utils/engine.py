@@ -21,13 +21,17 @@ from .chat import prepare_prompt, render_prompt, split_reasoning, supports_think
 from .decoders import EagerDecoder
 from .fused_qkv import fuse_qkv
 from .generation import GenerationSettings, IncrementalDetokenizer, ReplyStats, decode_tokens
-from .manager import LoadedModel, LoadRequest, ModelManager, Progress
+from .manager import LoadedModel, LoadRequest, ModelBusy, ModelManager, Progress
 from .memory import GB, MemoryHistory, MemorySnapshot, torch_cuda_gb
 from .placement import FitEstimate
 from .registry import ModelRegistry
 from .worker import DecodeWorker
 
 log = logging.getLogger(__name__)
+
+
+class ShuttingDown(ModelBusy):
+    """The server is closing: no new reply starts, and open ones may be ended early."""
 
 
 @dataclass
@@ -76,6 +80,11 @@ class Engine:
         self.worker = DecodeWorker()
         self.manager.on_loaded = self._prepare_decoding
         self.manager.on_unloaded = self._forget_compiled
+        # Shutting down (stop_admitting, end_replies): the stop events of open replies.
+        self._open: set[threading.Event] = set()
+        self._open_lock = threading.Lock()
+        self._closing: str | None = None  # why new replies are refused
+        self._ending: str | None = None  # why open replies were ended
 
     def start_memory_sampler(self, interval_s: float = 2.0) -> None:
         """One background thread records memory for every page and client (idempotent)."""
@@ -222,6 +231,25 @@ class Engine:
     def memory_snapshot(self) -> MemorySnapshot:
         return self.memory.record()
 
+    # -- shutting down ------------------------------------------------------------------------
+    def stop_admitting(self, reason: str) -> None:
+        """Refuse every new reply from now on with ShuttingDown(reason); open ones go on."""
+        self._closing = reason
+
+    def open_replies(self) -> int:
+        with self._open_lock:
+            return len(self._open)
+
+    def end_replies(self, reason: str) -> int:
+        """End every open reply within a decode step: each one's stream raises
+        ShuttingDown(reason) instead of finishing. Returns how many were open."""
+        with self._open_lock:
+            self._ending = reason
+            open_now = list(self._open)
+        for stop in open_now:
+            stop.set()
+        return len(open_now)
+
     # -- chat ---------------------------------------------------------------------------------
     def supports_thinking(self) -> bool:
         loaded = self.manager.loaded
@@ -244,6 +272,20 @@ class Engine:
         """Stream one reply. Raises ChatInputError / InvalidParameter / LoadError on bad input
         before anything is generated; the model and the conversation are left as they were."""
         stop = stop or threading.Event()
+        if self._closing is not None:
+            raise ShuttingDown(self._closing)
+        with self._open_lock:
+            self._open.add(stop)
+        try:
+            yield from self._chat(messages, settings, system_prompt=system_prompt,
+                                  thinking=thinking, stop=stop)
+        finally:
+            with self._open_lock:
+                self._open.discard(stop)
+
+    def _chat(self, messages: list[dict], settings: GenerationSettings | None, *,
+              system_prompt: str | None, thinking: bool,
+              stop: threading.Event) -> Iterator[ChatUpdate]:
         with self.manager.use() as loaded:
             settings = (settings or GenerationSettings()).resolved(
                 loaded.model.generation_config, context_tokens=loaded.context_tokens)
@@ -268,6 +310,8 @@ class Engine:
                         text += piece
                         reasoning, answer = split_reasoning(text)
                         yield ChatUpdate(reasoning, answer, notice=prompt.notice)
+                if self._ending is not None and stats.stopped:
+                    raise ShuttingDown(self._ending)
             finally:
                 # Runs on normal end, on error and when the consumer goes away (closed tab):
                 # whatever happened, the reply is logged and the decode slot is free again.

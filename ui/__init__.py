@@ -20,6 +20,7 @@ from .api import register_api
 from .bench_panel import build_bench_panel
 from .chat_panel import build_chat_panel
 from .common import AppInfo, reply_concurrency
+from .guards import request_guard
 from .memory_panel import build_memory_panel
 from .model_actions import headline
 from .model_panel import build_model_panel
@@ -95,4 +96,4 @@ def _follow_engine(engine: Engine, status: gr.State) -> None:
 
 
 __all__ = ["APP_NAME", "LOGIN_MESSAGE", "AppInfo", "PanelBuilder", "build",
-           "register_openai_api", "reply_concurrency"]
+           "register_openai_api", "reply_concurrency", "request_guard"]

@@ -25,6 +25,7 @@ from .conversation import (
     engine_messages,
     export_json,
     import_json,
+    validate_history,
     without_last_reply,
     without_last_turn,
 )
@@ -119,6 +120,10 @@ def _wire(c: dict, engine: Engine, signals: StopSignals, export_dir: Path, demo:
         conversation, message box, notice, Send, Stop, Regenerate). The conversation in the
         browser is written as the reply grows, so a reload keeps the turn as far as it got."""
         settings = make_settings(values)  # bad values: gr.Error before anything changes
+        try:  # the browser holds the conversation: the same checks as an API history
+            before = validate_history(before)
+        except ConversationError as error:
+            raise user_error(str(error)) from error
         turns = [*before, {"role": "user", "content": message}]
         mode = engine.status().get("mode", "?")
         session = getattr(request, "session_hash", None)

@@ -10,11 +10,12 @@ from collections.abc import Callable
 import gradio as gr
 
 from model_utils.engine import Engine
-from model_utils.manager import LoadError, LoadRequest, ModelBusy
+from model_utils.manager import LoadRequest, ModelBusy
 from model_utils.modes import MODES
 from model_utils.placement import Placement, available_placements
 
 from .common import require_admin, user_error
+from .errors import client_error, hide_paths, shows_full_paths
 
 log = logging.getLogger("ui")
 
@@ -67,11 +68,11 @@ def load(engine: Engine, request: LoadRequest, *, admin: str | None, who: gr.Req
              request.placement.describe())
     try:
         return engine.load(request, progress=progress)
-    except (LoadError, ModelBusy) as error:
-        raise user_error(str(error)) from error
-    except Exception as error:  # the engine turns load failures into LoadError; this is a bug
-        log.exception("load failed unexpectedly")
-        raise user_error(f"load failed: {type(error).__name__}: {error}") from error
+    except Exception as error:  # LoadError, ModelBusy, or a bug (logged): a plain message
+        message = client_error(error, context="load").message
+        if not shows_full_paths(admin, getattr(who, "username", None)):
+            message = hide_paths(message, engine.registry.models_dir)
+        raise user_error(message) from error
 
 
 def unload(engine: Engine, *, admin: str | None, who: gr.Request | None) -> dict:
@@ -83,12 +84,15 @@ def unload(engine: Engine, *, admin: str | None, who: gr.Request | None) -> dict
         raise user_error(str(error)) from error
 
 
-def estimate_text(engine: Engine, request: LoadRequest) -> str:
-    """The fit estimate as one Markdown line; never raises (it runs on every change)."""
+def estimate_text(engine: Engine, request: LoadRequest, *, full_paths: bool = True) -> str:
+    """The fit estimate as one Markdown line; never raises (it runs on every change).
+    full_paths=False (a guest): server paths shown relative to the models folder."""
     try:
         estimate = engine.estimate(request)
     except Exception as error:  # noqa: BLE001 - an unknown path etc.: say so, don't fail
-        return f"**Cannot estimate:** {_first_line(error)}"
+        text = _first_line(error)
+        return "**Cannot estimate:** " + (text if full_paths else
+                                         hide_paths(text, engine.registry.models_dir))
     verdict = "**Fits**" if estimate.fits else "**Does not fit**"
     return f"{verdict}: {estimate.message()}"
 

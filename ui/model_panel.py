@@ -15,6 +15,7 @@ from model_utils.placement import STRATEGIES, available_placements
 
 from . import model_actions as actions
 from .common import AppInfo
+from .errors import shows_full_paths
 
 SPLIT_COST = ("Splitting a model over GPUs makes every token wait on each GPU in turn: "
               "measured 5x slower decoding (8.4 vs 41.3 tok/s) than one GPU for a model that "
@@ -90,9 +91,11 @@ def _wire(c: dict, engine: Engine, demo: gr.Blocks, status: gr.State,
             compute_dtype=values[c["compute_dtype"]],
             context_tokens=context_from_text(values[c["context_tokens"]]))
 
-    def estimate(values: dict) -> str:
+    def estimate(values: dict, request: gr.Request = None) -> str:
+        user = getattr(request, "username", None)  # None: called below, or no logins
         try:
-            return actions.estimate_text(engine, request_from(values))
+            return actions.estimate_text(engine, request_from(values),
+                                         full_paths=shows_full_paths(admin, user))
         except gr.Error as error:
             return f"**Cannot estimate:** {error.message}"
 
@@ -110,7 +113,7 @@ def _wire(c: dict, engine: Engine, demo: gr.Blocks, status: gr.State,
             # Shown twice on purpose: a toast now, and a line that stays next to the status.
             gr.Warning(error.message)
             result, message = engine.status(), f"**Failed:** {error.message}"
-        return message, actions.status_markdown(result), result, estimate(values)
+        return message, actions.status_markdown(result), result, estimate(values, request)
 
     def unload(request: gr.Request):
         try:
@@ -141,13 +144,14 @@ def _wire(c: dict, engine: Engine, demo: gr.Blocks, status: gr.State,
     demo.load(for_this_user, None, [c["load"], c["unload"], c["admin_note"]],
               api_visibility="private", show_progress="hidden")
 
-    def on_page_load(values: dict):
+    def on_page_load(values: dict, request: gr.Request):
         # The picks start at what is loaded now, so "pick a mode, press Load" switches the
         # model that is serving, even one loaded from a typed path or by another page.
         current = current_picks(engine)
         values = {**values, c["model"]: current["model"], c["mode"]: current["mode"],
                   c["model_path"]: current["model_path"], c["placement"]: current["placement"]}
-        return (actions.status_markdown(current["status"]), current["status"], estimate(values),
+        return (actions.status_markdown(current["status"]), current["status"],
+                estimate(values, request),
                 gr.update(choices=current["choices"], value=current["model"]),
                 current["model_path"], current["mode"], current["placement"])
 

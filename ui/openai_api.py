@@ -9,104 +9,125 @@ machinery, all on one event loop; with many clients that machinery, not the mode
 (BENCHMARKS.md, run F). Here a request is one HTTP call whose reply streams as server-sent
 events straight from the engine, which batches concurrent replies the same way.
 
-What it takes: messages (an optional leading system message, then user/assistant turns ending
-with a user one), stream, max_tokens (or max_completion_tokens), temperature, top_p, seed, and
-the extensions top_k, repetition_penalty and enable_thinking (or chat_template_kwargs
+What it takes (request_models.ChatCompletionRequest): messages (an optional leading system or
+developer message, then user/assistant turns ending with a user one; content a string or a
+list of text parts), stream, stream_options.include_usage, max_tokens (or
+max_completion_tokens), temperature, top_p, seed, stop (a string or a list of strings), and the
+extensions top_k, repetition_penalty and enable_thinking (or chat_template_kwargs
 {"enable_thinking": ...}, as other Qwen servers take it). The model field is ignored: the
-loaded model answers, and is named in the reply. Reasoning (Qwen3 thinking) comes as
-reasoning_content beside content. With logins (--auth), send one as a bearer token
-"user:password" or as HTTP basic auth.
+loaded model answers, under the id /v1/models lists ("demo" or its folder's name). Reasoning
+(Qwen3 thinking) comes as reasoning_content beside content. With logins (--auth), send one as
+a bearer token "user:password" or as HTTP basic auth.
 """
 
 from __future__ import annotations
 
-import base64
-import hmac
 import json
 import logging
 import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 
 import anyio
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from model_utils.engine import ChatUpdate, Engine
 
-from .conversation import ConversationError, validate_history
-from .replies import INPUT_ERRORS, make_settings, paced
+from .conversation import validate_history
+from .errors import ClientError, client_error, hide_paths
+from .guards import REALM, login_user
+from .replies import make_settings, paced
+from .request_models import ChatCompletionRequest, parse_json
+from .stop_strings import StopStrings
 
 log = logging.getLogger("ui")
 
 _FINISH = {"eos": "stop", "stop": "stop", "length": "length"}
 
 
-class ApiError(Exception):
-    def __init__(self, status: int, message: str, *, kind: str = "invalid_request_error",
-                 param: str | None = None):
-        super().__init__(message)
-        self.status, self.kind, self.param = status, kind, param
-
-    def body(self) -> dict:
-        return {"error": {"message": str(self), "type": self.kind, "param": self.param,
-                          "code": None}}
-
-    def response(self) -> JSONResponse:
-        headers = {"Retry-After": "1"} if self.status == 503 else None
-        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+def error_body(error: ClientError) -> dict:
+    return {"error": {"message": error.message, "type": error.kind, "param": error.param,
+                      "code": None}}
 
 
-def failure(error: Exception) -> ApiError:
-    """An unexpected error while replying (a bug, a device error), logged with its trace."""
-    log.exception("openai reply failed")
-    return ApiError(500, f"the reply failed: {type(error).__name__}: {error}",
-                    kind="server_error")
+def error_response(error: ClientError) -> JSONResponse:
+    headers = {}
+    if error.status == 503:
+        headers["Retry-After"] = "1"
+    if error.status == 401:
+        headers["WWW-Authenticate"] = REALM
+    return JSONResponse(error_body(error), status_code=error.status, headers=headers)
 
 
-def register_openai_api(app: FastAPI, engine: Engine,
+def model_id(status: dict) -> str:
+    """The loaded model's id for clients: "demo", a hub id, or its folder's name; no spaces."""
+    if status.get("is_demo"):
+        return "demo"
+    label = str(status.get("model", ""))
+    name = label.removesuffix(" (HF cache)") if label.endswith(" (HF cache)") \
+        else Path(str(status.get("path", label))).name
+    return name.replace(" ", "-") or "model"
+
+
+def register_openai_api(app: FastAPI | APIRouter, engine: Engine,
                         logins: list[tuple[str, str]] | None = None) -> None:
-    """Add the routes to the running app (gradio's FastAPI app)."""
+    """Add the routes to gradio's FastAPI app (or to a router handed to it). The checks every
+    request passes first (Host, Content-Type, body) are guards.request_guard's."""
+    models_dir = engine.registry.models_dir
+
+    def refused(error: BaseException, call: ChatCall | None = None) -> JSONResponse:
+        mapped = client_error(error, context="openai chat")
+        message = mapped.message if not logins else hide_paths(mapped.message, models_dir)
+        if call is not None:  # the engine's name for the reply length -> the client's
+            message = message.replace("max_new_tokens", call.max_tokens_field)
+            if mapped.param == "max_new_tokens":
+                mapped.param = call.max_tokens_field
+        mapped.message = message
+        return error_response(mapped)
+
+    def check_login(request: Request) -> None:
+        if logins and not login_user(request.headers.get("authorization", ""), logins):
+            raise ClientError(401, "a login is required: Authorization: Bearer user:password")
 
     async def models(request: Request):
         try:
-            check_login(request, logins)
-        except ApiError as error:
-            return error.response()
+            check_login(request)
+        except ClientError as error:
+            return error_response(error)
         status = engine.status()
-        data = [{"id": status["model"], "object": "model", "created": 0, "owned_by": "local"}] \
-            if status.get("loaded") else []
+        data = [{"id": model_id(status), "object": "model", "created": 0,
+                 "owned_by": "local"}] if status.get("loaded") else []
         return {"object": "list", "data": data}
 
     async def chat_completions(request: Request):
+        call = None
         try:
-            check_login(request, logins)
-            body = await read_json(request)
-            call = ChatCall.parse(body)
-            log.info("openai chat: %d messages, stream=%s, settings %s", len(call.messages),
-                     call.stream, call.settings.as_dict())
+            check_login(request)
+            call = ChatCall.parse(parse_json(await request.body()))
+            log.info("openai chat: %d messages, stream=%s, %d stop strings, settings %s",
+                     len(call.messages), call.stream, len(call.stops.stops),
+                     call.settings.as_dict())
             updates = engine.chat(call.messages, call.settings, system_prompt=call.system,
                                   thinking=call.thinking, stop=call.stop)
             # The first update is awaited here, so that refused input becomes an HTTP error.
-            first = await anyio.to_thread.run_sync(next_update, updates)
-        except ApiError as error:
-            return error.response()
-        except INPUT_ERRORS as error:
-            return api_error_for(error).response()
-        except Exception as error:  # noqa: BLE001 - a bug or a device error: the app stays up
-            return failure(error).response()
-        model = engine.status().get("model", "")
+            first = await anyio.to_thread.run_sync(next, updates)
+        except Exception as error:  # noqa: BLE001 - mapped: 4xx for input, 503, else 500
+            return refused(error, call)
+        model = model_id(engine.status())
         if call.stream:
-            return StreamingResponse(stream_events(call, model, first, updates),
+            return StreamingResponse(stream_events(call, model, first, updates, refused),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
         try:
-            final = await anyio.to_thread.run_sync(last_update, first, updates)
-        except Exception as error:  # noqa: BLE001 - a device error mid-reply: say so
-            return failure(error).response()
+            final = await anyio.to_thread.run_sync(whole_reply, call, first, updates)
+        except Exception as error:  # noqa: BLE001 - a failure mid-reply (or a shutdown)
+            return refused(error, call)
         finally:
             call.stop.set()
+            updates.close()
         return completion(call, model, final)
 
     app.add_api_route("/v1/models", models, methods=["GET"])
@@ -115,112 +136,83 @@ def register_openai_api(app: FastAPI, engine: Engine,
 
 # -- the request --------------------------------------------------------------------------------
 class ChatCall:
-    def __init__(self, messages, system, settings, thinking: bool, stream: bool,
-                 include_usage: bool):
-        self.messages, self.system, self.settings = messages, system, settings
-        self.thinking, self.stream, self.include_usage = thinking, stream, include_usage
+    """One parsed request: the engine's messages and settings, and the reply's identity."""
+
+    def __init__(self, body: ChatCompletionRequest, messages: list[dict], system: str | None):
+        self.messages, self.system = messages, system
+        self.settings = make_settings({
+            "max_new_tokens": body.max_completion_tokens if body.max_completion_tokens
+            is not None else body.max_tokens,
+            "temperature": body.temperature, "top_p": body.top_p, "top_k": body.top_k,
+            "repetition_penalty": body.repetition_penalty, "seed": body.seed})
+        thinking = body.enable_thinking
+        if thinking is None and body.chat_template_kwargs is not None:
+            thinking = body.chat_template_kwargs.enable_thinking
+        self.thinking = thinking is not False
+        self.stream = body.stream
+        self.include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        self.stops = StopStrings(body.stop or [])
+        self.max_tokens_field = body.max_tokens_field()
         self.id = f"chatcmpl-{uuid.uuid4().hex[:24]}"
         self.created = int(time.time())
         self.stop = threading.Event()
 
     @classmethod
-    def parse(cls, body: dict) -> ChatCall:
-        if body.get("n") not in (None, 1):
-            raise ApiError(400, "only n=1 is supported", param="n")
-        if body.get("stop"):
-            raise ApiError(400, "stop sequences are not supported", param="stop")
-        try:
-            turns = validate_history(body.get("messages"))
-        except ConversationError as error:
-            raise ApiError(400, str(error), param="messages") from None
+    def parse(cls, data) -> ChatCall:
+        if not isinstance(data, dict):
+            raise ClientError(400, "the body must be a JSON object")
+        body = ChatCompletionRequest.model_validate(data)
+        turns = validate_history([
+            {"role": "system" if m.role == "developer" else m.role, "content": m.content}
+            for m in body.messages])
         system = turns.pop(0)["content"] if turns and turns[0]["role"] == "system" else None
         if not turns or turns[-1]["role"] != "user":
-            raise ApiError(400, "messages must end with a user message", param="messages")
+            raise ClientError(400, "messages must end with a user message", param="messages")
         if not turns[-1]["content"].strip():
-            raise ApiError(400, "the last user message is empty", param="messages")
-        values = {"max_new_tokens": body.get("max_completion_tokens", body.get("max_tokens"))}
-        for name in ("temperature", "top_p", "top_k", "repetition_penalty", "seed"):
-            values[name] = body.get(name)
-        try:
-            settings = make_settings({k: v for k, v in values.items() if v is not None})
-        except Exception as error:  # noqa: BLE001 - make_settings names the bad setting
-            raise ApiError(400, str(error)) from None
-        thinking = body.get("enable_thinking")
-        kwargs = body.get("chat_template_kwargs")
-        if thinking is None and isinstance(kwargs, dict):
-            thinking = kwargs.get("enable_thinking")
-        options = body.get("stream_options")
-        return cls([{"role": t["role"], "content": t["content"]} for t in turns], system,
-                   settings, thinking is not False, bool(body.get("stream")),
-                   isinstance(options, dict) and bool(options.get("include_usage")))
-
-
-async def read_json(request: Request) -> dict:
-    try:
-        body = json.loads(await request.body())
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise ApiError(400, f"the body is not JSON: {error}") from None
-    if not isinstance(body, dict):
-        raise ApiError(400, "the body must be a JSON object")
-    return body
-
-
-def check_login(request: Request, logins: list[tuple[str, str]] | None) -> None:
-    """With logins, the request must carry one: "Bearer user:password" or HTTP basic auth."""
-    if not logins:
-        return
-    header = request.headers.get("authorization", "")
-    scheme, _, value = header.partition(" ")
-    given = ""
-    if scheme.lower() == "bearer":
-        given = value.strip()
-    elif scheme.lower() == "basic":
-        try:
-            given = base64.b64decode(value.strip()).decode()
-        except (ValueError, UnicodeDecodeError):
-            given = ""
-    user, _, password = given.partition(":")
-    # Every login is compared, so the time taken does not tell which user exists.
-    ok = False
-    for known_user, known_password in logins:
-        ok |= hmac.compare_digest(f"{user}:{password}".encode(),
-                                  f"{known_user}:{known_password}".encode())
-    if not ok:
-        raise ApiError(401, "a login is required: Authorization: Bearer user:password",
-                       kind="authentication_error")
-
-
-def api_error_for(error: Exception) -> ApiError:
-    from model_utils.manager import ModelBusy
-
-    if isinstance(error, ModelBusy):  # QueueFull too: "busy, try again shortly"
-        return ApiError(503, str(error), kind="server_busy")
-    param = getattr(error, "name", None)  # InvalidParameter names it
-    status = 503 if "no model" in str(error).lower() else 400
-    return ApiError(status, str(error), param=param)
+            raise ClientError(400, "the last user message is empty", param="messages")
+        return cls(body, [{"role": t["role"], "content": t["content"]} for t in turns], system)
 
 
 # -- the reply ----------------------------------------------------------------------------------
-def next_update(updates: Iterator[ChatUpdate]) -> ChatUpdate:
-    return next(updates)
+class Reply:
+    """Follows the engine's updates, cutting the answer at the first stop string."""
+
+    def __init__(self, call: ChatCall):
+        self.call = call
+        self.answer, self.reasoning, self.hit_stop = "", "", False
+
+    def follow(self, update: ChatUpdate) -> None:
+        self.reasoning = update.reasoning
+        if self.hit_stop:
+            return  # the engine is ending the reply; what it adds is past the stop string
+        answer, self.hit_stop = self.call.stops.cut(update.answer)
+        if self.hit_stop:
+            self.call.stop.set()  # frees the reply's place within a decode step
+        elif not update.done and self.call.stops:
+            answer = self.call.stops.safe_prefix(answer)
+        self.answer = answer
+
+    def finish_reason(self, update: ChatUpdate) -> str:
+        return "stop" if self.hit_stop else _FINISH.get(update.stats.finish_reason, "stop")
 
 
-def last_update(first: ChatUpdate, updates: Iterator[ChatUpdate]) -> ChatUpdate:
-    final = first
+def whole_reply(call: ChatCall, first: ChatUpdate, updates: Iterator[ChatUpdate]):
+    reply, final = Reply(call), first
+    reply.follow(first)
     for final in updates:
-        pass
-    return final
+        reply.follow(final)
+    return reply, final
 
 
-def completion(call: ChatCall, model: str, final: ChatUpdate) -> dict:
-    message = {"role": "assistant", "content": final.answer}
-    if final.reasoning:
-        message["reasoning_content"] = final.reasoning
-    stats = final.stats
+def completion(call: ChatCall, model: str, result) -> dict:
+    reply, final = result
+    message = {"role": "assistant", "content": reply.answer}
+    if reply.reasoning:
+        message["reasoning_content"] = reply.reasoning
     return {"id": call.id, "object": "chat.completion", "created": call.created, "model": model,
             "choices": [{"index": 0, "message": message,
-                         "finish_reason": _FINISH.get(stats.finish_reason, "stop")}],
-            "usage": usage(stats)}
+                         "finish_reason": reply.finish_reason(final)}],
+            "usage": usage(final.stats)}
 
 
 def usage(stats) -> dict:
@@ -229,17 +221,21 @@ def usage(stats) -> dict:
 
 
 async def stream_events(call: ChatCall, model: str, first: ChatUpdate,
-                        updates: Iterator[ChatUpdate]) -> AsyncIterator[str]:
+                        updates: Iterator[ChatUpdate], refused) -> AsyncIterator[str]:
     """Server-sent events: a role chunk, content (and reasoning) deltas, a finish chunk, the
-    usage when asked for, then [DONE]. Leaving early (a closed connection cancels this) sets
-    the stop signal, which frees the reply's place in the batch within a decode step."""
+    usage when asked for, then [DONE]. A failure after the start (a device error, the server
+    shutting down) is an error event, then [DONE]. Leaving early (a closed connection cancels
+    this) sets the stop signal, which frees the reply's place in the batch within a step."""
 
-    def chunk(delta: dict, finish: str | None = None) -> str:
-        data = {"id": call.id, "object": "chat.completion.chunk", "created": call.created,
-                "model": model, "choices": [{"index": 0, "delta": delta,
-                                             "finish_reason": finish}]}
+    def event(data: dict) -> str:
         return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
 
+    def chunk(delta: dict, finish: str | None = None) -> str:
+        return event({"id": call.id, "object": "chat.completion.chunk",
+                      "created": call.created, "model": model,
+                      "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]})
+
+    reply = Reply(call)
     sent = {"reasoning": "", "answer": ""}
     paced_updates = paced(_prepend(first, updates))
     try:
@@ -248,29 +244,29 @@ async def stream_events(call: ChatCall, model: str, first: ChatUpdate,
             update = await anyio.to_thread.run_sync(next, paced_updates, None)
             if update is None:
                 break
+            reply.follow(update)
             delta = {}
             for field, key in (("reasoning", "reasoning_content"), ("answer", "content")):
-                text = getattr(update, field)
+                text = getattr(reply, field)
                 if text.startswith(sent[field]) and len(text) > len(sent[field]):
                     delta[key] = text[len(sent[field]):]
                     sent[field] = text
             if delta:
                 yield chunk(delta)
             if update.done:
-                yield chunk({}, _FINISH.get(update.stats.finish_reason, "stop"))
+                yield chunk({}, reply.finish_reason(update))
                 if call.include_usage:
-                    data = {"id": call.id, "object": "chat.completion.chunk",
-                            "created": call.created, "model": model, "choices": [],
-                            "usage": usage(update.stats)}
-                    yield f"data: {json.dumps(data)}\n\n"
+                    yield event({"id": call.id, "object": "chat.completion.chunk",
+                                 "created": call.created, "model": model, "choices": [],
+                                 "usage": usage(update.stats)})
                 break
-        yield "data: [DONE]\n\n"
     except Exception as error:  # noqa: BLE001 - the stream has started: report in band
-        yield f"data: {json.dumps(failure(error).body())}\n\n"
+        yield event(json.loads(refused(error, call).body))
     finally:
         call.stop.set()
         paced_updates.close()
         updates.close()  # ends engine.chat even if the stream never started (logs the reply)
+    yield "data: [DONE]\n\n"
 
 
 def _prepend(first: ChatUpdate, updates: Iterator[ChatUpdate]) -> Iterator[ChatUpdate]:

@@ -13,19 +13,16 @@ import time
 from collections import defaultdict
 from collections.abc import Iterator
 
-from model_utils.chat import ChatInputError
 from model_utils.engine import ChatUpdate, Engine
-from model_utils.generation import GenerationSettings, InvalidParameter, ReplyStats
-from model_utils.manager import LoadError, ModelBusy
+from model_utils.generation import GenerationSettings, ReplyStats
 
 from .common import user_error
+from .errors import client_error
 
 log = logging.getLogger("ui")
 
 SETTING_NAMES = ("temperature", "top_p", "top_k", "max_new_tokens", "repetition_penalty", "seed")
 _INTEGER_SETTINGS = {"top_k", "max_new_tokens", "seed"}
-# What the engine raises for input it refuses before generating anything.
-INPUT_ERRORS = (ChatInputError, InvalidParameter, LoadError, ModelBusy)
 
 
 def make_settings(values: dict | None) -> GenerationSettings:
@@ -66,11 +63,8 @@ def stream(engine: Engine, messages: list[dict], settings: GenerationSettings, *
                           thinking=thinking, stop=stop)
     try:
         yield from paced(updates)
-    except INPUT_ERRORS as error:
-        raise user_error(str(error)) from error
-    except Exception as error:  # a bug or a device error: keep the server and the model up
-        log.exception("reply failed")
-        raise user_error(f"the reply failed: {type(error).__name__}: {error}") from error
+    except Exception as error:  # input, busy, or a bug (logged): keep the server up
+        raise user_error(client_error(error, context="reply").message) from error
     finally:
         stop.set()
         updates.close()

@@ -126,6 +126,28 @@ def test_mode_that_does_not_fit_is_refused_before_unloading(client):
     assert client.predict("Hello", [], GREEDY, api_name="/chat")["done"]
 
 
+@pytest.mark.parametrize(("args", "expected"), [
+    ((5,), "message: Input should be a valid string"),
+    (("hi", [], None, 123), "system_prompt: Input should be a valid string"),
+    (("hi", [], {"<i>x</i>": 1}), "unknown setting(s) <i>x</i>"),  # plain, no &lt;
+])
+def test_chat_refusals_are_plain_text_naming_the_field(client, args, expected):
+    with pytest.raises(AppError) as caught:
+        client.predict(*args, api_name="/chat")
+    assert expected in str(caught.value) and "&lt;" not in str(caught.value)
+
+
+@pytest.mark.parametrize(("args", "expected"), [
+    (("demo", "bf16", "cpu", [1, 2]), "max_memory_gb: Input should be a valid dictionary"),
+    ((123,), "model: Input should be a valid string"),
+    (("demo", "bf16", "cpu", None, None, "bf16", "big"), "context_tokens"),
+])
+def test_load_refusals_name_the_field(client, args, expected):
+    with pytest.raises(AppError, match=expected.replace("(", r"\(")):
+        client.predict(*args, api_name="/load_model")
+    assert client.predict(api_name="/status")["mode"] == "bf16"
+
+
 def test_log_has_loads_and_replies_but_not_prompts(app, client):
     secret = f"zebra-{uuid.uuid4().hex}"
     client.predict(f"Please remember {secret}", [], GREEDY, "system " + secret,

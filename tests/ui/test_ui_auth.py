@@ -42,9 +42,12 @@ def test_login_is_required(app):
 
 
 def test_model_named_on_the_command_line_is_allowed(app, model_copy):
-    status = Client(app.url, auth=USER, verbose=False).predict(api_name="/status")
+    status = Client(app.url, auth=ADMIN, verbose=False).predict(api_name="/status")
     assert status["loaded"] and not status["is_demo"]
     assert status["model_path"] == str(model_copy.resolve())
+    # Other users do not see where the server keeps it.
+    guest = Client(app.url, auth=USER, verbose=False).predict(api_name="/status")
+    assert guest["model_path"] == "…/my-demo"
 
 
 def test_only_the_admin_may_load_or_unload(app):

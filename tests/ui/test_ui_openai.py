@@ -7,6 +7,7 @@ import json
 import time
 
 import httpx
+import openai
 import pytest
 from gradio_client import Client
 
@@ -41,7 +42,79 @@ def events(response: httpx.Response) -> list:
 def test_models_lists_the_loaded_model(http):
     body = http.get("/v1/models").json()
     assert body["object"] == "list"
-    assert [m["id"] for m in body["data"]] == ["demo model (random weights)"]
+    assert [m["id"] for m in body["data"]] == ["demo"]
+
+
+@pytest.fixture(scope="module")
+def client(app):
+    return openai.OpenAI(base_url=app.url + "/v1", api_key="unused", timeout=120,
+                         max_retries=0)
+
+
+def ask(client, **kwargs):
+    """A greedy reply through the official client (thinking off: the answer is all content)."""
+    options = {"model": "demo", "messages": MESSAGES, "temperature": 0, "max_tokens": 40,
+               "extra_body": {"enable_thinking": False}, **kwargs}
+    return client.chat.completions.create(**options)
+
+
+def test_the_official_client_lists_and_uses_the_model(client):
+    assert [m.id for m in client.models.list()] == ["demo"]
+    reply = ask(client, model="anything")
+    assert reply.model == "demo" and " " not in reply.model
+    assert reply.choices[0].finish_reason == "length"
+    assert reply.usage.completion_tokens == 40
+
+
+def test_the_reply_ends_before_the_first_stop_string(client):
+    whole = ask(client).choices[0].message.content
+    assert len(whole) > 12
+    stop = whole[6:9]  # cut where these three characters first appear
+    first = whole.index(stop)
+    for value in (stop, [stop], ["never-in-a-reply", stop]):
+        reply = ask(client, stop=value)
+        assert reply.choices[0].message.content == whole[:first]
+        assert reply.choices[0].finish_reason == "stop"
+
+
+def test_a_streamed_reply_holds_back_what_may_start_a_stop_string(client):
+    whole = ask(client).choices[0].message.content
+    for start in (3, 8):
+        stop = whole[start:start + 3]
+        pieces = []
+        finish = None
+        for chunk in ask(client, stop=[stop], stream=True):
+            pieces.append(chunk.choices[0].delta.content or "")
+            finish = chunk.choices[0].finish_reason or finish
+        # Wherever the chunks were cut, no piece of the stop string was sent ahead of it.
+        assert "".join(pieces) == whole[:whole.index(stop)]
+        assert finish == "stop"
+
+
+def test_content_as_a_list_of_text_parts(client):
+    parts = [{"role": "system", "content": [{"type": "text", "text": "Answer briefly."}]},
+             {"role": "user", "content": [{"type": "text", "text": "Tell me "},
+                                          {"type": "text", "text": "about the sea."}]}]
+    reply = client.chat.completions.create(model="demo", messages=parts, temperature=0,
+                                           max_tokens=40, extra_body={"enable_thinking": False})
+    assert reply.choices[0].message.content == ask(client).choices[0].message.content
+
+
+def test_a_max_tokens_error_names_the_field_the_client_sent(client):
+    for value in (0, -5):
+        with pytest.raises(openai.BadRequestError) as caught:
+            ask(client, max_tokens=value)
+        assert caught.value.body["param"] == "max_tokens"
+        assert caught.value.body["message"].startswith("max_tokens: must be")
+    with pytest.raises(openai.BadRequestError) as caught:
+        ask(client, max_tokens=None, max_completion_tokens=0)
+    assert caught.value.body["param"] == "max_completion_tokens"
+
+
+def test_a_max_tokens_beyond_the_context_is_clamped_to_what_fits(client):
+    reply = ask(client, max_tokens=10**6, stop=["never-in-a-reply"])
+    assert reply.choices[0].finish_reason in ("length", "stop")
+    assert reply.usage.completion_tokens > 0
 
 
 def test_a_reply_equals_the_chat_endpoints_greedy_reply(http, app):
@@ -79,14 +152,21 @@ def test_a_streamed_reply_adds_up_to_the_whole_reply(http):
 
 
 @pytest.mark.parametrize(("body", "param", "words"), [
-    ({"messages": MESSAGES, "temperature": -1}, "temperature", "must be >= 0"),
-    ({"messages": MESSAGES, "max_tokens": 0}, "max_new_tokens", "between 1"),
+    ({"messages": MESSAGES, "temperature": -1}, "temperature", "temperature: must be >= 0"),
+    ({"messages": MESSAGES, "max_tokens": 0}, "max_tokens", "max_tokens: must be"),
+    ({"messages": MESSAGES, "max_completion_tokens": -1}, "max_completion_tokens",
+     "max_completion_tokens: must be"),
+    ({"messages": MESSAGES, "temperature": "hot"}, "temperature", "valid number"),
+    ({"messages": [{"role": "user", "content": 5}]}, "messages", "messages.0.content"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+     "messages", "only text parts"),
+    ({"messages": MESSAGES, "stop": [""]}, "stop", "may not be empty"),
+    ({"messages": MESSAGES, "stop": 7}, "stop", "a string or a list of strings"),
     ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]},
      "messages", "end with a user message"),
     ({"messages": [{"role": "robot", "content": "hi"}]}, "messages", "role"),
     ({"messages": [{"role": "user", "content": "  "}]}, "messages", "is empty"),
     ({"messages": [{"role": "user", "content": "word " * 20000}]}, None, "context window"),
-    ({"messages": MESSAGES, "stop": ["\n"]}, "stop", "not supported"),
     ({"messages": MESSAGES, "n": 2}, "n", "n=1"),
 ])
 def test_bad_requests_get_400_naming_the_problem(http, body, param, words):
@@ -94,6 +174,7 @@ def test_bad_requests_get_400_naming_the_problem(http, body, param, words):
     assert response.status_code == 400
     error = response.json()["error"]
     assert error["param"] == param and words in error["message"]
+    assert "max_new_tokens" not in error["message"]  # the client's names, not the engine's
 
 
 def test_a_body_that_is_not_json_gets_400(http):
@@ -128,6 +209,7 @@ def test_with_logins_a_login_is_required(start_app):
         body = {"messages": MESSAGES, **GREEDY}
         refused = client.post("/v1/chat/completions", json=body)
         assert refused.status_code == 401
+        assert refused.headers["www-authenticate"].startswith("Bearer")
         assert refused.json()["error"]["type"] == "authentication_error"
         wrong = client.post("/v1/chat/completions", json=body,
                             headers={"Authorization": "Bearer ann:wrong"})
@@ -136,6 +218,11 @@ def test_with_logins_a_login_is_required(start_app):
         bearer = client.post("/v1/chat/completions", json=body,
                              headers={"Authorization": "Bearer ann:secret"})
         assert bearer.status_code == 200
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=app.url + "/v1", api_key="ann:wrong",
+                          max_retries=0).models.list()
+        official = openai.OpenAI(base_url=app.url + "/v1", api_key="ann:secret", max_retries=0)
+        assert [m.id for m in official.models.list()] == ["demo"]
         basic = base64.b64encode(b"ann:secret").decode()
         assert client.get("/v1/models", headers={"Authorization": f"Basic {basic}"}) \
             .status_code == 200

@@ -1,0 +1,69 @@
+"""The server layer's pure parts: stop strings, server paths for guests, the error mapping."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+
+from model_utils.generation import InvalidParameter
+from model_utils.manager import LoadError, ModelBusy
+from ui.errors import SERVER_FAILED, client_error, hide_paths, status_for
+from ui.request_models import ChatCompletionRequest, parse_json
+from ui.stop_strings import StopStrings
+
+MODELS = Path("/srv/models")
+
+
+def test_the_reply_is_cut_before_the_first_stop_string():
+    stops = StopStrings(["END", "\n\n"])
+    assert stops.cut("one\n\ntwo END") == ("one", True)
+    assert stops.cut("one END two\n\n") == ("one ", True)
+    assert stops.cut("no stop here") == ("no stop here", False)
+
+
+@pytest.mark.parametrize(("text", "sent"), [
+    ("hello E", "hello "),      # "E" may start "END"
+    ("hello EN", "hello "),
+    ("hello ENx", "hello ENx"),  # it did not
+    ("a\n", "a"),               # "\n" may start "\n\n"
+    ("", ""),
+])
+def test_what_may_start_a_stop_string_is_held_back(text, sent):
+    assert StopStrings(["END", "\n\n"]).safe_prefix(text) == sent
+
+
+def test_guests_see_paths_relative_to_the_models_folder():
+    message = ("'/etc/x' is outside the allowed model folders (/root/.cache/qwen-chat, "
+               "/srv/models); folder /srv/models/qwen/7b has no config.json.")
+    assert hide_paths(message, MODELS) == (
+        "'…/x' is outside the allowed model folders (…/qwen-chat, the models folder); folder "
+        "qwen/7b has no config.json.")
+    # Hub ids and markup are not paths.
+    assert hide_paths("Qwen/Qwen3-8B and <b>x</b>", MODELS) == "Qwen/Qwen3-8B and <b>x</b>"
+    status = {"path": "/srv/models/qwen-7b", "is_demo": False, "estimate": "fits"}
+    assert status_for(status, full_paths=False, models_dir=MODELS)["model_path"] == "qwen-7b"
+    assert status_for(status, full_paths=True, models_dir=MODELS)["model_path"] == \
+        "/srv/models/qwen-7b"
+
+
+def test_one_mapping_from_errors_to_statuses():
+    assert client_error(InvalidParameter("top_p", "must be in (0, 1]")).param == "top_p"
+    assert client_error(ModelBusy("busy")).status == 503
+    assert client_error(LoadError("no model is loaded: load one")).status == 503
+    assert client_error(LoadError("does not fit")).status == 400
+    with pytest.raises(ValidationError) as caught:
+        ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": 1}]})
+    mapped = client_error(caught.value)
+    assert mapped.status == 400 and mapped.message.startswith("messages.0.content:")
+    bug = client_error(TypeError("secret internals at /srv/models"))
+    assert bug.status == 500 and bug.message == SERVER_FAILED
+
+
+@pytest.mark.parametrize("body", [b'"\\ud800"', b"[" * 100_000 + b"]" * 100_000, b"NaN",
+                                  b"{oops"])
+def test_bodies_that_cannot_be_parsed_safely_are_a_400(body):
+    with pytest.raises(Exception) as caught:
+        parse_json(body)
+    assert getattr(caught.value, "status", None) == 400

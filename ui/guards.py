@@ -1,0 +1,182 @@
+"""Checks every HTTP request passes before gradio or the OpenAI routes see it (an ASGI
+middleware around the whole app):
+
+- Host: with no logins (loopback mode) only the names the app is served under are answered
+  (localhost, 127.0.0.1, ::1, the bound host, and any --allowed-host). A page on another site
+  can resolve its own name to 127.0.0.1 (DNS rebinding) and then drive the app as if it were
+  this machine's user, unload_model included; its requests carry its own Host name.
+- Content-Type: with no logins, POST /v1/... must be application/json. A cross-site page may
+  send text/plain without the browser asking first (no CORS preflight); it may not send JSON.
+- Logins: FastAPI's schema and docs (/openapi.json, /docs, /redoc) need one when logins are on.
+- JSON bodies: parsed once here by request_models.parse_json, so that a body gradio or the
+  OpenAI route could not parse safely (100 000 nested brackets, a lone surrogate) is a 400 with
+  a plain message instead of a RecursionError or a TypeError deep inside.
+"""
+
+from __future__ import annotations
+
+import base64
+import hmac
+import json
+import logging
+
+from starlette.middleware import Middleware
+
+from .errors import ClientError
+from .request_models import MAX_JSON_BYTES, parse_json
+
+log = logging.getLogger("ui")
+
+LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
+DOCS_PATHS = ("/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc")
+REALM = 'Bearer realm="Qwen chat"'
+
+
+def login_user(authorization: str, logins: list[tuple[str, str]]) -> str | None:
+    """The user named by "Bearer user:password" or HTTP basic auth, if the login is right."""
+    scheme, _, value = authorization.partition(" ")
+    given = ""
+    if scheme.lower() == "bearer":
+        given = value.strip()
+    elif scheme.lower() == "basic":
+        try:
+            given = base64.b64decode(value.strip(), validate=True).decode()
+        except (ValueError, UnicodeDecodeError):
+            given = ""
+    user, _, password = given.partition(":")
+    # Every login is compared, so the time taken does not tell which user exists.
+    found = None
+    for known_user, known_password in logins:
+        if hmac.compare_digest(f"{user}:{password}".encode(),
+                               f"{known_user}:{known_password}".encode()):
+            found = known_user
+    return found
+
+
+def host_name(host: str) -> str:
+    """"127.0.0.1:7860" -> "127.0.0.1", "[::1]:7860" -> "::1"."""
+    host = host.strip().lower()
+    if host.startswith("["):
+        return host[1:].split("]", 1)[0]
+    return host.rsplit(":", 1)[0] if host.count(":") == 1 else host
+
+
+class RequestGuard:
+    """The middleware; `request_guard` makes its entry for the app's middleware list."""
+
+    def __init__(self, app, *, logins: list[tuple[str, str]] | None,
+                 allowed_hosts: set[str] | None):
+        self.app = app
+        self.logins = logins or []
+        # Logins protect the app on their own (and a share link has a Host of its own).
+        self.allowed_hosts = {h.lower() for h in allowed_hosts} \
+            if allowed_hosts and not self.logins else None
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            if scope["type"] == "websocket" and not self._host_ok(scope):
+                await send({"type": "websocket.close", "code": 1008})
+                return
+            await self.app(scope, receive, send)
+            return
+        try:
+            receive = await self._check(scope, receive)
+        except ClientError as error:
+            await self._refuse(scope, send, error)
+            return
+        await self.app(scope, receive, send)
+
+    async def _check(self, scope, receive):
+        if not self._host_ok(scope):
+            log.warning("refused a request for Host %r", _header(scope, b"host"))
+            raise ClientError(400, "this server does not answer to that Host name (only to "
+                              "the names it is served under; see --allowed-host)")
+        path, method = scope["path"], scope["method"]
+        if self.logins and path in DOCS_PATHS and not self._logged_in(scope):
+            raise ClientError(401, "a login is required", kind="authentication_error")
+        content_type = _header(scope, b"content-type").split(";", 1)[0].strip().lower()
+        if method == "POST" and path.startswith("/v1/") and not self.logins \
+                and content_type != "application/json":
+            raise ClientError(415, "the body must be sent as Content-Type: application/json")
+        if method in ("POST", "PUT", "PATCH") and content_type == "application/json":
+            body = await _read_body(receive)
+            parse_json(body)  # raises ClientError on what cannot be parsed safely
+            return _replay(body, receive)
+        return receive
+
+    def _host_ok(self, scope) -> bool:
+        return self.allowed_hosts is None or \
+            host_name(_header(scope, b"host")) in self.allowed_hosts
+
+    def _logged_in(self, scope) -> bool:
+        if login_user(_header(scope, b"authorization"), self.logins):
+            return True
+        app = scope.get("app")  # gradio's App (Starlette puts itself here): its sessions
+        cookie_id = getattr(app, "cookie_id", None)
+        if app is None or cookie_id is None:
+            return False
+        cookies = {}
+        for item in _header(scope, b"cookie").split(";"):
+            name, _, value = item.strip().partition("=")
+            cookies[name] = value
+        token = cookies.get(f"access-token-{cookie_id}") or \
+            cookies.get(f"access-token-unsecure-{cookie_id}")
+        return bool(token) and token in getattr(app, "tokens", {})
+
+    @staticmethod
+    async def _refuse(scope, send, error: ClientError) -> None:
+        if scope["path"].startswith("/v1/"):  # the OpenAI error shape
+            payload = {"error": {"message": error.message, "type": error.kind,
+                                 "param": error.param, "code": None}}
+        else:
+            payload = {"detail": error.message}
+        headers = [(b"content-type", b"application/json")]
+        if error.status == 401:
+            headers.append((b"www-authenticate", REALM.encode()))
+        body = json.dumps(payload).encode()
+        headers.append((b"content-length", str(len(body)).encode()))
+        await send({"type": "http.response.start", "status": error.status, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+
+
+def request_guard(logins: list[tuple[str, str]] | None,
+                  allowed_hosts: set[str] | None) -> Middleware:
+    """The guard as an entry of the FastAPI app's middleware list, so that it is in place
+    before the port opens: demo.launch(app_kwargs={"middleware": [request_guard(...)]}).
+    allowed_hosts: the Host names answered when there are no logins (None: any)."""
+    return Middleware(RequestGuard, logins=logins, allowed_hosts=allowed_hosts)
+
+
+def _header(scope, name: bytes) -> str:
+    for key, value in scope.get("headers", ()):
+        if key == name:
+            return value.decode("latin-1")
+    return ""
+
+
+async def _read_body(receive) -> bytes:
+    chunks, size = [], 0
+    while True:
+        message = await receive()
+        if message["type"] != "http.request":
+            raise ClientError(400, "the client went away before sending the body")
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > MAX_JSON_BYTES:
+            raise ClientError(413, f"the body is larger than {MAX_JSON_BYTES // 2**20} MB")
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            return b"".join(chunks)
+
+
+def _replay(body: bytes, receive):
+    sent = False
+
+    async def replay():
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()  # http.disconnect, when the client goes
+
+    return replay

@@ -1,0 +1,167 @@
+"""What each API request may contain, as pydantic models: the OpenAI chat request and the named
+gradio endpoints' parameters. Types and shapes are checked here, at the door, with messages that
+name the field; the ranges of the generation settings are the engine's (GenerationSettings
+declares them once), and it names the setting too.
+
+Bodies are parsed by `parse_json`, pydantic's Rust parser: it refuses lone UTF-16 surrogates
+("\\ud800", which no tokenizer can encode), NaN/Infinity, and nesting deeper than 200 levels
+(where the standard library's parser recurses until RecursionError).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+import pydantic_core
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
+
+from .errors import ClientError
+
+MAX_JSON_BYTES = 16 * 2**20  # a 2000-message history of long messages fits with room to spare
+
+
+def parse_json(body: bytes) -> Any:
+    if len(body) > MAX_JSON_BYTES:
+        raise ClientError(413, f"the body is larger than {MAX_JSON_BYTES // 2**20} MB")
+    try:
+        return pydantic_core.from_json(body, allow_inf_nan=False)
+    except ValueError as error:
+        # pydantic_core's own words ("recursion limit exceeded at line 1 column 202"), plain.
+        raise ClientError(400, f"the body is not JSON (or not valid UTF-8 text): {error}") from None
+
+
+def check_text(value: str) -> str:
+    """Text a tokenizer can take: valid UTF-8 (no lone surrogates) and no NUL characters."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError("contains a lone UTF-16 surrogate, which is not text") from None
+    return value
+
+
+Text = Annotated[str, AfterValidator(check_text)]
+
+
+def content_text(value: Any, where: str = "content") -> str:
+    """Message content: a string, or a list of text parts [{"type": "text", "text": "..."}]
+    (the standard form many clients send); other part types (images, audio) are refused."""
+    if value is None:
+        return ""
+    if isinstance(value, str):
+        return check_text(value)
+    if isinstance(value, list):
+        pieces = []
+        for i, part in enumerate(value):
+            if not isinstance(part, dict) or part.get("type") != "text" \
+                    or not isinstance(part.get("text"), str):
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                raise ValueError(f"part {i} must be {{\"type\": \"text\", \"text\": \"...\"}}; "
+                                 f"only text parts are supported (got {str(kind)[:40]!r})")
+            pieces.append(check_text(part["text"]))
+        return "".join(pieces)
+    raise ValueError(f"{where} must be a string or a list of text parts")
+
+
+class _Strict(BaseModel):
+    # strict: "5" is not a number and 1 is not a bool; floats accept integers.
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+
+# -- the OpenAI chat request ------------------------------------------------------------------
+class Message(BaseModel):
+    # Clients add fields of their own (name, tool_call_id...): ignored, not refused.
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    role: Literal["system", "developer", "user", "assistant"]
+    content: Any = None
+    reasoning_content: Any = None
+
+    @field_validator("content", "reasoning_content", mode="before")
+    @classmethod
+    def _text(cls, value: Any) -> str:
+        return content_text(value)
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    include_usage: bool = False
+
+
+class ChatTemplateKwargs(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    enable_thinking: bool | None = None
+
+
+class ChatCompletionRequest(BaseModel):
+    # Fields other servers accept and this one does not use (user, logprobs, presence_penalty,
+    # ...) are ignored rather than refused, as common clients send some of them by default.
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    model: str | None = None  # the loaded model answers whatever is named
+    messages: list[Message] = Field(min_length=1)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    repetition_penalty: float | None = None
+    seed: int | None = None
+    n: int | None = None
+    stop: Any = None
+    enable_thinking: bool | None = None
+    chat_template_kwargs: ChatTemplateKwargs | None = None
+
+    @field_validator("n")
+    @classmethod
+    def _one_choice(cls, value: int | None) -> int | None:
+        if value not in (None, 1):
+            raise ValueError("only n=1 is supported")
+        return value
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_strings(cls, value: Any) -> list[str]:
+        """A string or a list of strings (at most 16, none empty) -> a list."""
+        if value is None:
+            return []
+        values = [value] if isinstance(value, str) else value
+        if not isinstance(values, list) or not all(isinstance(v, str) for v in values):
+            raise ValueError("must be a string or a list of strings")
+        if len(values) > 16:
+            raise ValueError(f"at most 16 stop strings, got {len(values)}")
+        if any(not v for v in values):
+            raise ValueError("a stop string may not be empty")
+        return [check_text(v) for v in values]
+
+    def max_tokens_field(self) -> str:
+        """The name the client used for the reply's length, for messages about it."""
+        return "max_completion_tokens" if self.max_completion_tokens is not None \
+            else "max_tokens"
+
+
+# -- the named gradio endpoints ---------------------------------------------------------------
+class ChatParams(_Strict):
+    message: Text
+    history: Any = None  # checked by conversation.validate_history, which names the message
+    settings: dict[str, Any] | None = None  # names and ranges: replies.make_settings, engine
+    system_prompt: Text | None = ""
+    thinking: bool = True
+
+    @field_validator("message")
+    @classmethod
+    def _not_empty(cls, value: str) -> str:
+        if not value.strip():
+            raise ValueError("the message is empty")
+        return value
+
+
+class LoadParams(_Strict):
+    model: Text | None = "demo"
+    mode: Text = "bf16"
+    placement: Text | None = None
+    max_memory_gb: dict[Text, Annotated[float, Field(ge=0, allow_inf_nan=False)]] | None = None
+    offload_folder: Text | None = None
+    compute_dtype: Text = "bf16"
+    context_tokens: Annotated[int, Field(ge=0)] | None = None
