@@ -79,8 +79,10 @@ def register_api(engine: Engine, *, admin: str | None = None) -> None:
         return for_client(actions.unload(engine, admin=admin, who=request))
 
     def status() -> dict:
-        """What is loaded: model, mode, placement, device_map, footprint_gb, load_s, ..."""
-        return {**for_client(engine.status()), "supports_thinking": engine.supports_thinking()}
+        """What is loaded: model, mode, placement, device_map, footprint_gb, load_s, ...,
+        and queue: {active, waiting, max_batch, max_queue} (None without a model)."""
+        return {**for_client(engine.status()), "supports_thinking": engine.supports_thinking(),
+                "queue": engine.queue_status()}
 
     def memory() -> dict:
         """A memory snapshot now: gpus (NVML used/total, torch allocated/reserved), cpu_used_gb,

@@ -45,16 +45,17 @@ _FINISH = {"eos": "stop", "stop": "stop", "length": "length"}
 
 class ApiError(Exception):
     def __init__(self, status: int, message: str, *, kind: str = "invalid_request_error",
-                 param: str | None = None):
+                 param: str | None = None, retry_after: str | None = None):
         super().__init__(message)
         self.status, self.kind, self.param = status, kind, param
+        self.retry_after = retry_after or ("1" if status == 503 else None)
 
     def body(self) -> dict:
         return {"error": {"message": str(self), "type": self.kind, "param": self.param,
                           "code": None}}
 
     def response(self) -> JSONResponse:
-        headers = {"Retry-After": "1"} if self.status == 503 else None
+        headers = {"Retry-After": self.retry_after} if self.retry_after else None
         return JSONResponse(self.body(), status_code=self.status, headers=headers)
 
 
@@ -107,6 +108,9 @@ def register_openai_api(app: FastAPI, engine: Engine,
             return failure(error).response()
         finally:
             call.stop.set()
+        if final.stats is not None and final.stats.finish_reason == "error":
+            # A model server that failed mid-reply: not a complete answer.
+            return ApiError(502, final.notice, kind="backend_error").response()
         return completion(call, model, final)
 
     app.add_api_route("/v1/models", models, methods=["GET"])
@@ -195,6 +199,9 @@ def api_error_for(error: Exception) -> ApiError:
 
     if isinstance(error, ModelBusy):  # QueueFull too: "busy, try again shortly"
         return ApiError(503, str(error), kind="server_busy")
+    if hasattr(error, "http_status"):  # a model server's refusal (backends.errors)
+        return ApiError(error.http_status, str(error), kind=error.kind,
+                        retry_after=error.retry_after)
     param = getattr(error, "name", None)  # InvalidParameter names it
     status = 503 if "no model" in str(error).lower() else 400
     return ApiError(status, str(error), param=param)
@@ -256,6 +263,11 @@ async def stream_events(call: ChatCall, model: str, first: ChatUpdate,
                     sent[field] = text
             if delta:
                 yield chunk(delta)
+            if update.done and update.stats.finish_reason == "error":
+                # A model server that failed mid-reply: reported in band, as other failures.
+                error = ApiError(502, update.notice, kind="backend_error")
+                yield f"data: {json.dumps(error.body(), ensure_ascii=False)}\n\n"
+                break
             if update.done:
                 yield chunk({}, _FINISH.get(update.stats.finish_reason, "stop"))
                 if call.include_usage:
