@@ -267,7 +267,7 @@ async def stream_events(call: ChatCall, model: str, first: ChatUpdate,
                 # A model server that failed mid-reply: reported in band, as other failures.
                 error = ApiError(502, update.notice, kind="backend_error")
                 yield f"data: {json.dumps(error.body(), ensure_ascii=False)}\n\n"
-                break
+                return  # no [DONE]: the reply did not complete
             if update.done:
                 yield chunk({}, _FINISH.get(update.stats.finish_reason, "stop"))
                 if call.include_usage:
