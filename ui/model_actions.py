@@ -79,7 +79,7 @@ def unload(engine: Engine, *, admin: str | None, who: gr.Request | None) -> dict
     log.info("unload requested by %s", _user(who))
     try:
         return engine.unload()
-    except ModelBusy as error:
+    except (LoadError, ModelBusy) as error:  # LoadError: a model server's models stay there
         raise user_error(str(error)) from error
 
 
