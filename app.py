@@ -15,7 +15,7 @@ import socket
 import sys
 from pathlib import Path
 
-from model_utils.backends.flags import check_backend_flags, remote_engine
+from model_utils.backends.flags import add_backend_flags, check_backend_flags, remote_engine
 from model_utils.backends.urls import redact
 
 log = logging.getLogger("app")
@@ -24,7 +24,6 @@ LOOPBACK_NAMES = {"localhost"}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    from model_utils.backends.flags import add_backend_flags
     from model_utils.modes import MODES  # the one table of modes, so the help cannot drift
 
     p = argparse.ArgumentParser(description="Local chat app for Qwen / Hugging Face causal LMs.")
@@ -156,9 +155,10 @@ def main(argv: list[str] | None = None) -> int:
     from model_utils.manager import freeze_long_lived
 
     try:
-        engine = remote_engine(args) if args.backend else Engine(models_dir=args.models_dir, trust_remote_code=args.trust_remote_code,
-                        log_prompts=args.log_prompts, max_batch=args.max_batch,
-                        max_queue=args.max_queue, compile_mode=args.compile_mode)
+        engine = remote_engine(args) if args.backend else Engine(
+            models_dir=args.models_dir, trust_remote_code=args.trust_remote_code,
+            log_prompts=args.log_prompts, max_batch=args.max_batch,
+            max_queue=args.max_queue, compile_mode=args.compile_mode)
     except ValueError as error:  # --max-batch / --max-queue out of range
         _parser_error(str(error))
     if not args.backend and (args.model.startswith(("/", ".", "~"))

@@ -221,10 +221,10 @@ def summarize(result: dict) -> None:
 
 def markdown(result: dict) -> str:
     lines = [f"# Front-end overhead: {result['device']}, server {result['server_model']}",
-             f"{result['clients']} streams x {result['requests_per_client']} requests, "
-             f"{result['new_tokens']} new tokens, greedy, /v1/chat/completions streamed",
-             "", "| run | path | replies | errors | TTFT p50 (ms) | per token p50 (ms) | "
-             "tok/s all |", "|---|---|---|---|---|---|---|"]
+             (f"{result['clients']} streams x {result['requests_per_client']} requests, "
+             f"{result['new_tokens']} new tokens, greedy, /v1/chat/completions streamed"),
+             "", ("| run | path | replies | errors | TTFT p50 (ms) | per token p50 (ms) | "
+             "tok/s all |"), "|---|---|---|---|---|---|---|"]
     for path, rows in (result.get("separate_runs") or {}).items():
         for i, r in enumerate(rows):
             lines.append(f"| {i} | {path} | {r['replies']} | {r['errors']} | {r['ttft_ms_p50']} "

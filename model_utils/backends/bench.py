@@ -95,8 +95,9 @@ def markdown_table(rows: list[RemoteBenchRow]) -> str:
     def f(value):
         return "-" if value is None else f"{value:g}"
 
-    lines = ["| streams | replies | errors | TTFT p50 (ms) | TTFT max (ms) | tok/s per stream "
-             "(p50) | tok/s all streams | tokens | wall (s) |", "|---|---|---|---|---|---|---|---|---|"]
+    header = ("| streams | replies | errors | TTFT p50 (ms) | TTFT max (ms) | tok/s per stream "
+              "(p50) | tok/s all streams | tokens | wall (s) |")
+    lines = [header, "|---" * 9 + "|"]
     for r in rows:
         lines.append(f"| {r.streams} | {r.replies} | {r.errors} | {f(r.ttft_ms_p50)} | "
                      f"{f(r.ttft_ms_max)} | {f(r.tok_s_per_stream_p50)} | {r.aggregate_tok_s:g} "
