@@ -175,3 +175,45 @@ def test_models_are_the_servers_business(front):
     # --admin still rules in front of a server: another user is refused for that reason.
     with pytest.raises(AppError, match="only the admin user"):
         Client(front.url, auth=FRONT_USER, verbose=False).predict(api_name="/unload_model")
+
+
+def test_the_page_in_front_of_a_server(front, backend, artifacts):
+    """A browser on the front: a reply streams from the backend, Stop ends it and frees the
+    backend's slot, and the Model and Memory tabs describe the server, not a local model."""
+    from .browser import open_browser
+
+    with open_browser() as browser:
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        page.set_default_timeout(30000)
+        page.goto(front.url)
+        page.get_by_label("username").fill(FRONT_USER[0])
+        page.get_by_label("password").fill(FRONT_USER[1])
+        page.get_by_role("button", name="Login").click()
+        page.locator("#headline").get_by_text("remote").wait_for()
+        assert backend.url in page.locator("#headline").inner_text()
+        box = page.locator('input[aria-label^="number input for max_new_tokens"]')
+        box.fill("4000")
+        box.press("Enter")
+        page.locator("#message textarea").fill("Write a very long story.")
+        page.locator("#message textarea").press("Enter")
+        page.wait_for_function(  # some tokens arrived
+            "() => { const m = document.querySelectorAll('#chatbot [data-testid=bot]');"
+            " return m.length >= 1 && m[m.length-1].innerText.length > 20; }")
+        assert backend_queue(backend)["active"] == 1
+        page.locator("#stop").click()
+        page.locator("#chatbot sub", has_text="stopped").wait_for(timeout=15000)
+        assert "remote" in page.locator("#chatbot sub").last.inner_text()
+        deadline = time.monotonic() + 30
+        while backend_queue(backend)["active"] and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert backend_queue(backend)["active"] == 0
+        page.get_by_role("tab", name="Model").click()
+        server = page.locator("#remote-server")
+        server.get_by_text("up").first.wait_for()
+        text = server.inner_text()
+        assert backend.url + "/v1" in text and "demo model (random weights)" in text
+        assert "the model server's business" in text and "backend-secret" not in text
+        page.screenshot(path=str(artifacts / "remote-model-tab.png"))
+        page.get_by_role("tab", name="Memory").click()
+        page.locator("#remote-memory").get_by_text("GPU memory is the server's business")\
+            .wait_for()
