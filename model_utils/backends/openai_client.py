@@ -8,7 +8,9 @@ whole reply is bounded by a deadline that the reader checks between events.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -114,32 +116,71 @@ def stream_chunks(client: httpx.Client, config: ServerConfig, body: dict,
             if not kind.startswith("text/event-stream"):
                 raise MalformedStream(f"the model server did not stream its reply "
                                       f"(content-type {kind[:60] or 'none'})")
-            for line in response.iter_lines():
-                if stop.is_set():
-                    return
-                if time.monotonic() > deadline:
-                    raise BackendTimeout(f"the reply took longer than "
-                                         f"{config.reply_timeout_s:g} s")
-                if not line.startswith("data:"):
-                    continue  # blank separators, ": keep-alive" comments, "event:" names
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    return
-                try:
-                    event = json.loads(data)
-                except ValueError:
-                    raise MalformedStream("the model server sent an event that is not "
-                                          "JSON") from None
-                if not isinstance(event, dict):
-                    raise MalformedStream("the model server sent an event that is not a "
-                                          "JSON object")
-                if "error" in event:  # an error reported in the stream
-                    error = event["error"]
-                    text = error.get("message") if isinstance(error, dict) else error
-                    raise BackendError(f"the model server failed mid-reply: {str(text)[:300]}")
-                yield event
+            with _HangUpOnStop(response, stop):
+                yield from _events(response, config, stop, deadline)
     except httpx.HTTPError as error:
+        if stop.is_set():
+            return  # the hang-up below cut the read short: a stopped reply, not a failure
         raise translate(error, config) from error
+
+
+class _HangUpOnStop:
+    """Stop takes effect while the server is silent too (a reply queued there, a long
+    prefill): a watcher shuts the socket down when `stop` is set, which ends the blocked read
+    at once and tells the server to free the reply. Never after the reply ended, when the
+    connection may already serve another request from the pool."""
+
+    def __init__(self, response: httpx.Response, stop: threading.Event):
+        stream = response.extensions.get("network_stream")
+        self.sock = stream.get_extra_info("socket") if stream is not None else None
+        self.stop = stop
+        self.lock = threading.Lock()
+        self.reading = True
+
+    def __enter__(self):
+        if self.sock is not None:
+            threading.Thread(target=self._watch, daemon=True, name="hang-up-on-stop").start()
+        return self
+
+    def _watch(self) -> None:
+        self.stop.wait()  # RemoteEngine.chat sets it when every reply ends, stopped or not
+        with self.lock:
+            if self.reading:
+                with contextlib.suppress(OSError):
+                    self.sock.shutdown(socket.SHUT_RDWR)
+
+    def __exit__(self, *exc) -> None:
+        with self.lock:
+            self.reading = False
+
+
+def _events(response: httpx.Response, config: ServerConfig, stop: threading.Event,
+            deadline: float) -> Iterator[dict]:
+    """Each event's JSON until [DONE], the end of the stream, or `stop`."""
+    for line in response.iter_lines():
+        if stop.is_set():
+            return
+        if time.monotonic() > deadline:
+            raise BackendTimeout(f"the reply took longer than "
+                                 f"{config.reply_timeout_s:g} s")
+        if not line.startswith("data:"):
+            continue  # blank separators, ": keep-alive" comments, "event:" names
+        data = line[5:].strip()
+        if data == "[DONE]":
+            return
+        try:
+            event = json.loads(data)
+        except ValueError:
+            raise MalformedStream("the model server sent an event that is not "
+                                  "JSON") from None
+        if not isinstance(event, dict):
+            raise MalformedStream("the model server sent an event that is not a "
+                                  "JSON object")
+        if "error" in event:  # an error reported in the stream
+            error = event["error"]
+            text = error.get("message") if isinstance(error, dict) else error
+            raise BackendError(f"the model server failed mid-reply: {str(text)[:300]}")
+        yield event
 
 
 def _head(response: httpx.Response) -> bytes:

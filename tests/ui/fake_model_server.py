@@ -3,7 +3,8 @@ whose /v1/chat/completions misbehaves as the test asks (server.mode).
 
 Modes: "ok" (reasoning_content, then content, usage, [DONE]), "die" (two chunks, then the
 connection is cut), "slow_start" (silent longer than any read timeout the tests set),
-"trickle" (a chunk every 0.05 s for a long time; notes when the client hangs up), "401",
+"trickle" (a chunk every 0.05 s for a long time; notes when the client hangs up),
+"silent" (the role chunk, then nothing for 5 s, as a server with the reply queued), "401",
 "429", "503", "500", "malformed" (an event that is not JSON), "no_done" (ends without a
 finish), "refuse_top_k" (400 naming top_k while the body has it, else "ok").
 """
@@ -133,6 +134,13 @@ class _Handler(BaseHTTPRequestHandler):
         out.write(chunk({"role": "assistant", "content": ""}))
         if mode == "malformed":
             out.write(b"data: {this is not json\n\n")
+            return
+        if mode == "silent":  # headers and the role chunk, then nothing for a long while
+            out.flush()
+            self.server.streaming.set()
+            time.sleep(5)
+            out.write(chunk({"content": "late"}))
+            out.flush()
             return
         if mode == "trickle":
             self.server.streaming.set()

@@ -125,6 +125,24 @@ def test_stop_closes_the_upstream_stream(engine, server):
     assert engine.queue_status()["active"] == 0
 
 
+def test_stop_works_while_the_server_is_silent(server):
+    """A reply queued at the server (headers sent, no token yet): Stop still ends it at once
+    rather than after the read timeout."""
+    server.mode = "silent"
+    remote = engine_for(server.url, read_timeout_s=30.0)
+    try:
+        stop = threading.Event()
+        threading.Timer(0.5, stop.set).start()
+        start = time.monotonic()
+        final = remote.generate_text(HELLO, stop=stop)
+        assert time.monotonic() - start < 3
+        assert final.stats.stopped and final.answer == "" and not final.notice
+        server.mode = "ok"  # the hung-up connection is not reused: the next reply works
+        assert remote.generate_text(HELLO).answer == "Hello there."
+    finally:
+        remote.close()
+
+
 def test_a_closed_consumer_closes_the_upstream_stream_too(engine, server):
     server.mode = "trickle"
     updates = engine.chat(HELLO)
