@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import socket
 import statistics
 import subprocess
@@ -185,6 +186,7 @@ def main() -> int:
                 proc.wait(timeout=20)
             except subprocess.TimeoutExpired:
                 proc.kill()
+    shutil.rmtree(workdir, ignore_errors=True)  # the 15 GB checkpoint
     summarize(result)
     result["wall_s"] = round(time.monotonic() - started, 1)
     (out / "remote_overhead.json").write_text(json.dumps(result, indent=2))

@@ -199,6 +199,8 @@ class RemoteEngine:
                         if first_at is None:
                             first_at = last_at
                             stats.ttft_ms = (first_at - start) * 1000
+                            if not self.monitor.health.ok:  # back before the check saw it
+                                self.monitor.record(ok=True)
                         pieces += 1
                         yield ChatUpdate(*_split(reasoning, content, parsed_reasoning),
                                          notice=notice)

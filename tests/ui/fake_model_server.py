@@ -4,9 +4,10 @@ whose /v1/chat/completions misbehaves as the test asks (server.mode).
 Modes: "ok" (reasoning_content, then content, usage, [DONE]), "die" (two chunks, then the
 connection is cut), "slow_start" (silent longer than any read timeout the tests set),
 "trickle" (a chunk every 0.05 s for a long time; notes when the client hangs up),
-"silent" (the role chunk, then nothing for 5 s, as a server with the reply queued), "401",
-"429", "503", "500", "malformed" (an event that is not JSON), "no_done" (ends without a
-finish), "refuse_top_k" (400 naming top_k while the body has it, else "ok").
+"silent" (the role chunk, then nothing for 5 s, as a server with the reply queued),
+"401", "429", "503", "500", "malformed" (an event that is not JSON), "no_done" (ends without
+a finish), "not_sse" (a 200 with a JSON body), "refuse_top_k" (400 naming top_k while the
+body has it, else "ok").
 """
 
 from __future__ import annotations
@@ -114,6 +115,9 @@ class _Handler(BaseHTTPRequestHandler):
         if mode in ("401", "429", "503", "500"):
             headers = {"Retry-After": "7"} if mode in ("429", "503") else {}
             self._json(int(mode), {"error": {"message": f"fake {mode}"}}, headers)
+            return
+        if mode == "not_sse":
+            self._json(200, {"object": "chat.completion", "choices": []})
             return
         if mode == "slow_start":
             time.sleep(3)

@@ -83,6 +83,7 @@ def test_an_extension_the_server_refuses_is_dropped_with_a_notice(engine, server
     ("503", BackendBusy, "busy or starting", 503, "7"),
     ("500", BackendError, r"failed \(HTTP 500\): fake 500", 502, None),
     ("malformed", BackendError, "not JSON", 502, None),
+    ("not_sse", BackendError, "did not stream its reply", 502, None),
     ("slow_start", BackendTimeout, "sent nothing for 1 s", 504, None),
 ])
 def test_refusals_before_the_first_token_are_clear_errors(engine, server, mode, error, words,

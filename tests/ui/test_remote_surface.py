@@ -72,6 +72,23 @@ def test_bad_backend_flags_are_refused_at_once(flags, words):
     assert done.returncode == 2 and words in done.stderr
 
 
+def test_the_header_says_when_the_server_is_down(server):
+    from ui.model_actions import headline
+
+    from .conftest import free_port
+
+    down = RemoteEngine(ServerConfig(f"http://127.0.0.1:{free_port()}/v1",
+                                     connect_timeout_s=1.0))
+    up = RemoteEngine(ServerConfig(server.url))
+    try:
+        assert headline(down.status()) == (f"**Serving:** nothing now: the model server "
+                                           f"{down.url} is down")
+        assert headline(up.status()) == f"**Serving:** fake/Qwen3-0B · remote · {server.url}"
+    finally:
+        down.close()
+        up.close()
+
+
 def test_bench_measures_through_the_server(engines, server):
     rows = bench_remote(engines[1], streams=(1, 3), new_tokens=8)
     assert [r.streams for r in rows] == [1, 3]
