@@ -48,7 +48,10 @@ def make_client(config: ServerConfig, connections: int) -> httpx.Client:
     headers = {"Authorization": f"Bearer {config.key}"} if config.key else {}
     timeout = httpx.Timeout(connect=config.connect_timeout_s, read=config.read_timeout_s,
                             write=config.read_timeout_s, pool=config.connect_timeout_s)
-    limits = httpx.Limits(max_connections=connections, max_keepalive_connections=connections)
+    # Idle connections are let go after 2 s, before the server's own keep-alive timeout
+    # (uvicorn's, under vLLM and this app: 5 s) can close one just as a request goes out.
+    limits = httpx.Limits(max_connections=connections, max_keepalive_connections=connections,
+                          keepalive_expiry=2.0)
     # trust_env off: a proxy set for the rest of the machine is not the way to the cluster.
     return httpx.Client(base_url=config.base_url, headers=headers, timeout=timeout,
                         limits=limits, trust_env=False)
@@ -108,7 +111,8 @@ def stream_chunks(client: httpx.Client, config: ServerConfig, body: dict,
     Ends early, closing the connection (the server frees the reply's place), when `stop` is
     set, the deadline passes (BackendTimeout) or the consumer closes this generator."""
     try:
-        with client.stream("POST", "/chat/completions", json=body) as response:
+        with contextlib.ExitStack() as stack:
+            response = _open_stream(stack, client, body)
             if response.status_code != 200:
                 raise error_for_status(response.status_code, _head(response),
                                        response.headers.get("retry-after"))
@@ -122,6 +126,17 @@ def stream_chunks(client: httpx.Client, config: ServerConfig, body: dict,
         if stop.is_set():
             return  # the hang-up below cut the read short: a stopped reply, not a failure
         raise translate(error, config) from error
+
+
+def _open_stream(stack: contextlib.ExitStack, client: httpx.Client,
+                 body: dict) -> httpx.Response:
+    """client.stream, once more on a fresh connection when a kept-alive one turns out to be
+    closed before any answer ("disconnected without sending a response"): the server never
+    saw that request, so sending it again cannot run it twice."""
+    try:
+        return stack.enter_context(client.stream("POST", "/chat/completions", json=body))
+    except httpx.RemoteProtocolError:
+        return stack.enter_context(client.stream("POST", "/chat/completions", json=body))
 
 
 class _HangUpOnStop:

@@ -166,7 +166,7 @@ class RemoteEngine:
             stop.set()
             with self._lock:
                 self._in_flight -= 1
-            log.info("reply: model=%s via %s, %d in / %d out, ttft %.0f ms, %.1f tok/s, "
+            log.info("reply: model=%s via %s, %d in / %d out, ttft %.1f ms, %.2f tok/s, "
                      "finish=%s", model, self.url, stats.prompt_tokens, stats.new_tokens,
                      stats.ttft_ms, stats.tok_s, stats.finish_reason or "abandoned")
 

@@ -124,6 +124,7 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
         self.send_header("Transfer-Encoding", "chunked")  # as uvicorn streams
+        self.send_header("Connection", "close")  # one reply per connection, said so
         self.end_headers()
         try:
             self._stream(mode)
