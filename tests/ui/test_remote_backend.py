@@ -47,10 +47,10 @@ def bearer(login: str) -> dict:
 
 @pytest.fixture(scope="module")
 def http(front, backend):
+    for app, login in ((front, ":".join(FRONT_USER)), (backend, BACKEND_LOGIN)):
+        with httpx.Client(base_url=app.url, timeout=30) as client:
+            wait_for_v1(client, bearer(login))
     with httpx.Client(timeout=120) as client:
-        wait_for_v1(client.__class__(base_url=front.url, timeout=30),
-                    bearer(":".join(FRONT_USER)))
-        wait_for_v1(client.__class__(base_url=backend.url, timeout=30), bearer(BACKEND_LOGIN))
         yield client
 
 
