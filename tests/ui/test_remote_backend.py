@@ -217,3 +217,11 @@ def test_the_page_in_front_of_a_server(front, backend, artifacts):
         page.get_by_role("tab", name="Memory").click()
         page.locator("#remote-memory").get_by_text("GPU memory is the server's business")\
             .wait_for()
+        # The Benchmark tab measures through the server (one stream: the backend has one place).
+        page.get_by_role("tab", name="Benchmark").click()
+        page.get_by_label("8").uncheck()
+        page.locator("#remote-bench-run").click()
+        table = page.locator("#remote-bench-table")
+        table.get_by_text("tok/s all streams").wait_for(timeout=60000)
+        row = table.locator("tbody tr").first.inner_text().split("\t")
+        assert row[:3] == ["1", "1", "0"], row  # 1 stream, 1 reply, no error

@@ -136,7 +136,7 @@ def test_stop_works_while_the_server_is_silent(server):
         threading.Timer(0.5, stop.set).start()
         start = time.monotonic()
         final = remote.generate_text(HELLO, stop=stop)
-        assert time.monotonic() - start < 3
+        assert time.monotonic() - start < 4.5  # before the server speaks again (5 s)
         assert final.stats.stopped and final.answer == "" and not final.notice
         server.mode = "ok"  # the hung-up connection is not reused: the next reply works
         assert remote.generate_text(HELLO).answer == "Hello there."
