@@ -224,6 +224,8 @@ class RemoteEngine:
         if first_at is not None and last_at > first_at:
             stats.tok_s = max(stats.new_tokens - 1, 1) / (last_at - first_at)
         stats.total_s = time.perf_counter() - start
+        if self.log_prompts:
+            log.info("reply text: %r", content)
         yield ChatUpdate(*_split(reasoning, content, parsed_reasoning), done=True,
                          stats=stats, notice=notice)
 
