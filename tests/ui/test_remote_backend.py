@@ -96,6 +96,26 @@ def test_greedy_replies_through_the_front_equal_the_backends(http, front, backen
     assert streamed[-1] == expected
 
 
+def test_the_openai_client_through_the_front(http, front, backend):
+    """The official client, with a front login as its key, streamed and not."""
+    from openai import OpenAI
+
+    direct = http.post(backend.url + "/v1/chat/completions", headers=bearer(BACKEND_LOGIN),
+                       json={"messages": MESSAGES, **GREEDY}).json()
+    client = OpenAI(base_url=front.url + "/v1", api_key=":".join(FRONT_USER), max_retries=0,
+                    timeout=120)
+    assert [m.id for m in client.models.list()] == [direct["model"]]
+    options = {"model": direct["model"], "messages": MESSAGES, "max_tokens": 24,
+               "temperature": 0, "extra_body": {"chat_template_kwargs":
+                                                {"enable_thinking": False}}}
+    reply = client.chat.completions.create(**options)
+    assert reply.choices[0].message.content == direct["choices"][0]["message"]["content"]
+    assert reply.usage.completion_tokens == 24
+    text = "".join(chunk.choices[0].delta.content or "" for chunk in
+                   client.chat.completions.create(**options, stream=True) if chunk.choices)
+    assert text == direct["choices"][0]["message"]["content"]
+
+
 def test_closing_a_stream_at_the_front_frees_the_backends_slot(http, front, backend):
     user = bearer(":".join(FRONT_USER))
     long = {"messages": MESSAGES, "temperature": 0, "max_tokens": 4000, "stream": True}

@@ -230,6 +230,14 @@ def test_the_front_maps_faults_for_its_own_clients(start_app, tmp_path):
                 fake.mode = mode
                 busy = http.post("/v1/chat/completions", json=body)
                 assert busy.status_code == code and busy.headers["retry-after"] == "7"
+            # The official client sees the same: a RateLimitError with the server's wait.
+            from openai import OpenAI, RateLimitError
+
+            client = OpenAI(base_url=app.url + "/v1", api_key="-", max_retries=0, timeout=30)
+            fake.mode = "429"
+            with pytest.raises(RateLimitError) as limited:
+                client.chat.completions.create(model=MODEL, messages=HELLO)
+            assert limited.value.response.headers["retry-after"] == "7"
             fake.mode = "die"
             cut = http.post("/v1/chat/completions", json=body)
             assert cut.status_code == 502 and "cut short" in cut.json()["error"]["message"]
@@ -238,6 +246,12 @@ def test_the_front_maps_faults_for_its_own_clients(start_app, tmp_path):
                 lines = [line for line in response.iter_lines() if line.startswith("data: ")]
             assert any('"content": "Hello"' in line for line in lines)
             assert "cut short" in lines[-1] and "[DONE]" not in lines[-1]
+            from openai import APIError
+
+            with pytest.raises(APIError, match="cut short"):
+                for _ in client.chat.completions.create(model=MODEL, messages=HELLO,
+                                                        stream=True):
+                    pass
             final = Client(app.url, verbose=False).predict("Hi", [], {}, "", True,
                                                            api_name="/chat")
             assert final["answer"] == "Hello" and "cut short" in final["notice"]
