@@ -6,8 +6,8 @@ connection is cut), "slow_start" (silent longer than any read timeout the tests 
 "trickle" (a chunk every 0.05 s for a long time; notes when the client hangs up),
 "silent" (the role chunk, then nothing for 5 s, as a server with the reply queued),
 "401", "429", "503", "500", "malformed" (an event that is not JSON), "no_done" (ends without
-a finish), "not_sse" (a 200 with a JSON body), "refuse_top_k" (400 naming top_k while the
-body has it, else "ok").
+a finish), "not_sse" (a 200 with a JSON body), "think_in_content" (<think> left in the text),
+"refuse_top_k" (400 naming top_k while the body has it, else "ok").
 """
 
 from __future__ import annotations
@@ -153,6 +153,12 @@ class _Handler(BaseHTTPRequestHandler):
                 out.write(chunk({"content": f"w{i} "}))
                 out.flush()
                 time.sleep(0.05)
+            return
+        if mode == "think_in_content":  # a server that does not parse Qwen3's thinking
+            for piece in ("<think>\nHm", "m.\n</think>\n\n", "Hi."):
+                out.write(chunk({"content": piece}))
+            out.write(chunk({}, "stop"))
+            out.write(b"data: [DONE]\n\n")
             return
         out.write(chunk({"reasoning_content": "Thinking about it."}))
         out.write(chunk({"content": "Hello"}))

@@ -57,6 +57,13 @@ def test_a_reply_carries_reasoning_apart_and_the_servers_usage(engine, server):
     assert "repetition_penalty" not in body and "max_tokens" not in body  # the server's own
 
 
+def test_thinking_left_in_the_text_is_split_off(engine, server):
+    server.mode = "think_in_content"
+    updates = list(engine.chat(HELLO))
+    assert (updates[0].reasoning, updates[0].answer) == ("Hm", "")
+    assert (updates[-1].reasoning, updates[-1].answer) == ("Hmm.", "Hi.")
+
+
 def test_status_names_the_server_its_models_and_health_never_the_key(engine, server):
     status = engine.status()
     assert status["loaded"] and status["models"] == [MODEL] and status["model"] == MODEL
