@@ -129,7 +129,8 @@ def unload_message(status: dict) -> str:
 def headline(status: dict) -> str:
     """One line for the page header: what is serving right now."""
     if not status.get("loaded") and status.get("remote"):  # in front of a model server
-        return f"**Serving:** nothing now: the model server {status['backend_url']} is down"
+        why = "is down" if not status["health"]["ok"] else f"does not serve {status['model']}"
+        return f"**Serving:** nothing now: the model server {status['backend_url']} {why}"
     if not status.get("loaded"):
         return "**Serving:** no model loaded"
     return (f"**Serving:** {status['model']} · {status['mode']} · {status['placement']}")

@@ -81,13 +81,16 @@ def test_the_header_says_when_the_server_is_down(server):
     down = RemoteEngine(ServerConfig(f"http://127.0.0.1:{free_port()}/v1",
                                      connect_timeout_s=1.0))
     up = RemoteEngine(ServerConfig(server.url))
+    other = RemoteEngine(ServerConfig(server.url), model="Qwen/Qwen3-14B")
     try:
+        assert headline(other.status()).endswith(f"{server.url} does not serve Qwen/Qwen3-14B")
+        assert "it serves fake/Qwen3-0B" in other.status()["health"]["error"]
         assert headline(down.status()) == (f"**Serving:** nothing now: the model server "
                                            f"{down.url} is down")
         assert headline(up.status()) == f"**Serving:** fake/Qwen3-0B · remote · {server.url}"
     finally:
-        down.close()
-        up.close()
+        for engine in (down, up, other):
+            engine.close()
 
 
 def test_bench_measures_through_the_server(engines, server):
