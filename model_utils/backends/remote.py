@@ -220,6 +220,8 @@ class RemoteEngine:
         stats.stopped = stop.is_set() and finish != "error" and not _FINISH.get(finish)
         stats.finish_reason = "stop" if stats.stopped else _FINISH.get(finish, finish)
         stats.prompt_tokens = int((usage or {}).get("prompt_tokens") or 0)
+        # The server's count when it sent one (not for a stopped reply: the connection closed
+        # first); else the pieces received, one per token from vLLM and SGLang.
         stats.new_tokens = int((usage or {}).get("completion_tokens") or pieces)
         if first_at is not None and last_at > first_at:
             stats.tok_s = max(stats.new_tokens - 1, 1) / (last_at - first_at)
