@@ -267,3 +267,28 @@ def test_the_front_maps_faults_for_its_own_clients(start_app, tmp_path):
         finally:
             fake.stop()
     assert "sk-fake" not in app.log() and "sk-fake" not in app.output()
+
+
+def test_stop_on_the_page_hangs_up_on_the_server(start_app):
+    """The Stop button in front of a server whose reply would last 100 s: the reply ends as
+    stopped at once, and the server sees the connection close."""
+    from .browser import open_browser
+
+    fake = FakeModelServer().start()
+    try:
+        app = start_app("--backend", fake.url)
+        fake.mode = "trickle"
+        with open_browser() as browser:
+            page = browser.new_page(viewport={"width": 1400, "height": 1000})
+            page.set_default_timeout(30000)
+            page.goto(app.url)
+            page.locator("#message textarea").fill("Go on and on.")
+            page.locator("#message textarea").press("Enter")
+            page.locator("#chatbot").get_by_text("w3 ").wait_for()
+            assert not fake.hung_up.is_set()
+            page.locator("#stop").click()
+            page.locator("#chatbot sub", has_text="stopped").wait_for()
+            assert fake.hung_up.wait(10), "the server was still writing to a stopped reply"
+            assert "w1999" not in page.locator("#chatbot").inner_text()
+    finally:
+        fake.stop()
