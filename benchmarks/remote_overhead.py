@@ -177,33 +177,9 @@ def main() -> int:
                     "requests_per_client": args.requests, "new_tokens": args.new_tokens,
                     "build_s": round(build_s, 1)}
     try:
-        wait_serving(server_url, server, deadline)
-        wait_serving(front_url, front, deadline)
-        result["ready_s"] = round(time.monotonic() - started, 1)
-        # Warm-up: connections, the server's first prompts of each shape, the front's imports.
-        for url, name in ((server_url, "warmup-direct"), (front_url, "warmup-front")):
-            load_test(url, args.clients, args, out, name, tokens=16, requests=1).wait()
-        runs: dict[str, list[dict]] = {"direct": [], "front": []}
-        for i in range(args.rounds):
-            for path, url in (("direct", server_url), ("front", front_url)):
-                if time.monotonic() > deadline - args.run_timeout:
-                    result["note"] = "stopped early: the time budget ran out"
-                    break
-                name = f"{path}-{i}"
-                logged = len(front_replies(out))
-                load_test(url, args.clients, args, out, name).wait()
-                runs[path].append(figures(out, name))
-                if path == "front":
-                    runs[path][-1]["front_view"] = upstream(front_replies(out)[logged:])
-        result["separate_runs"] = runs
-        half = max(args.clients // 2, 1)
-        if time.monotonic() < deadline - args.run_timeout:
-            both = [load_test(server_url, half, args, out, "mixed-direct"),
-                    load_test(front_url, half, args, out, "mixed-front")]
-            for proc in both:
-                proc.wait()
-            result["mixed_run"] = {"direct": figures(out, "mixed-direct"),
-                                   "front": figures(out, "mixed-front")}
+        run_all(args, out, result, server, front, server_url, front_url, deadline)
+    except SystemExit as stop:  # an app that died or did not get ready: say so in the JSON
+        result["error"] = str(stop)
     finally:
         for proc in (front, server):
             proc.terminate()
@@ -217,7 +193,40 @@ def main() -> int:
     (out / "remote_overhead.json").write_text(json.dumps(result, indent=2))
     (out / "remote_overhead.md").write_text(markdown(result))
     print(markdown(result))
-    return 0
+    return 1 if result.get("error") else 0
+
+
+def run_all(args, out: Path, result: dict, server, front, server_url: str, front_url: str,
+            deadline: float) -> None:
+    """Wait for both apps, warm up, then the alternating runs and the mixed one."""
+    started = time.monotonic()
+    wait_serving(server_url, server, deadline)
+    wait_serving(front_url, front, deadline)
+    result["apps_ready_s"] = round(time.monotonic() - started, 1)  # load + compile
+    # Warm-up: connections, the server's first prompts of each shape, the front's imports.
+    for url, name in ((server_url, "warmup-direct"), (front_url, "warmup-front")):
+        load_test(url, args.clients, args, out, name, tokens=16, requests=1).wait()
+    runs: dict[str, list[dict]] = {"direct": [], "front": []}
+    for i in range(args.rounds):
+        for path, url in (("direct", server_url), ("front", front_url)):
+            if time.monotonic() > deadline - args.run_timeout:
+                result["note"] = "stopped early: the time budget ran out"
+                break
+            name = f"{path}-{i}"
+            logged = len(front_replies(out))
+            load_test(url, args.clients, args, out, name).wait()
+            runs[path].append(figures(out, name))
+            if path == "front":
+                runs[path][-1]["front_view"] = upstream(front_replies(out)[logged:])
+    result["separate_runs"] = runs
+    half = max(args.clients // 2, 1)
+    if time.monotonic() < deadline - args.run_timeout:
+        both = [load_test(server_url, half, args, out, "mixed-direct"),
+                load_test(front_url, half, args, out, "mixed-front")]
+        for proc in both:
+            proc.wait()
+        result["mixed_run"] = {"direct": figures(out, "mixed-direct"),
+                               "front": figures(out, "mixed-front")}
 
 
 def summarize(result: dict) -> None:
@@ -277,7 +286,7 @@ def markdown(result: dict) -> str:
         lines.append(f"- overhead ({kind}): {o['per_request_ms']} ms per request "
                      f"(target <= 3: {o['meets_3ms_per_request']}), {o['per_token_ms']} ms per "
                      f"token (target <= 0.2: {o['meets_0.2ms_per_token']})")
-        if o.get("direct_runs_differ_by_ms"):
+        if (o.get("direct_runs_differ_by_ms") or {}).get("per_request") is not None:
             d = o["direct_runs_differ_by_ms"]
             lines.append(f"  (the direct runs alone differ by {d['per_request']} ms per request "
                          f"and {d['per_token']} ms per token: smaller differences are noise)")
