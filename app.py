@@ -15,6 +15,9 @@ import socket
 import sys
 from pathlib import Path
 
+from model_utils.backends.flags import add_backend_flags, check_backend_flags, remote_engine
+from model_utils.backends.urls import redact
+
 log = logging.getLogger("app")
 
 LOOPBACK_NAMES = {"localhost"}
@@ -66,6 +69,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    choices=("default", "max-autotune-no-cudagraphs"),
                    help="torch.compile mode of the GPU decode step; the autotuned one loads "
                         "about a minute slower and decodes one stream ~4 %% faster")
+    add_backend_flags(p)
     return p.parse_args(argv)
 
 
@@ -141,8 +145,11 @@ def main(argv: list[str] | None = None) -> int:
     check_exposure(args, logins, _parser_error)
     if not 0 <= args.shutdown_grace <= 3600:  # also refuses nan
         _parser_error(f"--shutdown-grace must be between 0 and 3600 s, got {args.shutdown_grace}")
+    check_backend_flags(args, _parser_error)
     setup_logging(args.log_file)
-    config = {k: v for k, v in vars(args).items() if k not in ("auth", "auth_file")}
+    config = {k: v for k, v in vars(args).items() if k not in ("auth", "auth_file",
+                                                                 "backend_key")}
+    config["backend"] = args.backend and redact(args.backend)  # no user:password@ in the log
     config["logins"] = [user for user, _ in logins]  # user names only, never passwords
     log.info("starting with %s", config)
 
@@ -159,16 +166,19 @@ def main(argv: list[str] | None = None) -> int:
     from model_utils.manager import freeze_long_lived
 
     try:
-        engine = Engine(models_dir=args.models_dir, trust_remote_code=args.trust_remote_code,
-                        log_prompts=args.log_prompts, max_batch=args.max_batch,
-                        max_queue=args.max_queue, compile_mode=args.compile_mode)
+        engine = remote_engine(args) if args.backend else Engine(
+            models_dir=args.models_dir, trust_remote_code=args.trust_remote_code,
+            log_prompts=args.log_prompts, max_batch=args.max_batch,
+            max_queue=args.max_queue, compile_mode=args.compile_mode)
     except ValueError as error:  # --max-batch / --max-queue out of range
         _parser_error(str(error))
-    if args.model.startswith(("/", ".", "~")) or Path(args.model).expanduser().is_dir():
+    if not args.backend and (args.model.startswith(("/", ".", "~"))
+                             or Path(args.model).expanduser().is_dir()):
         # The operator named this folder on the command line: it may be loaded from the UI too.
         engine.registry.allow_root(args.model)
     info = ui.AppInfo()
-    load_initial_model(engine, args, info)
+    if not args.backend:  # a model server's models are loaded there
+        load_initial_model(engine, args, info)
     engine.start_memory_sampler()  # one history for every page, however many are open
 
     demo = ui.build(engine, admin=args.admin, info=info, logout=bool(logins))

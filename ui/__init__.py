@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 
 import gradio as gr
 
+from model_utils.backends.remote import RemoteEngine
 from model_utils.engine import Engine
 
 from .api import register_api
@@ -25,6 +26,11 @@ from .memory_panel import build_memory_panel
 from .model_actions import headline
 from .model_panel import build_model_panel
 from .openai_api import register_openai_api
+from .remote_panel import (
+    build_remote_bench_panel,
+    build_remote_memory_panel,
+    build_remote_model_panel,
+)
 
 # An extra tab: (title, builder). The builder runs inside the tab and gets the engine.
 PanelBuilder = Callable[[Engine], dict]
@@ -46,6 +52,7 @@ def build(engine: Engine, *, admin: str | None = None, info: AppInfo | None = No
     `extra_panels`: more tabs, e.g. [("Profiler", build_profiler_panel)].
     `logout`: logins are on, so the header offers a Log out link (gradio's /logout)."""
     info = info or AppInfo()
+    remote = isinstance(engine, RemoteEngine)  # a model server's: its own tabs (remote_panel)
     with gr.Blocks(title=APP_NAME, analytics_enabled=False) as demo:
         status = gr.State(engine.status())
         with gr.Row(equal_height=True):
@@ -60,11 +67,20 @@ def build(engine: Engine, *, admin: str | None = None, info: AppInfo | None = No
             with gr.Tab("Chat", id="chat"):
                 build_chat_panel(engine, demo=demo, status=status)
             with gr.Tab("Model", id="model"):
-                build_model_panel(engine, demo=demo, status=status, admin=admin, info=info)
+                if remote:
+                    build_remote_model_panel(engine, status=status)
+                else:
+                    build_model_panel(engine, demo=demo, status=status, admin=admin, info=info)
             with gr.Tab("Memory", id="memory"):
-                build_memory_panel(engine)
+                if remote:
+                    build_remote_memory_panel(engine)
+                else:
+                    build_memory_panel(engine)
             with gr.Tab("Benchmark", id="benchmark"):
-                build_bench_panel(engine, demo=demo, admin=admin)
+                if remote:
+                    build_remote_bench_panel(engine)
+                else:
+                    build_bench_panel(engine, demo=demo, admin=admin)
             # Further panels are passed in by the caller.
             for title, builder in extra_panels:
                 with gr.Tab(title):

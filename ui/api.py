@@ -115,11 +115,12 @@ def register_api(engine: Engine, *, admin: str | None = None) -> None:
 
     @plain_errors
     def status(request: gr.Request = None) -> dict:
-        """What is loaded: model, mode, placement, device_map, footprint_gb, load_s, ...
+        """What is loaded: model, mode, placement, device_map, footprint_gb, load_s, ...,
+        and queue: {active, waiting, max_batch, max_queue} (None without a model).
         model_path is relative to the models folder for users other than the admin."""
         return {**status_for(engine.status(), full_paths=full_paths(request),
                              models_dir=models_dir),
-                "supports_thinking": engine.supports_thinking()}
+                "supports_thinking": engine.supports_thinking(), "queue": engine.queue_status()}
 
     @plain_errors
     def memory(request: gr.Request = None) -> dict:

@@ -18,6 +18,7 @@ from pathlib import Path
 import gradio as gr
 from pydantic import ValidationError
 
+from model_utils.backends.errors import BackendError
 from model_utils.chat import ChatInputError
 from model_utils.generation import InvalidParameter
 from model_utils.manager import LoadError, ModelBusy
@@ -34,9 +35,10 @@ class ClientError(Exception):
     """An answer for the client: HTTP status, a plain message, the field it is about."""
 
     def __init__(self, status: int, message: str, *, param: str | None = None,
-                 kind: str | None = None):
+                 kind: str | None = None, retry_after: str | None = None):
         super().__init__(message)
         self.status, self.message, self.param = status, message, param
+        self.retry_after = retry_after  # passed on from a model server (backends.errors)
         self.kind = kind or {401: "authentication_error", 403: "permission_error",
                              503: "server_busy"}.get(status, "invalid_request_error"
                                                      if status < 500 else "server_error")
@@ -46,6 +48,9 @@ def client_error(error: BaseException, *, context: str = "request") -> ClientErr
     """The one mapping. `context` names what failed, for the log line of a bug."""
     if isinstance(error, ClientError):
         return error
+    if isinstance(error, BackendError):  # a model server's refusal or failure, passed on
+        return ClientError(error.http_status, str(error), kind=error.kind,
+                           retry_after=error.retry_after)
     if isinstance(error, ValidationError):
         return ClientError(400, describe_validation(error), param=_first_field(error))
     if isinstance(error, ModelBusy):  # batching.QueueFull and a shutting-down engine too

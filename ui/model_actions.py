@@ -80,7 +80,7 @@ def unload(engine: Engine, *, admin: str | None, who: gr.Request | None) -> dict
     log.info("unload requested by %s", _user(who))
     try:
         return engine.unload()
-    except ModelBusy as error:
+    except (LoadError, ModelBusy) as error:  # LoadError: a model server's models stay there
         raise user_error(str(error)) from error
 
 
@@ -141,6 +141,9 @@ def unload_message(status: dict) -> str:
 
 def headline(status: dict) -> str:
     """One line for the page header: what is serving right now."""
+    if not status.get("loaded") and status.get("remote"):  # in front of a model server
+        why = "is down" if not status["health"]["ok"] else f"does not serve {status['model']}"
+        return f"**Serving:** nothing now: the model server {status['backend_url']} {why}"
     if not status.get("loaded"):
         return "**Serving:** no model loaded"
     return (f"**Serving:** {status['model']} · {status['mode']} · {status['placement']}")

@@ -55,8 +55,9 @@ def error_body(error: ClientError) -> dict:
 
 def error_response(error: ClientError) -> JSONResponse:
     headers = {}
-    if error.status == 503:
-        headers["Retry-After"] = "1"
+    retry_after = error.retry_after or ("1" if error.status == 503 else None)
+    if retry_after:
+        headers["Retry-After"] = retry_after
     if error.status == 401:
         headers["WWW-Authenticate"] = REALM
     return JSONResponse(error_body(error), status_code=error.status, headers=headers)
@@ -128,6 +129,9 @@ def register_openai_api(app: FastAPI | APIRouter, engine: Engine,
         finally:
             call.stop.set()
             updates.close()
+        if final.stats is not None and final.stats.finish_reason == "error":
+            # A model server that failed mid-reply: not a complete answer.
+            return error_response(ClientError(502, final.notice, kind="backend_error"))
         return completion(call, model, final)
 
     app.add_api_route("/v1/models", models, methods=["GET"])
@@ -253,6 +257,10 @@ async def stream_events(call: ChatCall, model: str, first: ChatUpdate,
                     sent[field] = text
             if delta:
                 yield chunk(delta)
+            if update.done and update.stats.finish_reason == "error":
+                # A model server that failed mid-reply: reported in band, as other failures.
+                yield event(error_body(ClientError(502, update.notice, kind="backend_error")))
+                break
             if update.done:
                 yield chunk({}, reply.finish_reason(update))
                 if call.include_usage:

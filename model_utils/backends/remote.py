@@ -1,0 +1,304 @@
+"""RemoteEngine: the engine surface (backends.ChatBackend) served by an OpenAI-compatible
+model server elsewhere: vLLM, SGLang, TGI, Ollama, Ray Serve, or another instance of this app.
+
+Nothing is loaded here. Models, modes, placements and GPU memory are the server's business, so
+load/unload/estimate say so; the model list comes from its /models (checked periodically, see
+health.py); each reply streams through its /chat/completions with the user's settings, and
+ends (closing the connection, so that the server frees the slot) on Stop.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import replace
+
+from model_utils.chat import ChatInputError, normalize_messages, split_reasoning
+from model_utils.engine import ChatUpdate
+from model_utils.generation import GenerationSettings, ReplyStats
+from model_utils.manager import LoadError
+from model_utils.memory import MemoryHistory, MemorySnapshot
+
+from . import openai_client as api
+from .errors import EXTENSIONS, BackendBusy, BackendError, BackendRejected, BackendUnavailable
+from .health import HealthMonitor
+
+log = logging.getLogger(__name__)
+
+NOT_HERE = ("this app is the front end of the model server at {url}: models, modes and "
+            "placements are chosen there (restart that server to change them)")
+_FINISH = {"stop": "eos", "length": "length"}  # OpenAI finish_reason -> ReplyStats'
+UNBOUNDED_CONTEXT = 1 << 20  # max_tokens bound when the server does not say its context
+
+
+class RemoteEngine:
+    """`model`: which of the server's models replies (default: the first it lists)."""
+
+    def __init__(self, config: api.ServerConfig, *, model: str | None = None,
+                 max_batch: int = 8, max_queue: int = 64, log_prompts: bool = False,
+                 health_interval_s: float = 10.0, health_retry_s: float = 3.0,
+                 start_health: bool = True):
+        self.config = config
+        self.url = config.shown_url
+        self.wanted_model = model
+        # Replies in flight to the server at once; one more is refused as busy.
+        self.max_batch, self.max_queue = max_batch, max_queue
+        self.log_prompts = log_prompts
+        self.memory = MemoryHistory()  # this host's memory (the memory endpoint still answers)
+        self.client = api.make_client(config, connections=max_batch + max_queue + 2)
+        self.monitor = HealthMonitor(lambda: api.list_models(self.client, config),
+                                     name=self.url, interval_s=health_interval_s,
+                                     retry_s=health_retry_s)
+        self._lock = threading.Lock()
+        self._in_flight = 0
+        # Extensions the server refused once: left out of later requests, with a notice.
+        self.refused: set[str] = set()
+        if start_health:
+            self.monitor.check_now()  # the first status already says up or down
+            self.monitor.start()
+
+    def close(self) -> None:
+        self.monitor.close()
+        self.client.close()
+
+    # -- what serves ----------------------------------------------------------------------------
+    def _model_entry(self, models: tuple[dict, ...]) -> dict | None:
+        if self.wanted_model:
+            return next((m for m in models if m["id"] == self.wanted_model), None)
+        return models[0] if models else None
+
+    def status(self) -> dict:
+        health = self.monitor.health
+        entry = self._model_entry(health.models)
+        status = {
+            "loaded": health.ok and entry is not None,
+            "remote": True,
+            "backend_url": self.url,
+            "model": entry["id"] if entry else (self.wanted_model or ""),
+            "models": [m["id"] for m in health.models],
+            "mode": "remote",
+            "placement": self.url,
+            "is_demo": False,
+            "context_tokens": (entry or {}).get("max_model_len"),
+            "decode_path": "remote",
+            "health": health.as_dict(),
+            "refused_extensions": sorted(self.refused),
+        }
+        if health.ok and entry is None:
+            status["health"]["error"] = (
+                f"the model server does not serve {self.wanted_model!r}; it serves "
+                f"{', '.join(status['models']) or 'no models'}")
+        return status
+
+    def queue_status(self) -> dict:
+        """Replies this app has in flight to the server (its own queue is the server's)."""
+        with self._lock:
+            return {"active": self._in_flight, "waiting": 0, "max_batch": self.max_batch,
+                    "max_queue": self.max_queue}
+
+    def memory_snapshot(self) -> MemorySnapshot:
+        return replace(self.memory.record(), note=(
+            f"the model runs on the model server ({self.url}): its GPU memory is the "
+            "server's business. These figures are this front end's host."))
+
+    def supports_thinking(self) -> bool:
+        # The switch is passed on as chat_template_kwargs.enable_thinking; templates without
+        # it ignore the value. Hidden once the server refused that field.
+        return "chat_template_kwargs" not in self.refused
+
+    def default_settings(self) -> GenerationSettings:
+        """All None: the server applies the model's own defaults to what is not sent."""
+        return GenerationSettings()
+
+    # -- what cannot be done here ---------------------------------------------------------------
+    def load(self, request, progress=None) -> dict:
+        raise LoadError(NOT_HERE.format(url="its model server"))
+
+    def unload(self) -> dict:
+        raise LoadError(NOT_HERE.format(url="its model server"))
+
+    def estimate(self, request):
+        raise LoadError(NOT_HERE.format(url="its model server"))
+
+    # -- chat -----------------------------------------------------------------------------------
+    def _current_model(self) -> tuple[str, int]:
+        """(model id, context tokens) to send to; asks the server when no check has yet
+        found it up (down at start, say), so a reply does not wait for the next check."""
+        health = self.monitor.health
+        entry = self._model_entry(health.models)
+        if entry is None:
+            health = self.monitor.check_now()
+            if not health.ok:
+                raise BackendUnavailable(f"the model server is not reachable: {health.error}")
+            entry = self._model_entry(health.models)
+            if entry is None:
+                raise BackendError(self.status()["health"]["error"] or
+                                   "the model server serves no models", http_status=503)
+        return entry["id"], int(entry.get("max_model_len") or UNBOUNDED_CONTEXT)
+
+    def chat(self, messages: list[dict], settings: GenerationSettings | None = None, *,
+             system_prompt: str | None = None, thinking: bool = True,
+             stop: threading.Event | None = None) -> Iterator[ChatUpdate]:
+        """Stream one reply from the server. Refusals before the first token raise (a
+        BackendError with the HTTP status to answer); a failure after it ends the reply with
+        a notice (finish_reason "error"), keeping what arrived."""
+        stop = stop or threading.Event()
+        settings = settings or GenerationSettings()
+        wire = [{"role": m["role"], "content": m["content"]}  # earlier reasoning is not sent
+                for m in normalize_messages(messages, system_prompt)]
+        if not wire or wire[-1]["role"] != "user":
+            raise ChatInputError("the conversation must end with a user message")
+        model, context = self._current_model()
+        _validated(settings, context)
+        options = _options(settings)
+        with self._lock:
+            if self._in_flight >= self.max_batch + self.max_queue:
+                raise BackendBusy(f"{self._in_flight} replies are already in flight to the "
+                                  "model server: try again shortly", retry_after="1",
+                                  http_status=503)
+            self._in_flight += 1
+        stats = ReplyStats(decode_path="remote")
+        try:
+            yield from self._reply(model, wire, options, thinking, stop, stats)
+        finally:
+            stop.set()
+            with self._lock:
+                self._in_flight -= 1
+            log.info("reply: model=%s via %s, %d in / %d out, ttft %.1f ms, %.2f tok/s, "
+                     "finish=%s", model, self.url, stats.prompt_tokens, stats.new_tokens,
+                     stats.ttft_ms, stats.tok_s, stats.finish_reason or "abandoned")
+
+    def _reply(self, model, wire, options, thinking, stop, stats) -> Iterator[ChatUpdate]:
+        start = time.perf_counter()
+        deadline = time.monotonic() + self.config.reply_timeout_s
+        notice = self._refused_notice(options)
+        reasoning, content, parsed_reasoning = "", "", False
+        first_at = last_at = None
+        pieces, finish, usage = 0, "", None
+        chunks = self._chunks(model, wire, options, thinking, stop, deadline)
+        try:
+            for event in chunks:
+                if isinstance(event, str):  # the notice of a retry without the extensions
+                    notice = event
+                    continue
+                usage = event.get("usage") or usage
+                for choice in event.get("choices") or ():
+                    delta = choice.get("delta") or {}
+                    # vLLM and SGLang send Qwen3's thinking as reasoning_content (newer vLLM
+                    # as reasoning); a server that does not parse it leaves <think> in content.
+                    more = delta.get("reasoning_content") or delta.get("reasoning") or ""
+                    text = delta.get("content") or ""
+                    parsed_reasoning |= bool(more)
+                    reasoning += more
+                    content += text
+                    finish = choice.get("finish_reason") or finish
+                    if more or text:
+                        last_at = time.perf_counter()
+                        if first_at is None:
+                            first_at = last_at
+                            stats.ttft_ms = (first_at - start) * 1000
+                            if not self.monitor.health.ok:  # back before the check saw it
+                                self.monitor.record(ok=True)
+                        pieces += 1
+                        yield ChatUpdate(*_split(reasoning, content, parsed_reasoning),
+                                         notice=notice)
+        except BackendError as error:
+            if first_at is None:
+                raise  # nothing shown yet: the caller answers with the error itself
+            log.warning("reply from %s cut short: %s", self.url, error)
+            finish = "error"
+            notice = _join(notice, f"The reply was cut short: {error}.")
+            if isinstance(error, BackendUnavailable):
+                self.monitor.record(ok=False, error=str(error))
+        finally:
+            chunks.close()  # closes the connection: the server ends the reply and frees it
+        if not finish and not stop.is_set():
+            finish = "error"
+            notice = _join(notice, "The model server ended the reply without finishing it.")
+        stats.stopped = stop.is_set() and finish != "error" and not _FINISH.get(finish)
+        stats.finish_reason = "stop" if stats.stopped else _FINISH.get(finish, finish)
+        stats.prompt_tokens = int((usage or {}).get("prompt_tokens") or 0)
+        # The server's count when it sent one (not for a stopped reply: the connection closed
+        # first); else the pieces received, one per token from vLLM and SGLang.
+        stats.new_tokens = int((usage or {}).get("completion_tokens") or pieces)
+        if first_at is not None and last_at > first_at:
+            stats.tok_s = max(stats.new_tokens - 1, 1) / (last_at - first_at)
+        stats.total_s = time.perf_counter() - start
+        if self.log_prompts:
+            log.info("reply text: %r", content)
+        yield ChatUpdate(*_split(reasoning, content, parsed_reasoning), done=True,
+                         stats=stats, notice=notice)
+
+    def _chunks(self, model, wire, options, thinking, stop, deadline):
+        """The server's events. A 400 naming extensions it was sent is retried once without
+        them (a str is yielded first: the notice to show); they are not sent again."""
+        if self.log_prompts:
+            log.info("prompt to %s: %r", self.url, wire)
+        leave_out = set(self.refused)
+        for attempt in (1, 2):
+            body = api.request_body(model, wire, options, thinking, leave_out=leave_out)
+            try:
+                yield from api.stream_chunks(self.client, self.config, body, stop, deadline)
+                return
+            except BackendRejected as error:
+                named = set(error.extensions) & (set(body) & set(EXTENSIONS))
+                if attempt == 2 or not named:
+                    raise
+                log.warning("model server %s refused %s: retrying without (%s)", self.url,
+                            ", ".join(sorted(named)), error)
+                self.refused |= named
+                leave_out |= named
+                yield self._refused_notice(options)
+            except BackendUnavailable as error:
+                self.monitor.record(ok=False, error=str(error))
+                raise
+
+    def _refused_notice(self, options: dict) -> str:
+        dropped = sorted(self.refused & {*options, "chat_template_kwargs"})
+        if not dropped:
+            return ""
+        names = ", ".join("enable_thinking" if d == "chat_template_kwargs" else d
+                          for d in dropped)
+        return f"The model server does not take {names}: sent without."
+
+    def generate_text(self, messages: list[dict], settings: GenerationSettings | None = None,
+                      **kwargs) -> ChatUpdate:
+        final = None
+        for final in self.chat(messages, settings, **kwargs):
+            pass
+        return final
+
+
+def _validated(settings: GenerationSettings, context: int) -> None:
+    """The same checks as the local engine, on the values the user set (InvalidParameter)."""
+    filled = GenerationSettings(
+        **{k: v if v is not None else d for k, v, d in (
+            ("max_new_tokens", settings.max_new_tokens, 1),
+            ("temperature", settings.temperature, 1.0), ("top_p", settings.top_p, 1.0),
+            ("top_k", settings.top_k, 0),
+            ("repetition_penalty", settings.repetition_penalty, 1.0))},
+        seed=settings.seed)
+    filled.validate(context_tokens=context)
+
+
+def _options(settings: GenerationSettings) -> dict:
+    """The settings the user gave, by their OpenAI names; unset ones are the server's."""
+    out = {"max_tokens": settings.max_new_tokens, "temperature": settings.temperature,
+           "top_p": settings.top_p, "seed": settings.seed}
+    if settings.top_k:  # 0 = off: nothing to ask for
+        out["top_k"] = settings.top_k
+    if settings.repetition_penalty not in (None, 1.0):
+        out["repetition_penalty"] = settings.repetition_penalty
+    return {k: v for k, v in out.items() if v is not None}
+
+
+def _split(reasoning: str, content: str, parsed: bool) -> tuple[str, str]:
+    if parsed:
+        return reasoning.strip("\n"), content.lstrip("\n")
+    return split_reasoning(content)
+
+
+def _join(*notices: str) -> str:
+    return " ".join(n for n in notices if n)
