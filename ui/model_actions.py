@@ -10,7 +10,7 @@ from collections.abc import Callable
 import gradio as gr
 
 from model_utils.engine import Engine
-from model_utils.manager import LoadRequest, ModelBusy
+from model_utils.manager import LoadError, LoadRequest, ModelBusy
 from model_utils.modes import MODES
 from model_utils.placement import Placement, available_placements
 
