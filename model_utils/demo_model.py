@@ -95,6 +95,8 @@ def _build(folder: Path) -> None:
     """Initialise the tiny model, then train it on the demo conversations into `folder`."""
     import time
 
+    import torch
+
     from .finetune.data import read_conversations, tokenize_conversations
     from .finetune.train import TrainConfig, run
 
@@ -111,10 +113,17 @@ def _build(folder: Path) -> None:
     config = TrainConfig(model_path=str(base), model_name="demo (initialised)",
                          data=str(demo_data_file()), out=str(folder), method="full",
                          steps=TRAIN_STEPS, batch_size=TRAIN_BATCH, lr=TRAIN_LR,
-                         warmup_steps=10, seed=SEED, packing=True, cpu=True,
+                         warmup_steps=10, seed=SEED, cpu=True,
                          handle_signals=False, progress=sys.stderr.isatty(),
                          extra_manifest={"demo_version": DEMO_VERSION})
-    result = run(config, examples, tokenizer)
+    # One thread: the matmuls of a 128-wide model are too small to gain from a second one,
+    # and on a busy machine two threads that wait on each other ran 10x slower (measured).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        result = run(config, examples, tokenizer)
+    finally:
+        torch.set_num_threads(threads)
     shutil.rmtree(base, ignore_errors=True)
     print(f"built the demo model in {time.perf_counter() - start:.0f} s (loss "
           f"{result.losses[0]:.2f} -> {result.final_loss:.3f})", file=sys.stderr, flush=True)

@@ -22,6 +22,7 @@ from .memory_panel import build_memory_panel
 from .model_actions import headline
 from .model_panel import build_model_panel
 from .openai_api import register_openai_api
+from .train_panel import build_train_panel
 
 # An extra tab: (title, builder). The builder runs inside the tab and gets the engine.
 PanelBuilder = Callable[[Engine], dict]
@@ -50,6 +51,8 @@ def build(engine: Engine, *, admin: str | None = None, info: AppInfo | None = No
                 build_memory_panel(engine, status=status)
             with gr.Tab("Benchmark", id="benchmark"):
                 build_bench_panel(engine)
+            with gr.Tab("Train", id="train"):
+                build_train_panel(engine, status=status, admin=admin)
             # Further panels are passed in by the caller.
             for title, builder in extra_panels:
                 with gr.Tab(title):

@@ -54,8 +54,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--save-every", type=int, default=0,
                    help="checkpoint every N steps (default: only on Ctrl-C / SIGTERM)")
     p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint")
+    p.add_argument("--stop-after", type=int, metavar="N",
+                   help="stop after N steps as Ctrl-C would (checkpoint; --resume goes on)")
     p.add_argument("--packing", action="store_true",
-                   help="pack each micro-batch into one row instead of padding")
+                   help="lay examples back to back in rows of --max-len tokens (no pads; "
+                        "--batch-size then counts rows)")
     p.add_argument("--gradient-checkpointing", action="store_true",
                    help="recompute activations in backward (less memory, ~30 %% slower)")
     p.add_argument("--mixed-precision", default="auto", choices=("auto", "no", "bf16", "fp16"),
@@ -97,6 +100,7 @@ def main(argv: list[str] | None = None) -> int:
             batch_size=args.batch_size, grad_accum=args.grad_accum, max_len=args.max_len,
             lora_r=args.lora_r, seed=args.seed, warmup_steps=args.warmup_steps,
             save_every=args.save_every, resume=args.resume, packing=args.packing,
+            stop_after=args.stop_after,
             gradient_checkpointing=args.gradient_checkpointing,
             mixed_precision=args.mixed_precision, progress=not args.no_progress)
         from transformers import AutoTokenizer
@@ -111,15 +115,15 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_INTERRUPTED
     except (DataError, MethodUnavailable, ValueError, OSError) as error:
         if args.verbose:
-            logging.exception("refused")
+            logging.getLogger(__name__).exception("refused")
         print(f"error: {_first_line(error)}", file=sys.stderr)
         return EXIT_REFUSED
     except KeyboardInterrupt:
         print("interrupted before training started", file=sys.stderr)
         return EXIT_INTERRUPTED
-    except Exception as error:  # noqa: BLE001 - one line, traceback with --verbose
+    except Exception as error:
         if args.verbose:
-            logging.exception("fine-tuning failed")
+            logging.getLogger(__name__).exception("fine-tuning failed")
         print(f"error: {type(error).__name__}: {_first_line(error)}", file=sys.stderr)
         return EXIT_ERROR
     if _is_main():
@@ -138,6 +142,10 @@ def _quiet() -> None:
     warnings.filterwarnings("ignore")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()  # "Loading weights" bars: the training bar is the one
 
 
 def _first_line(error: BaseException) -> str:

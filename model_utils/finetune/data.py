@@ -30,6 +30,8 @@ class DataError(ValueError):
 class Example:
     input_ids: list[int]
     labels: list[int]  # IGNORE on prompt tokens
+    # Packed rows only: position ids restarting at each example the row holds.
+    positions: list[int] | None = None
 
     @property
     def trained_tokens(self) -> int:
@@ -167,14 +169,33 @@ def pad_batch(examples: list[Example], pad_id: int) -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "labels": labels, "attention_mask": mask}
 
 
+def pack_examples(examples: list[Example], *, max_len: int, seed: int) -> list[Example]:
+    """Examples (in a seeded order) laid back to back in rows of at most max_len tokens, each
+    row's position ids restarting at every example. A batch of packed rows computes no pads
+    where a padded batch would spend the rest of each row on them."""
+    rows, ids, labels, positions = [], [], [], []
+    for index in epoch_order(len(examples), seed=seed, epoch=-1):
+        example = examples[index]
+        if ids and len(ids) + len(example.input_ids) > max_len:
+            rows.append(Example(ids, labels, positions))
+            ids, labels, positions = [], [], []
+        ids = ids + example.input_ids
+        labels = labels + example.labels
+        positions = positions + list(range(len(example.input_ids)))
+    if ids:
+        rows.append(Example(ids, labels, positions))
+    return rows
+
+
 def pack_batch(examples: list[Example], pad_id: int) -> dict[str, torch.Tensor]:
-    """All examples in one row, back to back, with position ids restarting at each one and no
-    attention mask: transformers sees the restarts (masking_utils.find_packed_sequence_indices)
-    and keeps each example from attending to the others. No pad tokens are computed."""
-    ids, labels, positions = [], [], []
-    for example in examples:
-        ids += example.input_ids
-        labels += example.labels
-        positions += list(range(len(example.input_ids)))
-    return {"input_ids": torch.tensor([ids]), "labels": torch.tensor([labels]),
-            "position_ids": torch.tensor([positions])}
+    """Packed rows, right-padded, with position ids and no attention mask: transformers sees the
+    restarts (masking_utils.find_packed_sequence_indices) and keeps each example from attending
+    to the others. The pads form one more sequence of their own, with label IGNORE."""
+    width = max(len(e.input_ids) for e in examples)
+    batch = pad_batch(examples, pad_id)
+    positions = torch.zeros((len(examples), width), dtype=torch.long)
+    for row, example in enumerate(examples):
+        own = example.positions or list(range(len(example.input_ids)))
+        positions[row, :len(own)] = torch.tensor(own)
+        positions[row, len(own):] = torch.arange(width - len(own))
+    return {"input_ids": batch["input_ids"], "labels": batch["labels"], "position_ids": positions}

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from . import checkpoint as ckpt
-from .data import Example, Schedule, file_sha256, pack_batch, pad_batch
+from .data import Example, Schedule, file_sha256, pack_batch, pack_examples, pad_batch
 from .models import METHODS, TokenLoss, count_parameters, load_for_training
 
 log = logging.getLogger(__name__)
@@ -50,6 +50,9 @@ class TrainConfig:
     mixed_precision: str = "auto"  # auto: bf16 on a GPU that has it, else none
     progress: bool = True
     keep_checkpoint: bool = False
+    cpu: bool = False  # train on the CPU even with a GPU (the demo build: same result anywhere)
+    stop_after: int | None = None  # stop as if interrupted after this many steps
+    handle_signals: bool = True  # Ctrl-C / SIGTERM save a checkpoint (off inside a server)
     extra_manifest: dict = field(default_factory=dict)
 
     def __post_init__(self):
@@ -83,12 +86,13 @@ class RunResult:
 class _StopFlag:
     """Turns SIGINT/SIGTERM into a flag the loop checks after each optimizer step."""
 
-    def __init__(self):
+    def __init__(self, enabled: bool = True):
         self.raised = False
+        self.enabled = enabled
         self._previous = {}
 
     def __enter__(self):
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        for sig in (signal.SIGINT, signal.SIGTERM) if self.enabled else ():
             try:
                 self._previous[sig] = signal.signal(sig, self._handle)
             except ValueError:  # not the main thread (the demo build in a server thread)
@@ -119,13 +123,15 @@ def run(config: TrainConfig, examples: list[Example], tokenizer) -> RunResult:
     # group (accelerate otherwise runs each one alone).
     accelerator = Accelerator(mixed_precision=_mixed_precision(config.mixed_precision),
                               gradient_accumulation_steps=config.grad_accum,
-                              cpu=not torch.cuda.is_available())
+                              cpu=config.cpu or not torch.cuda.is_available())
     main = accelerator.is_main_process
     set_seed(config.seed)  # the same initial LoRA matrices in every process and every run
     model = load_for_training(config.model_path, config.method, device=accelerator.device,
                               lora_r=config.lora_r,
                               gradient_checkpointing=config.gradient_checkpointing)
     trained, total = count_parameters(model)
+    if config.packing:  # from here on an "example" is a packed row of max_len tokens
+        examples = pack_examples(examples, max_len=config.max_len, seed=config.seed)
     schedule = Schedule(len(examples), config.batch_size, accelerator.num_processes, config.seed)
     micro_per_step = config.grad_accum
     steps = config.steps or max(1, math.ceil(
@@ -173,7 +179,8 @@ def run(config: TrainConfig, examples: list[Example], tokenizer) -> RunResult:
     started, tokens_seen, step = time.perf_counter(), 0, start_step
     loss_module.train()
     try:
-        with _StopFlag() as stop, (out / ckpt.TRAIN_LOG).open("a") as train_log:
+        with _StopFlag(config.handle_signals) as stop, \
+                (out / ckpt.TRAIN_LOG).open("a") as train_log:
             for step in range(start_step, steps):
                 step_loss = torch.zeros((), device=accelerator.device)
                 step_tokens = 0
@@ -195,8 +202,8 @@ def run(config: TrainConfig, examples: list[Example], tokenizer) -> RunResult:
                         scheduler.step()
                         optimizer.zero_grad(set_to_none=True)
                     step_loss += loss.detach() / accelerator.num_processes / micro_per_step
-                    step_tokens += int(batch["input_ids"].numel() if config.packing
-                                       else batch["attention_mask"].sum())
+                    # Tokens of the examples themselves, not the pads.
+                    step_tokens += sum(len(row.input_ids) for row in rows)
                 value = accelerator.reduce(step_loss, "sum").item()
                 tokens = int(accelerator.reduce(torch.tensor(step_tokens,
                                                              device=accelerator.device), "sum"))
@@ -214,7 +221,7 @@ def run(config: TrainConfig, examples: list[Example], tokenizer) -> RunResult:
                         bar.set_postfix(loss=f"{value:.4f}", tok_s=f"{tok_s:,.0f}")
                         bar.update(1)
                 done = step + 1
-                interrupted = _agree(accelerator, stop.raised)
+                interrupted = _agree(accelerator, stop.raised or done == config.stop_after)
                 if interrupted or (config.save_every and done % config.save_every == 0
                                    and done < steps):
                     _save(accelerator, out, loss_module, optimizer, scheduler,

@@ -44,7 +44,7 @@ def send(page, text: str) -> None:
 
 
 def test_demo_notice_is_plain(page):
-    assert "demo model (random weights): replies are noise" in page.locator(
+    assert "tiny demo model: it knows only a few hundred questions about this app" in page.locator(
         "#demo-notice").inner_text()
 
 

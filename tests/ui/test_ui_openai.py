@@ -41,7 +41,7 @@ def events(response: httpx.Response) -> list:
 def test_models_lists_the_loaded_model(http):
     body = http.get("/v1/models").json()
     assert body["object"] == "list"
-    assert [m["id"] for m in body["data"]] == ["demo model (random weights)"]
+    assert [m["id"] for m in body["data"]] == ["demo model (tiny, trained on questions about this app)"]
 
 
 def test_a_reply_equals_the_chat_endpoints_greedy_reply(http, app):
