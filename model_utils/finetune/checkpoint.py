@@ -121,5 +121,6 @@ def save_output(out: Path, *, model, tokenizer, manifest: dict) -> None:
     """The trained folder: the adapter (or full model), the tokenizer, and the manifest last
     (the registry lists a folder only once its manifest is there)."""
     model.save_pretrained(out, safe_serialization=True)
-    tokenizer.save_pretrained(out)
+    if tokenizer is not None:  # None: a benchmark on token ids
+        tokenizer.save_pretrained(out)
     write_json_atomic(out / MANIFEST, {"format": MANIFEST_FORMAT, **manifest})

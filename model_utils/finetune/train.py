@@ -119,6 +119,7 @@ def run(config: TrainConfig, examples: list[Example], tokenizer) -> RunResult:
     from transformers import get_scheduler
 
     out = Path(config.out)
+    out.mkdir(parents=True, exist_ok=True)
     # cpu=True on a machine without CUDA is what makes several launched processes form a gloo
     # group (accelerate otherwise runs each one alone).
     accelerator = Accelerator(mixed_precision=_mixed_precision(config.mixed_precision),
@@ -168,7 +169,7 @@ def run(config: TrainConfig, examples: list[Example], tokenizer) -> RunResult:
               f"{steps} steps of {schedule.global_batch * micro_per_step} examples on "
               f"{accelerator.num_processes} process(es), {accelerator.device}, "
               f"mixed precision {accelerator.mixed_precision}", flush=True)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    pad_id = getattr(tokenizer, "pad_token_id", None) or 0
     collate = pack_batch if config.packing else pad_batch
     bar = None
     if main and config.progress:
