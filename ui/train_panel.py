@@ -97,7 +97,7 @@ def _wire(c: dict, engine: Engine, runner: TrainingRunner, status: gr.State,
         progress = runner.progress()
         return _progress_text(progress), _loss_frame(progress["rows"])
 
-    def status_api():
+    def status_api() -> dict:
         return {k: v for k, v in runner.progress().items() if k != "out"}
 
     def use(current: dict, request: gr.Request):
