@@ -89,8 +89,13 @@ def run_ours(args, examples) -> dict:
 
 def run_tutorial(args, examples) -> dict:
     from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
-    from transformers import (AutoModelForCausalLM, BitsAndBytesConfig, Trainer,
-                              TrainerCallback, TrainingArguments)
+    from transformers import (
+        AutoModelForCausalLM,
+        BitsAndBytesConfig,
+        Trainer,
+        TrainerCallback,
+        TrainingArguments,
+    )
 
     cuda = torch.cuda.is_available()
     kwargs = {"dtype": torch.bfloat16 if cuda else torch.float32}

@@ -59,7 +59,7 @@ def load_for_training(path: str | Path, method: Method, *, device: torch.device,
         kwargs["device_map"] = {"": device.index or 0}
     elif method == "lora" and device.type == "cuda":
         kwargs["dtype"] = torch.bfloat16  # frozen: no master copy needed
-        kwargs["device_map"] = {"": device}  # straight to the GPU, not through CPU memory
+        kwargs["device_map"] = {"": device.index or 0}  # straight to the GPU, not via the CPU
     else:
         kwargs["dtype"] = torch.float32
     model = AutoModelForCausalLM.from_pretrained(path, **kwargs)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -118,7 +119,10 @@ class TrainingRunner:
                 raise TrainRefused(f"{request.name!r} exists already: pick another name")
             out.mkdir(parents=True, exist_ok=True)
             console = out / "console.txt"
-            argv = [sys.executable, "-m", "model_utils.finetune", "--model",
+            # nice(1): replies come first on a shared CPU (a preexec_fn is unsafe in a
+            # threaded server).
+            niced = ["nice", "-n", "10"] if shutil.which("nice") else []
+            argv = [*niced, sys.executable, "-m", "model_utils.finetune", "--model",
                     "demo" if source.is_demo else str(source.path), "--data", str(data),
                     "--out", str(out), "--method", request.method,
                     "--batch-size", str(request.batch_size), "--grad-accum",
@@ -135,7 +139,6 @@ class TrainingRunner:
                 process = subprocess.Popen(
                     argv, stdout=stream, stderr=subprocess.STDOUT,
                     cwd=Path(__file__).resolve().parents[2],
-                    preexec_fn=lambda: os.nice(10),  # noqa: PLW1509 - no threads in between
                     env={"OMP_NUM_THREADS": "1", **os.environ, "PYTHONUNBUFFERED": "1"})
             self.job = TrainJob(request, out, process, console)
             return self.job

@@ -140,7 +140,8 @@ def run(config: TrainConfig, examples: list[Example], tokenizer) -> RunResult:
     warmup = config.warmup_steps if config.warmup_steps is not None else int(0.05 * steps)
     loss_module = TokenLoss(model)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad],
-                                  lr=config.lr, weight_decay=0.0)
+                                  lr=config.lr, weight_decay=0.0,
+                                  fused=accelerator.device.type == "cuda")
     scheduler = get_scheduler("cosine", optimizer, num_warmup_steps=warmup,
                               num_training_steps=steps)
     loss_module, optimizer, scheduler = accelerator.prepare(loss_module, optimizer, scheduler)
