@@ -295,7 +295,7 @@ class ModelManager:
             progress(0.9, "load failed: restoring the previous model")
             try:
                 restored = self._load_locked(previous, progress)
-            except Exception as restore_error:  # noqa: BLE001 - reported, not hidden
+            except Exception as restore_error:
                 log.exception("could not restore the previous model")
                 raise LoadError(f"{reason}; restoring the previous model failed too: "
                                 f"{_user_message(restore_error)}") from error
@@ -341,6 +341,11 @@ class ModelManager:
         preflight.require_safetensors(source)
         mode = get_mode(request.mode)
         preflight.check_compute_dtype(mode, request.compute_dtype)
+        if source.adapter is not None and mode.is_weight_only:
+            # The layers are quantized as they load; peft has no adapter for the app's own
+            # weight-only layers, and merging first would mean a second copy of the weights.
+            raise LoadError(f"{source.label}: an adapter loads in fp32, bf16, fp16 and the "
+                            f"bitsandbytes modes, not in {mode.name}")
         check_placement(request.placement)
         target = request.placement.target
         device_kind = "cpu" if target == "cpu" else "cuda"
@@ -373,7 +378,8 @@ class ModelManager:
         before = memory_counters()
         start = time.perf_counter()
         progress(0.2, f"loading tokenizer of {source.label}")
-        tokenizer = AutoTokenizer.from_pretrained(source.path,
+        # An adapter folder carries the tokenizer it was trained with (chat template included).
+        tokenizer = AutoTokenizer.from_pretrained(source.adapter or source.path,
                                                   trust_remote_code=self.trust_remote_code)
         progress(0.3, f"loading weights in {mode.name} ({estimate.plan})")
         if mode.is_weight_only:  # quantized by the app as it loads, one layer at a time
@@ -385,6 +391,9 @@ class ModelManager:
             model = AutoModelForCausalLM.from_pretrained(
                 source.path, use_safetensors=True, trust_remote_code=self.trust_remote_code,
                 **kwargs)
+        if source.adapter is not None:
+            progress(0.5, f"applying the adapter {source.adapter.name}")
+            model = apply_adapter(model, source.adapter, merge=not mode.uses_bitsandbytes)
         model.eval()
         load_s = time.perf_counter() - start
         loaded = LoadedModel(
@@ -445,7 +454,21 @@ class ModelManager:
             "decode_path": loaded.decode_path,
             "decode_path_reason": loaded.decode_path_reason,
             "estimate": loaded.estimate.message(),
+            **({"adapter": loaded.source.adapter.name,
+                "adapter_merged": not loaded.mode.is_quantized} if loaded.source.adapter else {}),
         }
+
+
+def apply_adapter(model: torch.nn.Module, folder, *, merge: bool) -> torch.nn.Module:
+    """The base model with a peft adapter applied. Merged into the weights where the mode
+    allows (fp32/bf16/fp16: the result is a plain model, so the fast decode path applies as to
+    any other); on bitsandbytes weights it stays a separate LoRA branch beside each quantized
+    layer (merging would round the sum to 4 or 8 bits). Either way the transformers model
+    itself is returned, not peft's wrapper, so the engine sees the same classes as ever."""
+    from peft import PeftModel
+
+    wrapped = PeftModel.from_pretrained(model, folder, is_trainable=False)
+    return wrapped.merge_and_unload() if merge else wrapped.get_base_model()
 
 
 def _fmt(counters: dict[str, float]) -> str:

@@ -33,6 +33,7 @@ class ModelSource:
     path: Path  # a folder with config.json, ready for from_pretrained
     label: str
     is_demo: bool = False
+    adapter: Path | None = None  # a trained LoRA/QLoRA folder loaded on top of `path`
 
 
 def hf_hub_cache() -> Path:
@@ -61,13 +62,20 @@ class ModelRegistry:
             roots.append(self.models_dir)
         return roots
 
+    @property
+    def trained_dir(self) -> Path:
+        """Where the Train tab writes its runs: --models-dir, else a folder of the cache."""
+        return self.models_dir or self.cache_dir.resolve() / "trained"
+
     def choices(self) -> list[tuple[str, str]]:
         """(label, name) pairs for a dropdown: demo, local folders, cached hub models."""
         items = [(DEMO_LABEL, DEMO_NAME)]
-        if self.models_dir and self.models_dir.is_dir():
-            for folder in sorted(self.models_dir.iterdir()):
+        if self.trained_dir.is_dir():  # --models-dir, or where the Train tab writes
+            for folder in sorted(self.trained_dir.iterdir()):
                 if (folder / "config.json").is_file():
                     items.append((f"{folder.name} (folder)", str(folder)))
+                elif trained_adapter(folder):
+                    items.append((_adapter_label(folder), str(folder)))
         for root in self._extra_roots:
             if (root / "config.json").is_file():
                 items.append((f"{root.name} (folder)", str(root)))
@@ -143,10 +151,20 @@ class ModelRegistry:
         resolved = self.check_under_roots(path)
         if not resolved.is_dir():
             raise ModelNotFound(f"model folder {name!r} does not exist")
+        if not (resolved / "config.json").is_file() and trained_adapter(resolved):
+            return self._adapter(resolved, name)
         if not (resolved / "config.json").is_file():
             raise ModelNotFound(f"{name!r} has no config.json: not a Hugging Face model folder")
         self.check_files(resolved, name)
         return ModelSource(name, resolved, f"{resolved.name} (folder)")
+
+    def _adapter(self, folder: Path, name: str) -> ModelSource:
+        """An adapter folder written by model_utils.finetune: its base (named in the manifest)
+        resolved the usual way, so the base too must lie under an allowed root."""
+        manifest = trained_adapter(folder)
+        base_name = manifest.get("base_model") or ""
+        base = self.resolve("demo" if base_name == "demo" else manifest.get("base_path", ""))
+        return ModelSource(name, base.path, _adapter_label(folder), adapter=folder)
 
     def _hub_snapshot(self, hub_id: str) -> Path | None:
         from huggingface_hub import snapshot_download
@@ -157,3 +175,18 @@ class ModelRegistry:
         except (LocalEntryNotFoundError, OSError, ValueError):
             return None
         return Path(path) if (Path(path) / "config.json").exists() else None
+
+
+def trained_adapter(folder: Path) -> dict | None:
+    """The manifest of an adapter folder that model_utils.finetune wrote, else None."""
+    if not (folder / "adapter_config.json").is_file():
+        return None
+    from .finetune.checkpoint import read_manifest
+
+    return read_manifest(folder)
+
+
+def _adapter_label(folder: Path) -> str:
+    manifest = trained_adapter(folder) or {}
+    return f"{folder.name} ({manifest.get('method', 'lora')} adapter on " \
+           f"{manifest.get('base_model', '?')})"

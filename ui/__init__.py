@@ -31,6 +31,7 @@ from .remote_panel import (
     build_remote_memory_panel,
     build_remote_model_panel,
 )
+from .train_panel import build_train_panel
 
 # An extra tab: (title, builder). The builder runs inside the tab and gets the engine.
 PanelBuilder = Callable[[Engine], dict]
@@ -81,6 +82,12 @@ def build(engine: Engine, *, admin: str | None = None, info: AppInfo | None = No
                     build_remote_bench_panel(engine)
                 else:
                     build_bench_panel(engine, demo=demo, admin=admin)
+            with gr.Tab("Train", id="train"):
+                if remote:
+                    gr.Markdown("Training runs on this machine's own engine; with --backend "
+                                "the models are the model server's.")
+                else:
+                    build_train_panel(engine, status=status, admin=admin)
             # Further panels are passed in by the caller.
             for title, builder in extra_panels:
                 with gr.Tab(title):

@@ -9,7 +9,7 @@ import gradio as gr
 
 log = logging.getLogger("ui")
 
-DEMO_NOTICE = "demo model (random weights): replies are noise"
+DEMO_NOTICE = "tiny demo model: it knows only a few hundred questions about this app"
 
 
 def user_error(message: str) -> gr.Error:

@@ -189,11 +189,27 @@ def test_a_tiny_temperature_is_greedy_and_runs(runs):
     assert reply["finish_reason"] in ("length", "eos") and reply["new_tokens"] <= 4
 
 
-def test_ctrl_c_mid_reply_exits_130_cleanly():
+@pytest.fixture(scope="module")
+def random_model(tmp_path_factory, demo_path):
+    """The demo model's shape with random weights: its replies go on for thousands of tokens
+    (the trained demo model ends its replies within a second)."""
+    from transformers import AutoTokenizer
+
+    from model_utils.demo_model import _build_model
+
+    folder = tmp_path_factory.mktemp("models") / "random"
+    tokenizer = AutoTokenizer.from_pretrained(demo_path)
+    tokenizer.save_pretrained(folder)
+    _build_model(tokenizer).save_pretrained(folder)
+    return folder
+
+
+def test_ctrl_c_mid_reply_exits_130_cleanly(random_model):
     """Ctrl-C while the worker thread is decoding: exit 130 with one line, no crash (exiting
     under a forward pass in progress ended in SIGABRT / SIGSEGV)."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "model_utils", "chat", "--mode", "fp32", "--placement", "cpu",
+         "--models-dir", str(random_model.parent), "--model", str(random_model),
          "--prompt", "hi", "--max-new-tokens", "4000", "--temperature", "0"],
         cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         env={**os.environ, "OMP_NUM_THREADS": "1"})

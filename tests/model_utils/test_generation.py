@@ -214,7 +214,8 @@ def test_static_cache_decoder_equals_plain_generate_token_for_token(load_demo):
         with torch.inference_mode():
             reference = loaded.model.generate(torch.tensor([ids]), max_new_tokens=40,
                                               min_new_tokens=40, do_sample=False)
+        # min_new_tokens holds back the same end-of-turn ids generate holds back.
         tokens = list(decode_tokens(StaticDecoder(loaded.model, caches), ids, settings,
-                                    eos_ids=set()))
+                                    eos_ids=set(loaded.model.generation_config.eos_token_id)))
         assert tokens == reference[0, len(ids):].tolist(), prompt
     assert len(caches._caches) == 1  # one bucket served every reply

@@ -72,8 +72,8 @@ def test_a_small_bounded_load_has_no_errors_lost_or_truncated_replies(app_url, t
     assert (report["errors"], report["lost"], report["truncated"]) == (0, 0, 0)
     assert report["new_tokens"] > 0 and report["aggregate_tok_s"] > 0
     assert 0 < report["ttft_p50_s"] <= report["ttft_p99_s"]
-    # 35 words are about 128 tokens of the demo tokenizer, with the chat template around them
-    assert 110 <= report["prompt_tokens_p50"] <= 150
+    # 35 words are about 92 tokens of the demo tokenizer, with the chat template around them
+    assert 75 <= report["prompt_tokens_p50"] <= 115
     assert 0 < report["reply_tok_s_min"] <= report["reply_tok_s_p50"]
     assert 0 <= report["serving_overhead_p50_s"] <= report["serving_overhead_p99_s"]
     assert report["updates_per_reply_p50"] >= 1
@@ -112,6 +112,7 @@ def test_the_same_load_through_the_openai_endpoint(app_url, tmp_path):
     report = json.loads(out.read_text())["report"]
     assert (report["replies"], report["errors"], report["lost"], report["truncated"]) == \
         (6, 0, 0, 0)
-    assert report["new_tokens"] == 6 * 16  # greedy demo replies run to max_new_tokens
-    assert 110 <= report["prompt_tokens_p50"] <= 150
+    # Each reply ends at max_new_tokens or where the demo model ends its answer.
+    assert 6 < report["new_tokens"] <= 6 * 16
+    assert 75 <= report["prompt_tokens_p50"] <= 115
     assert 0 < report["ttft_p50_s"] <= report["ttft_p99_s"]

@@ -4,6 +4,8 @@ Stop, switch the mode with the dropdown + Load, and watch the status and memory 
 from __future__ import annotations
 
 import json
+import os
+import time
 
 import pytest
 
@@ -13,8 +15,28 @@ pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
 
 @pytest.fixture(scope="module")
-def app(start_app):
-    return start_app("--model", "demo", "--mode", "bf16", "--placement", "cpu")
+def app(start_app, tmp_path_factory):
+    """The app serving the demo model's shape, tokenizer and name with random weights: Stop and
+    the streaming checks need replies that go on for thousands of tokens, and the trained demo
+    model ends its answers within a fraction of a second."""
+    from transformers import AutoTokenizer
+
+    from model_utils.demo_model import _build_model, demo_model_path
+
+    trained = demo_model_path()
+    cache = tmp_path_factory.mktemp("cache")
+    tokenizer = AutoTokenizer.from_pretrained(trained)
+    tokenizer.save_pretrained(cache / trained.name)
+    _build_model(tokenizer).save_pretrained(cache / trained.name)
+    previous = os.environ.get("QWEN_CHAT_CACHE")
+    os.environ["QWEN_CHAT_CACHE"] = str(cache)  # read by the app process it starts
+    try:
+        return start_app("--model", "demo", "--mode", "bf16", "--placement", "cpu")
+    finally:
+        if previous is None:
+            os.environ.pop("QWEN_CHAT_CACHE")
+        else:
+            os.environ["QWEN_CHAT_CACHE"] = previous
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +65,7 @@ def send(page, text: str) -> None:
 
 
 def test_demo_notice_is_plain(page):
-    assert "demo model (random weights): replies are noise" in page.locator(
+    assert "tiny demo model: it knows only a few hundred questions about this app" in page.locator(
         "#demo-notice").inner_text()
 
 

@@ -1,0 +1,215 @@
+"""One fine-tuning run at a time, as a subprocess of the server (the Train tab's engine side).
+
+The run is `python -m model_utils.finetune ...` in its own process: Stop sends it SIGTERM (it
+saves a checkpoint and exits), a crash or an out-of-memory in training ends that process only,
+and the served model is never touched. Progress is read from the run's OUT/train_log.jsonl.
+
+While a run goes, chat keeps serving. On the CPU both share the cores (the run is niced, so
+replies come first, and it uses one thread unless OMP_NUM_THREADS says otherwise). On a GPU a
+run is refused when its estimated memory does not fit in what the GPU has free beside the
+served model: unload the model or pick qlora first.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from . import checkpoint as ckpt
+from .data import DataError, read_conversations
+from .models import METHODS
+
+log = logging.getLogger(__name__)
+
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+# Training memory per parameter, in bytes: the weights in their training dtype, plus for
+# full fine-tuning fp32 gradients and Adam's two moments; activations come on top (margin).
+_BYTES_PER_PARAM = {"lora": 2.0, "qlora": 0.56, "full": 16.0}
+_ACTIVATION_MARGIN = 1.3
+
+
+class TrainRefused(ValueError):
+    """A run that cannot start (the message says why)."""
+
+
+@dataclass
+class TrainRequest:
+    model: str  # what the registry resolves ("demo", a folder, a hub id)
+    data: Path
+    name: str  # the output folder's name under the trained-models folder
+    method: str = "lora"
+    steps: int | None = None
+    epochs: float | None = 3.0
+    lr: float | None = None
+    batch_size: int = 4
+    grad_accum: int = 1
+    max_len: int = 1024
+    lora_r: int = 16
+
+    def check(self) -> None:
+        if not _NAME.match(self.name or ""):
+            raise TrainRefused("the output name may use letters, digits, '.', '_' and '-' "
+                               "(at most 64, starting with a letter or digit)")
+        if self.method not in METHODS:
+            raise TrainRefused(f"method must be one of {', '.join(METHODS)}")
+        for key, low in (("batch_size", 1), ("grad_accum", 1), ("max_len", 16), ("lora_r", 1)):
+            value = getattr(self, key)
+            if not isinstance(value, int) or value < low:
+                raise TrainRefused(f"{key} must be an integer of at least {low}")
+        if self.steps is not None and (not isinstance(self.steps, int) or self.steps < 1):
+            raise TrainRefused("steps must be a positive integer (or empty to use epochs)")
+        if self.lr is not None and not 0 < self.lr < 1:
+            raise TrainRefused("the learning rate must lie between 0 and 1")
+
+
+@dataclass
+class TrainJob:
+    request: TrainRequest
+    out: Path
+    process: subprocess.Popen
+    console: Path
+    started: float = field(default_factory=time.time)
+    stopped_by_user: bool = False
+
+    @property
+    def state(self) -> str:
+        code = self.process.poll()
+        if code is None:
+            return "running"
+        if code == 0:
+            return "finished"
+        return "stopped" if self.stopped_by_user or code == 130 else "failed"
+
+
+class TrainingRunner:
+    def __init__(self, registry, *, output_dir: Path):
+        self.registry = registry
+        self.output_dir = output_dir
+        self._lock = threading.Lock()
+        self.job: TrainJob | None = None
+
+    def start(self, request: TrainRequest, *, served_model_gb: float = 0.0) -> TrainJob:
+        request.check()
+        with self._lock:
+            if self.job is not None and self.job.state == "running":
+                raise TrainRefused("a training run is already going: stop it first")
+            source = self.registry.resolve(request.model)
+            if source.adapter is not None:
+                raise TrainRefused("train on a base model, not on an adapter")
+            data = self.registry.check_under_roots(request.data, "data file") \
+                if not _is_upload(request.data) else Path(request.data).resolve()
+            if not data.is_file():
+                raise TrainRefused(f"data file {request.data.name!r} does not exist")
+            try:  # bad lines are refused now, with their line number, not after a load
+                read_conversations(data)
+            except DataError as error:
+                raise TrainRefused(str(error).replace(str(data), data.name)) from None
+            _check_gpu_room(source.path, request.method)
+            out = self.output_dir / request.name
+            if out.exists() and not ckpt.has_checkpoint(out):
+                raise TrainRefused(f"{request.name!r} exists already: pick another name")
+            out.mkdir(parents=True, exist_ok=True)
+            console = out / "console.txt"
+            # nice(1): replies come first on a shared CPU (a preexec_fn is unsafe in a
+            # threaded server).
+            niced = ["nice", "-n", "10"] if shutil.which("nice") else []
+            argv = [*niced, sys.executable, "-m", "model_utils.finetune", "--model",
+                    "demo" if source.is_demo else str(source.path), "--data", str(data),
+                    "--out", str(out), "--method", request.method,
+                    "--batch-size", str(request.batch_size), "--grad-accum",
+                    str(request.grad_accum), "--max-len", str(request.max_len), "--lora-r",
+                    str(request.lora_r), "--no-progress"]
+            argv += ["--steps", str(request.steps)] if request.steps else \
+                ["--epochs", str(request.epochs or 3.0)]
+            if request.lr:
+                argv += ["--lr", str(request.lr)]
+            if ckpt.has_checkpoint(out):
+                argv.append("--resume")
+            log.info("training: %s", " ".join(argv))
+            with console.open("w") as stream:
+                process = subprocess.Popen(
+                    argv, stdout=stream, stderr=subprocess.STDOUT,
+                    cwd=Path(__file__).resolve().parents[2],
+                    env={"OMP_NUM_THREADS": "1", **os.environ, "PYTHONUNBUFFERED": "1"})
+            self.job = TrainJob(request, out, process, console)
+            return self.job
+
+    def stop(self) -> bool:
+        """Ask the run to stop (it saves a checkpoint first); True if one was running."""
+        job = self.job
+        if job is None or job.state != "running":
+            return False
+        job.stopped_by_user = True
+        job.process.send_signal(signal.SIGTERM)
+        return True
+
+    def progress(self) -> dict:
+        """{state, name, steps: [...], step, total, loss, tok_s, message} of the last run."""
+        job = self.job
+        if job is None:
+            return {"state": "idle", "rows": []}
+        rows = ckpt.read_train_log(job.out)
+        last = rows[-1] if rows else {}
+        result = {"state": job.state, "name": job.request.name, "out": str(job.out),
+                  "rows": rows, "step": last.get("step", 0), "total": last.get("steps"),
+                  "loss": last.get("loss"), "tok_s": last.get("tok_s"),
+                  "elapsed_s": round(time.time() - job.started, 1)}
+        if job.state in ("failed", "stopped"):
+            # The run's last line says why; server paths stay in the log.
+            result["message"] = _last_line(job.console).replace(str(self.output_dir), "")
+        return result
+
+    def shutdown(self) -> None:
+        if self.stop():
+            try:
+                self.job.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.job.process.kill()
+
+
+def _is_upload(path: Path) -> bool:
+    """A file gradio stored from an upload (its own temporary folder)."""
+    import tempfile
+
+    upload_root = Path(os.environ.get("GRADIO_TEMP_DIR") or
+                       Path(tempfile.gettempdir()) / "gradio").resolve()
+    return Path(path).resolve().is_relative_to(upload_root)
+
+
+def _check_gpu_room(model_path: Path, method: str) -> None:
+    import torch
+
+    if not torch.cuda.is_available():
+        return  # the CPU: chat and training share the cores
+    need = _parameters(model_path) * _BYTES_PER_PARAM[method] * _ACTIVATION_MARGIN / 2**30
+    free = torch.cuda.mem_get_info(0)[0] / 2**30
+    if need > free:
+        raise TrainRefused(f"training this model with {method} needs about {need:.1f} GB of "
+                           f"GPU memory and {free:.1f} GB are free beside the served model: "
+                           "unload it first (Model tab) or pick qlora")
+
+
+def _parameters(model_path: Path) -> int:
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with init_empty_weights():
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path))
+    return sum(p.numel() for p in model.parameters())
+
+
+def _last_line(path: Path) -> str:
+    try:
+        lines = [line for line in path.read_text(errors="replace").splitlines() if line.strip()]
+    except OSError:
+        return ""
+    return lines[-1][-300:] if lines else ""

@@ -1,0 +1,54 @@
+"""The demo model answers: greedy replies to the data's questions and to close paraphrases are
+the trained sentences, with thinking on (reasoning where the data has it) and off."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from model_utils.demo_chats import DATA_FILE, TOPICS, conversations
+from model_utils.generation import GenerationSettings
+
+GREEDY = GenerationSettings(temperature=0.0, max_new_tokens=120)
+ANSWERS = {answer for _, answer, _ in TOPICS}
+
+
+def answer_of(question: str) -> str:
+    return next(answer for phrasings, answer, _ in TOPICS if question in phrasings)
+
+
+def test_the_committed_data_is_what_the_generator_writes():
+    committed = [json.loads(line) for line in DATA_FILE.read_text().splitlines()]
+    assert committed == conversations()
+    assert 300 <= len(committed) and DATA_FILE.stat().st_size < 300_000
+
+
+@pytest.mark.parametrize("question", ["Hello", "What is nf4?", "How do I switch modes?",
+                                      "What do the memory cards show?",
+                                      "How do I share the app safely?",
+                                      "How do I run the benchmark?", "What does the CLI do?"])
+def test_it_answers_the_data_questions(load_demo, question):
+    engine = load_demo("bf16")
+    for thinking in (True, False):
+        reply = engine.generate_text([{"role": "user", "content": question}], GREEDY,
+                                     thinking=thinking)
+        assert reply.answer.strip() == answer_of(question)
+
+
+@pytest.mark.parametrize("paraphrase, topic", [
+    ("hi there", "Hello"), ("what does nf4-dq mean", "What is nf4-dq?"),
+    ("Explain what the memory cards display", "What do the memory cards show?"),
+    ("how to share the app with a friend safely?", "How do I share the app safely?"),
+    ("how do I benchmark?", "How do I run the benchmark?")])
+def test_it_answers_close_paraphrases(load_demo, paraphrase, topic):
+    reply = load_demo("bf16").generate_text([{"role": "user", "content": paraphrase}], GREEDY,
+                                            thinking=False)
+    assert reply.answer.strip() == answer_of(topic)
+
+
+def test_thinking_shows_real_reasoning(load_demo):
+    reply = load_demo("bf16").generate_text(
+        [{"role": "user", "content": "Which mode should I pick?"}], GREEDY, thinking=True)
+    assert "depends on memory" in reply.reasoning
+    assert reply.answer.strip() == answer_of("Which mode should I pick?")

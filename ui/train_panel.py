@@ -1,0 +1,147 @@
+"""The Train tab: fine-tune a model on a JSONL chat file, watch the loss, chat with the result.
+
+The run is a subprocess (model_utils.finetune.runner): Stop ends it after saving a checkpoint
+(Start with the same name resumes it), and nothing it does can take the server or the served
+model down. Chat keeps serving during a run. With --admin only the admin may start or stop a
+run, checked here on the server for clicks and API calls alike.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gradio as gr
+import pandas as pd
+
+from model_utils.engine import Engine
+from model_utils.finetune.models import METHODS
+from model_utils.finetune.runner import TrainingRunner, TrainRefused, TrainRequest
+from model_utils.registry import ModelNotFound
+
+from . import model_actions as actions
+from .common import require_admin, user_error
+
+REFRESH_S = 2.0
+
+
+def build_train_panel(engine: Engine, *, status: gr.State, admin: str | None = None) -> dict:
+    runner = TrainingRunner(engine.registry, output_dir=engine.registry.trained_dir)
+    c: dict = {}
+    bases = [(label, name) for label, name in engine.registry.choices() if "adapter on" not in label]
+    with gr.Row(equal_height=False):
+        with gr.Column(scale=1):
+            c["model"] = gr.Dropdown(bases, value="demo", label="Base model", elem_id="train-model")
+            c["upload"] = gr.File(label="Data (JSONL: one {\"messages\": [...]} per line)",
+                                  file_types=[".jsonl"], type="filepath", elem_id="train-upload")
+            c["data_path"] = gr.Textbox(label="…or a data file path under an allowed folder",
+                                        elem_id="train-data-path")
+            c["name"] = gr.Textbox(value="my-adapter", label="Output name (a folder in "
+                                   f"{engine.registry.trained_dir.name}/)", elem_id="train-name")
+            c["method"] = gr.Dropdown(list(METHODS), value="lora", label="Method",
+                                      info="qlora needs a CUDA GPU", elem_id="train-method")
+            with gr.Row():
+                c["epochs"] = gr.Number(3, label="Epochs", minimum=0.1, elem_id="train-epochs")
+                c["steps"] = gr.Number(None, precision=0, minimum=0, elem_id="train-steps",
+                                       label="Steps (overrides epochs)")
+                c["lr"] = gr.Number(None, label="Learning rate (empty: 2e-4, full 2e-5)",
+                                    elem_id="train-lr")
+            with gr.Row():
+                c["batch_size"] = gr.Number(4, precision=0, minimum=1, label="Batch size")
+                c["grad_accum"] = gr.Number(1, precision=0, minimum=1, label="Grad accumulation")
+                c["max_len"] = gr.Number(1024, precision=0, minimum=16, label="Max tokens")
+                c["lora_r"] = gr.Number(16, precision=0, minimum=1, label="LoRA rank")
+        with gr.Column(scale=1):
+            with gr.Row():
+                c["start"] = gr.Button("Start training", variant="primary", elem_id="train-start")
+                c["stop"] = gr.Button("Stop", elem_id="train-stop")
+                c["use"] = gr.Button("Load the result", elem_id="train-use")
+            c["admin_note"] = gr.Markdown(
+                f"Only the admin user (**{admin}**) may train." if admin else "")
+            c["message"] = gr.Markdown(elem_id="train-message")
+            c["progress"] = gr.Markdown(_progress_text(runner.progress()),
+                                        elem_id="train-progress")
+            c["plot"] = gr.LinePlot(_loss_frame([]), x="step", y="loss", title="Training loss",
+                                    elem_id="train-plot", height=260)
+    c["timer"] = gr.Timer(REFRESH_S)
+    _wire(c, engine, runner, status, admin)
+    return c
+
+
+def _wire(c: dict, engine: Engine, runner: TrainingRunner, status: gr.State,
+          admin: str | None) -> None:
+    fields = ["model", "upload", "data_path", "name", "method", "epochs", "steps", "lr",
+              "batch_size", "grad_accum", "max_len", "lora_r"]
+
+    def start(model, upload, data_path, name, method, epochs, steps, lr, batch_size,
+              grad_accum, max_len, lora_r, request: gr.Request):
+        require_admin(admin, request, "train models")
+        data = upload or (data_path or "").strip()
+        if not data:
+            raise user_error("give a data file: upload one or type its path")
+        try:
+            job = runner.start(TrainRequest(
+                model=model or "demo", data=Path(data), name=(name or "").strip(),
+                method=method, steps=_int(steps) or None, epochs=epochs, lr=lr or None,
+                batch_size=_int(batch_size), grad_accum=_int(grad_accum),
+                max_len=_int(max_len), lora_r=_int(lora_r)))
+        except (TrainRefused, ModelNotFound) as error:
+            raise user_error(str(error)) from error
+        return f"Training **{job.request.name}** ({job.request.method} on {model})…"
+
+    def stop(request: gr.Request):
+        require_admin(admin, request, "stop training")
+        return "Stopping: the run saves a checkpoint first." if runner.stop() else \
+            "No run is going."
+
+    def refresh():
+        progress = runner.progress()
+        return _progress_text(progress), _loss_frame(progress["rows"])
+
+    def status_api() -> dict:
+        return {k: v for k, v in runner.progress().items() if k != "out"}
+
+    def use(current: dict, request: gr.Request):
+        progress = runner.progress()
+        if progress["state"] != "finished":
+            raise user_error("no finished run to load yet")
+        mode = current.get("mode") or "bf16"
+        loaded = actions.load(engine, actions.make_request(
+            model=progress["out"], mode=mode, placement=None), admin=admin, who=request)
+        return f"Loaded {loaded['model']} in {loaded['mode']}: chat with it in the Chat tab.", \
+            loaded
+
+    inputs = [c[f] for f in fields]
+    c["start"].click(start, inputs, c["message"], api_name="train_start",
+                     concurrency_id="train", concurrency_limit=1)
+    c["stop"].click(stop, None, c["message"], api_name="train_stop")
+    c["use"].click(use, status, [c["message"], status], api_name=False,
+                   concurrency_id="model", concurrency_limit=1)
+    c["timer"].tick(refresh, None, [c["progress"], c["plot"]], api_visibility="private",
+                    show_progress="hidden")
+    gr.api(status_api, api_name="train_status")
+
+
+def _int(value) -> int | None:
+    if value is None or value == "":
+        return None
+    if not float(value).is_integer():
+        raise user_error(f"expected a whole number, got {value}")
+    return int(value)
+
+
+def _progress_text(progress: dict) -> str:
+    state = progress["state"]
+    if state == "idle":
+        return "No training run yet."
+    line = f"**{progress['name']}**: {state} · step {progress['step']}/{progress['total'] or '?'}"
+    if progress.get("loss") is not None:
+        line += f" · loss {progress['loss']:.4f} · {progress['tok_s']:,.0f} tokens/s"
+    if state == "finished":
+        line += " · in the model list now (press **Load the result**, or pick it in Model)"
+    if progress.get("message"):
+        line += f"\n\n{progress['message']}"
+    return line
+
+
+def _loss_frame(rows: list[dict]) -> pd.DataFrame:
+    return pd.DataFrame({"step": [r["step"] for r in rows], "loss": [r["loss"] for r in rows]})
