@@ -55,7 +55,10 @@ MATMUL_ROWS = 8
 
 def _matmul_attention(query, key, value, mask, scaling):
     scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
-    scores = torch.matmul(query, key.transpose(-1, -2)).float() * scaling
+    # Scores in fp32, as fused attention kernels keep them: a bf16 product rounded every score
+    # to 8 bits of mantissa before the softmax, which put this path's error against an fp32
+    # model above plain sdpa's (tests/gpu's logit error ratio).
+    scores = torch.matmul(query.float(), key.float().transpose(-1, -2)) * scaling
     if mask.dtype == torch.bool:
         scores = scores.masked_fill(~mask, float("-inf"))
     else:  # an additive float mask

@@ -138,7 +138,14 @@ def teacher_forced_plain(model, sequences: list[list[int]], prompt_len: int) -> 
 
 # -- an fp32 copy of the same weights ---------------------------------------------------------
 def dequantized_weight(module) -> torch.Tensor | None:
-    """The float weight of a bitsandbytes layer (4-bit or LLM.int8), None for other modules."""
+    """The float weight of a quantized layer (bitsandbytes 4-bit or LLM.int8, the app's
+    weight-only int4/int8), None for other modules."""
+    from .weight_only import Int4WeightOnlyLinear, Int8WeightOnlyLinear
+
+    if isinstance(module, (Int4WeightOnlyLinear, Int8WeightOnlyLinear)):
+        if getattr(module, "tinygemm", False):  # a layout only its kernel reads
+            return _probed_weight(module)
+        return module.dequantized(torch.float32)
     weight = getattr(module, "weight", None)
     kind = type(weight).__name__
     if kind == "Params4bit":
@@ -160,7 +167,9 @@ def _probed_weight(module) -> torch.Tensor:
     forward and keeps its block scales in bf16 from then on (bitsandbytes' inverse of that
     repacking is best-effort: measured, it gave another layer)."""
     dtype = getattr(module, "compute_dtype", None) or torch.bfloat16
-    eye = torch.eye(module.in_features, dtype=dtype, device=module.weight.device)
+    device = next(module.buffers(), None)
+    device = module.weight.device if device is None else device.device
+    eye = torch.eye(module.in_features, dtype=dtype, device=device)
     with torch.inference_mode():
         out = module(eye).float()
     if module.bias is not None:
@@ -196,7 +205,9 @@ def fp32_copy(model):
             params[f"{name}.weight"].copy_(weight.reshape(params[f"{name}.weight"].shape))
             owned.add(f"{name}.weight")
         elif hasattr(module, "qkv_proj") and hasattr(module, "qkv_sizes"):  # fused_qkv
-            pieces = module.qkv_proj.weight.split(module.qkv_sizes)
+            fused = dequantized_weight(module.qkv_proj)  # quantized after the fusing
+            fused = module.qkv_proj.weight if fused is None else fused
+            pieces = fused.split(module.qkv_sizes)
             for proj, piece in zip(("q_proj", "k_proj", "v_proj"), pieces):
                 params[f"{name}.{proj}.weight"].copy_(piece.float())
             owned.add(f"{name}.qkv_proj.weight")
