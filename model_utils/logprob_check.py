@@ -200,8 +200,8 @@ def fp32_copy(model):
     params = dict(reference.named_parameters())
     owned = set()
     for name, module in model.named_modules():
-        weight = dequantized_weight(module)
-        if weight is not None:
+        weight = dequantized_weight(module) if f"{name}.weight" in params else None
+        if weight is not None:  # (a fused qkv_proj has no counterpart: its parent is below)
             params[f"{name}.weight"].copy_(weight.reshape(params[f"{name}.weight"].shape))
             owned.add(f"{name}.weight")
         elif hasattr(module, "qkv_proj") and hasattr(module, "qkv_sizes"):  # fused_qkv
