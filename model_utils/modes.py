@@ -78,7 +78,10 @@ class Mode:
         if not self.compiles:
             return f"{cost}; slow on this GPU: eager path"
         kernel = {4: ", tinygemm int4 kernel", 8: ", dequantization fused into the matmul"}
-        return f"{cost}; compiled CUDA-graph path" + kernel.get(self.weight_only_bits, "")
+        # Measured (BENCHMARKS.md, weight-only section): faster than bf16 for one reply only.
+        caveat = "; many replies at once and long prompts are slower than bf16" \
+            if self.is_weight_only else ""
+        return f"{cost}; compiled CUDA-graph path" + kernel.get(self.weight_only_bits, "") + caveat
 
     @property
     def dtype(self) -> torch.dtype:
