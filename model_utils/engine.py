@@ -207,7 +207,8 @@ class Engine:
             self._status_changed()
         status = self.status()
         if report:
-            status["unloaded"] = {"model": report.model, "leftover": report.leftover}
+            status["unloaded"] = {"model": report.model, "leftover": report.leftover,
+                                  "freed": report.freed}
         return status
 
     def queue_status(self) -> dict | None:

@@ -86,6 +86,8 @@ class LoadedModel:
     batcher: object | None = None  # batching.BatchScheduler when replies are batched
     # CUDA memory after each step of getting ready to decode (memory.torch_cuda_gb), in order
     memory_stages: dict[str, dict] = field(default_factory=dict)
+    # memory_counters() just before this model was loaded: what an unload should come back to
+    memory_before_load: dict[str, float] = field(default_factory=dict)
 
     @property
     def display_name(self) -> str:
@@ -97,7 +99,22 @@ class UnloadReport:
     model: str
     before: dict[str, float]
     after: dict[str, float]
-    leftover: dict[str, float]  # what did not come back, per counter (GB)
+    # Per counter (GB), never negative: what is still held over the memory before the load
+    # (only counters over LEFTOVER_FLOOR_GB), and what the unload gave back.
+    leftover: dict[str, float]
+    freed: dict[str, float] = field(default_factory=dict)
+
+
+# Below this an unload counts as complete (the CUDA counters' rounding). Process RSS is not
+# judged: it grows by tens of MB with the imports and caches of a first load alone.
+LEFTOVER_FLOOR_GB = 0.001
+
+
+def leftover_after(baseline: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """What an unload left held, per device counter: over the memory in use before the load,
+    never negative (a counter below its baseline held nothing of the model)."""
+    held = {k: after[k] - baseline.get(k, 0.0) for k in after if k != "rss_gb"}
+    return {k: round(v, 4) for k, v in held.items() if v > LEFTOVER_FLOOR_GB}
 
 
 def memory_counters() -> dict[str, float]:
@@ -402,7 +419,7 @@ class ModelManager:
             footprint_gb=sum(stored_bytes(t) for t in [*model.parameters(),
                                                        *model.buffers()]) / GB,
             device_map=summarize_device_map(model), estimate=estimate,
-            from_pretrained_kwargs=logged_kwargs,
+            from_pretrained_kwargs=logged_kwargs, memory_before_load=before,
         )
         self._loaded = loaded
         if self.on_loaded is not None:
@@ -420,15 +437,16 @@ class ModelManager:
         if self._loaded is None:
             return None
         name = f"{self._loaded.display_name} ({self._loaded.mode.name})"
+        baseline = self._loaded.memory_before_load
         before = memory_counters()
         self._loaded = None  # the only strong reference to the model and its caches
         if self.on_unloaded is not None:
             self.on_unloaded()
         _release_freed_memory()
         after = memory_counters()
-        leftover = {k: round(after[k] - before.get(k, 0.0), 4) for k in after
-                    if k != "rss_gb" and after[k] > 0.001}
-        report = UnloadReport(name, before, after, leftover)
+        leftover = leftover_after(baseline, after)
+        freed = {k: round(max(0.0, before[k] - after.get(k, 0.0)), 4) for k in before}
+        report = UnloadReport(name, before, after, leftover, freed)
         self.last_unload = report
         log.info("unloaded %s; memory before %s after %s", name, _fmt(before), _fmt(after))
         if leftover:

@@ -136,7 +136,7 @@ def unload_message(status: dict) -> str:
     if not leftover:
         return f"Unloaded {report['model']}: all memory came back."
     held = ", ".join(f"{k} {v:.3f} GB" for k, v in leftover.items())
-    return f"Unloaded {report['model']}; still held: {held}."
+    return f"Unloaded {report['model']}; still held over what was in use before it loaded: {held}."
 
 
 def headline(status: dict) -> str:
