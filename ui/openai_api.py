@@ -129,9 +129,10 @@ def register_openai_api(app: FastAPI | APIRouter, engine: Engine,
         finally:
             call.stop.set()
             updates.close()
-        if final.stats is not None and final.stats.finish_reason == "error":
+        last = final[1]  # whole_reply: (the reply, its last update)
+        if last.stats is not None and last.stats.finish_reason == "error":
             # A model server that failed mid-reply: not a complete answer.
-            return error_response(ClientError(502, final.notice, kind="backend_error"))
+            return error_response(ClientError(502, last.notice, kind="backend_error"))
         return completion(call, model, final)
 
     app.add_api_route("/v1/models", models, methods=["GET"])

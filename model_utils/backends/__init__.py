@@ -36,6 +36,12 @@ class ChatBackend(Protocol):
         """What serves: loaded, model, mode, placement, context_tokens, is_demo, ... Cheap:
         called on every page load, reply and timer tick."""
 
+    def status_version(self) -> int:
+        """A number that changes whenever status() may have changed (polled by every page)."""
+
+    def start_memory_sampler(self, interval_s: float = 2.0) -> None:
+        """Start the one background memory sampler (app.py calls it once)."""
+
     def queue_status(self) -> dict | None:
         """{active, waiting, max_batch, max_queue}, or None when nothing can reply."""
 

@@ -92,6 +92,17 @@ class RemoteEngine:
                 f"{', '.join(status['models']) or 'no models'}")
         return status
 
+    def status_version(self) -> int:
+        """Changes when what status() says of the server changes (up or down, its models, an
+        extension refused), so every open page redraws within its poll."""
+        health = self.monitor.health
+        return hash((health.ok, health.since, tuple(m["id"] for m in health.models),
+                     tuple(sorted(self.refused))))
+
+    def start_memory_sampler(self, interval_s: float = 2.0) -> None:
+        """This host's memory, one history for every page (as the local engine keeps)."""
+        self.memory.start_sampling(interval_s)
+
     def queue_status(self) -> dict:
         """Replies this app has in flight to the server (its own queue is the server's)."""
         with self._lock:

@@ -88,6 +88,36 @@ def start_app(tmp_path_factory):
         app.stop()
 
 
+@pytest.fixture(scope="module")
+def start_random_demo(start_app, tmp_path_factory):
+    """start_random_demo(*flags): the app serving the demo model's shape, tokenizer and name
+    with random weights. Stop, shutdown and streaming checks need replies that go on for
+    thousands of tokens, and the trained demo model ends its answers within a fraction of a
+    second."""
+    from transformers import AutoTokenizer
+
+    from model_utils.demo_model import _build_model, demo_model_path
+
+    trained = demo_model_path()
+    cache = tmp_path_factory.mktemp("random-demo")
+    tokenizer = AutoTokenizer.from_pretrained(trained)
+    tokenizer.save_pretrained(cache / trained.name)
+    _build_model(tokenizer).save_pretrained(cache / trained.name)
+
+    def start(*args: str) -> RunningApp:
+        previous = os.environ.get("QWEN_CHAT_CACHE")
+        os.environ["QWEN_CHAT_CACHE"] = str(cache)  # read by the app process it starts
+        try:
+            return start_app(*args)
+        finally:
+            if previous is None:
+                os.environ.pop("QWEN_CHAT_CACHE")
+            else:
+                os.environ["QWEN_CHAT_CACHE"] = previous
+
+    return start
+
+
 @pytest.fixture(scope="session")
 def artifacts() -> Path:
     ARTIFACTS.mkdir(exist_ok=True)

@@ -23,8 +23,10 @@ WAIT_MS = 60000
 
 
 @pytest.fixture(scope="module")
-def app(start_app):
-    return start_app("--model", "demo", "--mode", "bf16", "--placement", "cpu")
+def app(start_random_demo):
+    """Random weights under the demo's name: the generating state needs a reply long enough
+    to be seen (and stopped)."""
+    return start_random_demo("--model", "demo", "--mode", "bf16", "--placement", "cpu")
 
 
 @pytest.fixture(scope="module")

@@ -30,8 +30,9 @@ def stream_v1(url: str, max_tokens: int, out: dict, key: str, started: threading
     out[key] = events
 
 
-def test_sigterm_ends_open_replies_with_an_error_and_exits_0(start_app):
-    app = start_app("--model", "demo", "--mode", "fp32", "--placement", "cpu",
+def test_sigterm_ends_open_replies_with_an_error_and_exits_0(start_random_demo):
+    # Random weights: the two long replies must still be streaming when the grace ends.
+    app = start_random_demo("--model", "demo", "--mode", "fp32", "--placement", "cpu",
                     "--shutdown-grace", "3")
     out: dict = {}
     long_started = [threading.Event() for _ in range(2)]
