@@ -63,14 +63,14 @@ def build_bench_panel(engine: Engine, *, demo: gr.Blocks | None = None,
 
     def run(prompt_tokens, new_tokens, batches, request: gr.Request):
         require_admin(admin, request, "run the benchmark")
-        try:
-            sizes = {"prompt_tokens": int(prompt_tokens), "new_tokens": int(new_tokens),
-                     "batches": tuple(sorted(int(b) for b in batches or ()))}
-        except (TypeError, ValueError) as error:
-            raise user_error("prompt tokens, new tokens and concurrent requests must be "
-                             "whole numbers") from error
-        if not sizes["batches"]:
+        sizes = {"prompt_tokens": whole_number(prompt_tokens, "prompt tokens"),
+                 "new_tokens": whole_number(new_tokens, "new tokens")}
+        if not isinstance(batches, list):
+            raise user_error("concurrent requests must be a list of whole numbers")
+        if not batches:
             raise user_error("pick at least one number of concurrent requests")
+        sizes["batches"] = tuple(sorted(whole_number(b, "concurrent requests")
+                                        for b in batches))
         try:
             rows = bench_loaded(engine, **sizes)
         except (RuntimeError, ValueError) as error:  # no model, busy, bad sizes
@@ -80,7 +80,10 @@ def build_bench_panel(engine: Engine, *, demo: gr.Blocks | None = None,
 
     c["run"].click(run, [c["prompt_tokens"], c["new_tokens"], c["batches"]],
                    [c["table"], c["full"], c["chart"], c["raw"]], api_visibility="private",
-                   concurrency_id="benchmark", concurrency_limit=1)
+                   concurrency_id="benchmark", concurrency_limit=1,
+                   # The handler reads the raw values: gradio's own checks come before the
+                   # admin's and answer a string or null with an error that has no text.
+                   preprocess=False)
     if demo is not None and admin is not None:
         def for_user(request: gr.Request):  # the button as this user may use it
             user = getattr(request, "username", None)
@@ -89,6 +92,19 @@ def build_bench_panel(engine: Engine, *, demo: gr.Blocks | None = None,
         demo.load(for_user, None, [c["run"], c["note"]], api_visibility="private",
                   show_progress="hidden")
     return c
+
+
+def whole_number(value, what: str) -> int:
+    """A size as the page sends it (a number, the checkboxes' strings), or a plain refusal:
+    12.5 tokens are not rounded to 12. The ranges are checked by bench_loaded (LOADED_LIMITS)."""
+    if isinstance(value, str) and value.isascii() and value.strip().isdigit() \
+            and len(value) <= 18:
+        value = int(value)
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise user_error(f"{what} must be a whole number (got {str(value)[:40]!r})")
+    return value
 
 
 def admin_note(admin: str | None, user: str | None) -> str:

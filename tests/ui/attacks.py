@@ -81,6 +81,24 @@ def page_handler(http: httpx.Client, api_name: str, values: dict[int, object]) -
     return Outcome("error", "the queue closed without a result")
 
 
+def by_route(http: httpx.Client, api_name: str, data: list) -> Outcome:
+    """Call a handler by name through gradio's REST route (/gradio_api/call/NAME), which
+    answers the page's private handlers too."""
+    posted = http.post(f"/gradio_api/call/{api_name}", json={"data": data})
+    if posted.status_code != 200:
+        return Outcome(posted.status_code, posted.text)
+    event = None
+    with http.stream("GET", f"/gradio_api/call/{api_name}/{posted.json()['event_id']}") as s:
+        for line in s.iter_lines():
+            if line.startswith("event:"):
+                event = line[6:].strip()
+            elif line.startswith("data:") and event == "error":
+                return Outcome("error", str((json.loads(line[5:]) or {}).get("error")))
+            elif line.startswith("data:") and event == "complete":
+                return Outcome(200, line[5:].strip()[:2000])
+    return Outcome("error", "the stream closed without a result")
+
+
 def page_login(url: str, user: str, password: str) -> httpx.Client:
     """An HTTP client holding the page's login cookie."""
     http = httpx.Client(base_url=url, timeout=300)

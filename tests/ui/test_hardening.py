@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import threading
 import time
 from dataclasses import dataclass
 
@@ -19,12 +20,14 @@ import httpx
 import pytest
 from gradio_client import Client
 
+from model_utils.bench_modes import LOADED_LIMITS
 from model_utils.demo_model import demo_model_path
 
 from .attacks import (
     PROMPT,
     Outcome,
     Victims,
+    by_route,
     named,
     page_handler,
     page_login,
@@ -86,6 +89,7 @@ class Side:
     victim_headers: dict
     log: object
     models: object = None  # the models folder (the app with logins)
+    admin_page: httpx.Client | None = None  # the page as the admin (the app with logins)
 
     def model(self) -> tuple:
         status = self.admin.predict(api_name="/status")
@@ -95,12 +99,13 @@ class Side:
 
 @pytest.fixture(scope="module")
 def side(app, models_dir):
-    page = page_login(app.url, *GUEST)
+    page, admin_page = page_login(app.url, *GUEST), page_login(app.url, *ADMIN)
     with httpx.Client(base_url=app.url, timeout=300, headers=BEARER) as http:
         yield Side(app.url, http, Client(app.url, auth=GUEST, verbose=False),
                    Client(app.url, auth=ADMIN, verbose=False), page, BEARER, app.log,
-                   models_dir)
+                   models_dir, admin_page)
     page.close()
+    admin_page.close()
 
 
 @pytest.fixture(scope="module")
@@ -219,6 +224,58 @@ NAMED = [
         for i in range(5000)]}), ("error", "at most 2000")),
 ]
 
+def bench(page: httpx.Client, prompt_tokens=8, new_tokens=8, batches=("1",)) -> Outcome:
+    """The Benchmark tab's Run button (the page's "run" handler, by fn_index), small sizes
+    unless told: the sliders' values and the checked numbers of concurrent requests."""
+    return page_handler(page, "run", {0: prompt_tokens, 1: new_tokens,
+                                      2: list(batches) if isinstance(batches, tuple)
+                                      else batches})
+
+
+ADMIN_ONLY = "only the admin user (ann) may run the benchmark; you are 'bob'"
+BENCH_GUEST = [
+    ("bench-as-guest", lambda s: bench(s.page), ("error", ADMIN_ONLY)),
+    ("bench-as-guest-with-huge-sizes", lambda s: bench(s.page, 10**5, 10**5, ["1000"]),
+     ("error", ADMIN_ONLY)),
+    ("bench-as-guest-with-a-string-size", lambda s: bench(s.page, "many"),
+     ("error", ADMIN_ONLY)),
+    ("bench-as-guest-by-route", lambda s: by_route(s.page, "run", [8, 8, ["1"]]),
+     ("error", ADMIN_ONLY)),
+]
+
+# The admin's benchmark holds the engine every chat uses: its sizes are capped
+# (LOADED_LIMITS) and each refusal names the cap or the type it wants.
+BENCH_ADMIN = [
+    ("bench-100000-new-tokens", lambda s: bench(s.admin_page, new_tokens=100_000),
+     ("error", f"new tokens must be between 1 and {LOADED_LIMITS['new_tokens']}")),
+    ("bench-100000-prompt-tokens", lambda s: bench(s.admin_page, prompt_tokens=100_000),
+     ("error", f"prompt tokens must be between 1 and {LOADED_LIMITS['prompt_tokens']}")),
+    ("bench-1000-concurrent-requests", lambda s: bench(s.admin_page, batches=["1000"]),
+     ("error", f"concurrent requests must be between 1 and {LOADED_LIMITS['batch']}")),
+    ("bench-1000-concurrent-requests-a-number", lambda s: bench(s.admin_page, batches=[1000]),
+     ("error", f"concurrent requests must be between 1 and {LOADED_LIMITS['batch']}")),
+    ("bench-negative-prompt-tokens", lambda s: bench(s.admin_page, prompt_tokens=-5),
+     ("error", f"prompt tokens must be between 1 and {LOADED_LIMITS['prompt_tokens']}")),
+    ("bench-zero-concurrent-requests", lambda s: bench(s.admin_page, batches=["0"]),
+     ("error", f"concurrent requests must be between 1 and {LOADED_LIMITS['batch']}")),
+    ("bench-non-integer-new-tokens", lambda s: bench(s.admin_page, new_tokens=12.5),
+     ("error", "new tokens must be a whole number")),
+    ("bench-non-integer-concurrent-requests", lambda s: bench(s.admin_page, batches=["1.5"]),
+     ("error", "concurrent requests must be a whole number")),
+    ("bench-prompt-tokens-a-string", lambda s: bench(s.admin_page, prompt_tokens="many"),
+     ("error", "prompt tokens must be a whole number")),
+    ("bench-new-tokens-null", lambda s: bench(s.admin_page, new_tokens=None),
+     ("error", "new tokens must be a whole number")),
+    ("bench-new-tokens-true", lambda s: bench(s.admin_page, new_tokens=True),
+     ("error", "new tokens must be a whole number")),
+    ("bench-concurrent-requests-not-a-list", lambda s: bench(s.admin_page, batches="8"),
+     ("error", "concurrent requests must be a list")),
+    ("bench-no-concurrent-requests", lambda s: bench(s.admin_page, batches=[]),
+     ("error", "pick at least one number of concurrent requests")),
+    ("bench-huge-by-route", lambda s: by_route(s.admin_page, "run", [8, 10**9, ["1"]]),
+     ("error", f"new tokens must be between 1 and {LOADED_LIMITS['new_tokens']}")),
+]
+
 ADMIN_CASES = [
     ("load-max-memory-a-list", lambda s: named(s.admin, "/load_model", "demo", "fp32", "cpu",
                                                [1, 2]), ("AppError", "max_memory_gb")),
@@ -269,8 +326,8 @@ def text_plain(side: Side) -> Outcome:
     return Outcome(response.status_code, response.json()["error"]["message"])
 
 
-CASES = [(*case, "guest") for case in V1 + NAMED] + [(*case, "admin") for case in ADMIN_CASES] \
-    + [(*case, "open") for case in OPEN]
+CASES = [(*case, "guest") for case in V1 + NAMED + BENCH_GUEST] \
+    + [(*case, "admin") for case in ADMIN_CASES + BENCH_ADMIN] + [(*case, "open") for case in OPEN]
 
 
 @pytest.mark.parametrize(("attack", "expect", "who"), [c[1:] for c in CASES],
@@ -297,6 +354,50 @@ def test_a_bad_request_is_refused_plainly_and_hurts_no_one(request, attack, expe
     assert results == {"v1": "complete", "chat": "complete"}
     assert side.model() == before  # the same model, not even loaded again
     assert "unloaded" not in side.log()[log_before:]
+    assert side.v1.get("/v1/models").status_code == 200
+
+
+# -- a benchmark beside other users' replies ---------------------------------------------------------
+# The admin's benchmark shares the engine with every chat: replies go first (it waits for a
+# quiet engine and gives way between its steps), and neither side ends with an error. Replies
+# streaming when it starts; replies arriving as it starts; replies arriving once its own
+# batched runs are logged, that is while plain generate holds the decode worker (unless the
+# benchmark has already ended: the assertions hold either way).
+@pytest.mark.parametrize("first", ["replies", "benchmark", "plain-generate"],
+                         ids=["bench-while-replies-stream", "bench-then-replies-arrive",
+                              "bench-then-replies-during-plain-generate"])
+def test_a_small_benchmark_beside_replies_completes_and_so_do_they(side, first):
+    before = side.model()
+    log_before = len(side.log())
+    done: dict = {}
+
+    def run_benchmark():
+        done["outcome"] = bench(side.admin_page, 32, 64, ["1", "4"])
+
+    benchmark = threading.Thread(target=run_benchmark, daemon=True)
+    victims = Victims(side.url, v1_headers=side.victim_headers, gradio=side.guest)
+    if first == "replies":
+        victims.start()  # both replies have their first token
+        benchmark.start()
+    else:
+        benchmark.start()
+        deadline = time.monotonic() + 300
+        while first == "plain-generate" and benchmark.is_alive() \
+                and "bench_measure: batch 4:" not in side.log()[log_before:] \
+                and time.monotonic() < deadline:
+            time.sleep(0.05)
+        victims.start(wait_for_first_token=False)
+    results = victims.finish()
+    benchmark.join(600)
+
+    assert results == {"v1": "complete", "chat": "complete"}
+    outcome = done.get("outcome")
+    assert outcome is not None, "the benchmark did not finish"
+    assert outcome.status == 200, outcome
+    assert "| fp32 | 1 |" in outcome.message and "| fp32 | 4 |" in outcome.message, outcome
+    assert side.model() == before
+    log = side.log()[log_before:]
+    assert "unloaded" not in log and "Traceback" not in log
     assert side.v1.get("/v1/models").status_code == 200
 
 
