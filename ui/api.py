@@ -25,7 +25,7 @@ from model_utils.engine import Engine
 from . import model_actions as actions
 from .common import reply_concurrency
 from .conversation import validate_history
-from .errors import api_error, shows_full_paths, status_for
+from .errors import api_error, models_dir_of, shows_full_paths, status_for
 from .replies import make_settings, paced, stats_line
 from .request_models import ChatParams, LoadParams
 
@@ -34,7 +34,7 @@ log = logging.getLogger("ui")
 
 def register_api(engine: Engine, *, admin: str | None = None) -> None:
     """Call inside the gr.Blocks context."""
-    models_dir = engine.registry.models_dir
+    models_dir = models_dir_of(engine)
 
     def full_paths(request: gr.Request | None) -> bool:
         return shows_full_paths(admin, getattr(request, "username", None))

@@ -44,6 +44,13 @@ class ClientError(Exception):
                                                      if status < 500 else "server_error")
 
 
+def models_dir_of(engine) -> Path | None:
+    """The folder paths are shown relative to; none in front of a model server (no local
+    registry, no local paths)."""
+    registry = getattr(engine, "registry", None)
+    return getattr(registry, "models_dir", None)
+
+
 def client_error(error: BaseException, *, context: str = "request") -> ClientError:
     """The one mapping. `context` names what failed, for the log line of a bug."""
     if isinstance(error, ClientError):

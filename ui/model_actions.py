@@ -15,7 +15,7 @@ from model_utils.modes import MODES
 from model_utils.placement import Placement, available_placements
 
 from .common import require_admin, user_error
-from .errors import client_error, hide_paths, shows_full_paths
+from .errors import client_error, hide_paths, models_dir_of, shows_full_paths
 
 log = logging.getLogger("ui")
 
@@ -71,7 +71,7 @@ def load(engine: Engine, request: LoadRequest, *, admin: str | None, who: gr.Req
     except Exception as error:  # LoadError, ModelBusy, or a bug (logged): a plain message
         message = client_error(error, context="load").message
         if not shows_full_paths(admin, getattr(who, "username", None)):
-            message = hide_paths(message, engine.registry.models_dir)
+            message = hide_paths(message, models_dir_of(engine))
         raise user_error(message) from error
 
 
@@ -92,7 +92,7 @@ def estimate_text(engine: Engine, request: LoadRequest, *, full_paths: bool = Tr
     except Exception as error:  # noqa: BLE001 - an unknown path etc.: say so, don't fail
         text = _first_line(error)
         return "**Cannot estimate:** " + (text if full_paths else
-                                         hide_paths(text, engine.registry.models_dir))
+                                         hide_paths(text, models_dir_of(engine)))
     verdict = "**Fits**" if estimate.fits else "**Does not fit**"
     return f"{verdict}: {estimate.message()}"
 

@@ -37,7 +37,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from model_utils.engine import ChatUpdate, Engine
 
 from .conversation import validate_history
-from .errors import ClientError, client_error, hide_paths
+from .errors import ClientError, client_error, hide_paths, models_dir_of
 from .guards import REALM, login_user
 from .replies import make_settings, paced
 from .request_models import ChatCompletionRequest, parse_json
@@ -77,7 +77,7 @@ def register_openai_api(app: FastAPI | APIRouter, engine: Engine,
                         logins: list[tuple[str, str]] | None = None) -> None:
     """Add the routes to gradio's FastAPI app (or to a router handed to it). The checks every
     request passes first (Host, Content-Type, body) are guards.request_guard's."""
-    models_dir = engine.registry.models_dir
+    models_dir = models_dir_of(engine)
 
     def refused(error: BaseException, call: ChatCall | None = None) -> JSONResponse:
         mapped = client_error(error, context="openai chat")

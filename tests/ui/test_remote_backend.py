@@ -26,9 +26,10 @@ GREEDY = {"temperature": 0, "max_tokens": 24, "enable_thinking": False}
 
 
 @pytest.fixture(scope="module")
-def backend(start_app):
-    # One reply at a time and no queue: a held slot shows as "busy" and in its queue.
-    return start_app("--model", "demo", "--mode", "fp32", "--placement", "cpu",
+def backend(start_random_demo):
+    # One reply at a time and no queue: a held slot shows as "busy" and in its queue. Random
+    # weights under the demo's name: a long reply lasts long enough to be seen and stopped.
+    return start_random_demo("--model", "demo", "--mode", "fp32", "--placement", "cpu",
                      "--max-batch", "1", "--max-queue", "0", "--auth", BACKEND_LOGIN)
 
 
@@ -230,7 +231,7 @@ def test_the_page_in_front_of_a_server(front, backend, artifacts):
         server = page.locator("#remote-server")
         server.get_by_text("up").first.wait_for()
         text = server.inner_text()
-        assert backend.url + "/v1" in text and "demo model (random weights)" in text
+        assert backend.url + "/v1" in text and "Models it serves: demo" in text
         assert "the model server's business" in text and "backend-secret" not in text
         page.screenshot(path=str(artifacts / "remote-model-tab.png"))
         page.get_by_role("tab", name="Memory").click()
