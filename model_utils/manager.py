@@ -14,8 +14,6 @@ failure of the load itself costs a reload (minutes for a 14B model).
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import gc
 import logging
 import threading
 import time
@@ -23,11 +21,19 @@ import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
-import psutil
 import torch
 
 from . import preflight
 from .memory import GB
+from .memory_accounting import (  # re-exported: app.py and the tests import them from here
+    _release_freed_memory,
+    freeze_long_lived,
+    leftover_after,
+    memory_counters,
+    pin_mmap_threshold,
+    stored_bytes,
+    summarize_device_map,
+)
 from .modes import Mode, get_mode, quantization_config, torch_dtype
 from .modes import unavailable_reason as mode_unavailable
 from .placement import (
@@ -103,117 +109,6 @@ class UnloadReport:
     # (only counters over LEFTOVER_FLOOR_GB), and what the unload gave back.
     leftover: dict[str, float]
     freed: dict[str, float] = field(default_factory=dict)
-
-
-# Below this an unload counts as complete (the CUDA counters' rounding). Process RSS is not
-# judged: it grows by tens of MB with the imports and caches of a first load alone.
-LEFTOVER_FLOOR_GB = 0.001
-
-
-def leftover_after(baseline: dict[str, float], after: dict[str, float]) -> dict[str, float]:
-    """What an unload left held, per device counter: over the memory in use before the load,
-    never negative (a counter below its baseline held nothing of the model)."""
-    held = {k: after[k] - baseline.get(k, 0.0) for k in after if k != "rss_gb"}
-    return {k: round(v, 4) for k, v in held.items() if v > LEFTOVER_FLOOR_GB}
-
-
-def memory_counters() -> dict[str, float]:
-    counters = {"rss_gb": psutil.Process().memory_info().rss / GB}
-    for i in range(torch.cuda.device_count()):
-        counters[f"cuda:{i}_allocated_gb"] = torch.cuda.memory_allocated(i) / GB
-        counters[f"cuda:{i}_reserved_gb"] = torch.cuda.memory_reserved(i) / GB
-    return counters
-
-
-def _release_freed_memory() -> None:
-    gc.unfreeze()  # see freeze_long_lived: what was frozen with the old model may be garbage now
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
-    # glibc keeps freed heap pages mapped; malloc_trim hands them back to the OS so that
-    # process RSS (what the memory panel shows) really drops after an unload.
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-
-
-def freeze_long_lived() -> None:
-    """Exempt everything alive after a load (the model, its tokenizer, the web server) from the
-    garbage collector's full passes. With a model loaded the process tracks ~500 000 objects and
-    one full pass over them took 205 ms (demo model, a 2-core CPU machine): a pause of every
-    thread, the decode loop's included, whenever enough new objects have survived. After
-    gc.freeze() a full pass only scans what came later (measured: under 1 ms). Called after each
-    load, and by app.py once the web server is up. An unload unfreezes first, so that the old
-    model's reference cycles are collected."""
-    gc.collect()
-    gc.freeze()
-
-
-# glibc serves big allocations from their own mappings, returned to the OS on free, but it
-# raises that size threshold each time such a block is freed (up to 32 MB), after which freed
-# weights stay in the heap and RSS never drops (measured: ~95 MB of a 125 MB model still counted
-# after its unload). Pinned at 256 KB, every weight matrix lives in its own mapping and an unload
-# shows up in RSS; small tensors keep the heap. The price is a page-fault cost on large
-# activations, which only matters on the (already slow) CPU path.
-MMAP_THRESHOLD_BYTES = 256 * 2**10
-
-
-def pin_mmap_threshold() -> None:
-    m_mmap_threshold = -3  # mallopt parameter number, from glibc's malloc.h
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6").mallopt(m_mmap_threshold, MMAP_THRESHOLD_BYTES)
-
-
-def stored_bytes(tensor: torch.Tensor) -> int:
-    """Bytes a weight holds in memory, bitsandbytes' quantization statistics included: the
-    absmax of every 64-value block of a 4-bit weight (0.4 GB for a 7B model in nf4, which
-    model.get_memory_footprint() leaves out) and the row scales of an int8 one."""
-    total = tensor.numel() * tensor.element_size()
-    state = getattr(tensor, "quant_state", None)
-    while state is not None:
-        for part in (state.absmax, state.code, state.offset):
-            if isinstance(part, torch.Tensor):
-                total += part.numel() * part.element_size()
-        state = state.state2
-    scales = getattr(tensor, "SCB", None)
-    if isinstance(scales, torch.Tensor):
-        total += scales.numel() * scales.element_size()
-    return total
-
-
-def summarize_device_map(model: torch.nn.Module) -> dict[str, dict]:
-    """Per device: which decoder layers live there and how many GB of weights."""
-    per_device: dict[str, dict] = {}
-    hf_map = getattr(model, "hf_device_map", None) or {}
-    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
-        device = str(tensor.device)
-        if device == "meta":  # offloaded: accelerate's map knows where it really lives
-            owner = max((k for k in hf_map if name.startswith(k)), key=len, default="")
-            device = str(hf_map.get(owner, "disk"))
-        elif device.isdigit():
-            device = f"cuda:{device}"
-        entry = per_device.setdefault(device, {"layers": set(), "gb": 0.0})
-        entry["gb"] += stored_bytes(tensor) / GB
-        parts = name.split(".")
-        if "layers" in parts and parts.index("layers") + 1 < len(parts):
-            index = parts[parts.index("layers") + 1]
-            if index.isdigit():
-                entry["layers"].add(int(index))
-    return {d: {"layers": _ranges(e["layers"]), "gb": round(e["gb"], 4)}
-            for d, e in per_device.items()}
-
-
-def _ranges(indices: set[int]) -> str:
-    """{0,1,2,5,6} -> "0-2, 5-6"."""
-    out, run = [], []
-    for i in sorted(indices):
-        if run and i != run[-1] + 1:
-            out.append(run)
-            run = []
-        run.append(i)
-    if run:
-        out.append(run)
-    return ", ".join(f"{r[0]}-{r[-1]}" if len(r) > 1 else str(r[0]) for r in out) or "-"
 
 
 class ModelManager:
