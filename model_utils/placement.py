@@ -149,10 +149,13 @@ def weight_bytes(config, mode: Mode) -> float:
     bitsandbytes quantizes the decoder's Linear layers only; embeddings, norms and lm_head keep
     the mode's dtype, which matters for small models whose vocabulary is a large share.
     """
-    from accelerate import init_empty_weights
     from transformers import AutoModelForCausalLM
 
-    with init_empty_weights():
+    # torch's device context is per thread. accelerate's init_empty_weights patches
+    # nn.Module for the whole process: an estimate (the page asks for one on every change)
+    # running beside a load put that load's new tensors on the meta device too ("Tensor on
+    # device meta" in the first reply after a switch).
+    with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     dtype_bytes = torch.tensor([], dtype=mode.dtype).element_size()
     total = 0.0

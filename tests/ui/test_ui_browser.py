@@ -164,8 +164,12 @@ def test_switch_mode_updates_status_and_memory(page, artifacts):
     assert "this process (RSS)" in bf16_cards
 
     page.get_by_role("tab", name="Model").click()
+    # The tab is drawn with the loaded model's picks first (typing before that is overwritten).
+    page.locator("#estimate").get_by_text("Fits").wait_for()
     # A bad path first: refused with the reason, and the bf16 model keeps serving.
     page.locator("#model-path input, #model-path textarea").fill("/nonexistent/model")
+    # The estimate answers for the typed path: the page has sent it, so Load will too.
+    page.locator("#estimate").get_by_text("outside the allowed").wait_for()
     page.locator("#load").click()
     page.locator("#model-message").get_by_text("outside the allowed").wait_for()
     assert "bf16" in page.locator("#model-status").inner_text()
