@@ -13,12 +13,15 @@ prompt (no loss). Each variant runs in its own process, so peak memory is its ow
             the loss from the model's own forward; for qlora, prepare_model_for_kbit_training
             with its defaults (gradient checkpointing on)
   ours      model_utils.finetune.train.run: examples packed back to back into rows of --seq
-            tokens (no pads), the loss over assistant tokens in chunks (no full logits), the
+            tokens (no pads), flash varlen attention over each example where CUDA has it
+            (packed_attention), the loss over assistant tokens in chunks (no full logits), the
             same gradient checkpointing choice as the tutorial for each method
+  ours-sdpa the same with transformers' sdpa and its block-diagonal mask (--variants adds it)
 
 Both train the same LoRA (rank 16, alpha 32, every linear layer, no dropout) on --batch rows of
 --seq tokens a step. tokens/s counts the examples' own tokens (pads are not training data);
-slots/s counts every position computed. JSON and a markdown table go to --out.
+slots/s counts every position computed. JSON and a markdown table go to --out; --profile adds
+each variant's top kernels (torch.profiler over a short run) as OUT/profile-VARIANT-METHOD.txt.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from pathlib import Path
 import torch
 
 LORA = {"r": 16, "lora_alpha": 32, "lora_dropout": 0.0, "target_modules": "all-linear"}
+VARIANTS = ("tutorial", "ours", "ours-sdpa")
 TINY_CONFIG = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 64,
                "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
                "num_key_value_heads": 2, "vocab_size": 512, "max_position_embeddings": 512,
@@ -72,12 +76,13 @@ def build_model_folder(config_path: Path | None, folder: Path, device: str) -> d
 def run_ours(args, examples) -> dict:
     from .train import TrainConfig, run
 
-    out = Path(args.work) / f"ours-{args.method}"
+    out = Path(args.work) / f"{args.variant}-{args.method}"
     config = TrainConfig(model_path=args.model_dir, data=str(Path(args.model_dir) / "config.json"),
                          out=str(out), method=args.method, steps=args.warmup + args.steps,
                          batch_size=args.batch, max_len=args.seq, lr=2e-4, packing=True,
                          gradient_checkpointing=args.method == "qlora", progress=False,
-                         handle_signals=False, warmup_steps=0)
+                         handle_signals=False, warmup_steps=0,
+                         attention="sdpa" if args.variant == "ours-sdpa" else "auto")
     run(config, examples, tokenizer=None)
     rows = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
     timed = rows[args.warmup:]
@@ -145,7 +150,19 @@ def worker(args) -> None:
     examples = random_examples(args.examples, args.seq, vocab)
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
-    result = (run_ours if args.variant == "ours" else run_tutorial)(args, examples)
+    variant = run_tutorial if args.variant == "tutorial" else run_ours
+    if args.profile:
+        from torch.profiler import ProfilerActivity, profile
+
+        cuda = torch.cuda.is_available()
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+        with profile(activities=activities) as prof:
+            result = variant(args, examples)
+        table = prof.key_averages().table(
+            sort_by="self_cuda_time_total" if cuda else "self_cpu_time_total", row_limit=40)
+        (Path(args.out) / f"profile-{args.variant}-{args.method}.txt").write_text(table)
+    else:
+        result = variant(args, examples)
     if torch.cuda.is_available():
         result["peak_gb"] = torch.cuda.max_memory_allocated() / 2**30
         result["peak_reserved_gb"] = torch.cuda.max_memory_reserved() / 2**30
@@ -168,10 +185,14 @@ def main(argv=None) -> int:
     p.add_argument("--seq", type=int, default=1024)
     p.add_argument("--steps", type=int, default=10, help="timed steps (after --warmup)")
     p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--variants", default="tutorial,ours",
+                   help="of tutorial, ours, ours-sdpa (default: tutorial,ours)")
+    p.add_argument("--profile", action="store_true",
+                   help="also write each variant's top kernels (slows the timed steps)")
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--work", type=Path, help="where the random model goes (default: OUT/work)")
     # worker mode (one variant, one process)
-    p.add_argument("--variant", choices=("ours", "tutorial"), help=argparse.SUPPRESS)
+    p.add_argument("--variant", choices=VARIANTS, help=argparse.SUPPRESS)
     p.add_argument("--method", help=argparse.SUPPRESS)
     p.add_argument("--model-dir", help=argparse.SUPPRESS)
     p.add_argument("--examples", type=int, help=argparse.SUPPRESS)
@@ -186,6 +207,9 @@ def main(argv=None) -> int:
         args.batch, args.seq, args.steps, args.warmup = 2, 128, 4, 2
     cuda = torch.cuda.is_available()
     methods = [m for m in args.methods.split(",") if m and (cuda or m != "qlora")]
+    variants = [v for v in args.variants.split(",") if v]
+    if unknown := set(variants) - set(VARIANTS):
+        p.error(f"unknown --variants {', '.join(sorted(unknown))}")
     args.out.mkdir(parents=True, exist_ok=True)
     work = args.work or args.out / "work"
     started = time.perf_counter()
@@ -196,13 +220,14 @@ def main(argv=None) -> int:
     examples = 2 * args.batch * (args.steps + args.warmup) + 8
     results = []
     for method in methods:
-        for variant in ("tutorial", "ours"):
+        for variant in variants:
             result_file = work / f"{variant}-{method}.json"
             command = [sys.executable, "-m", "model_utils.finetune.bench", "--variant", variant,
                        "--method", method, "--model-dir", str(model_dir), "--work", str(work),
                        "--batch", str(args.batch), "--seq", str(args.seq), "--steps",
                        str(args.steps), "--warmup", str(args.warmup), "--examples",
                        str(examples), "--result", str(result_file), "--out", str(args.out)]
+            command += ["--profile"] if args.profile else []
             t0 = time.perf_counter()
             done = subprocess.run(command, capture_output=True, text=True, check=False)
             if done.returncode != 0:
@@ -213,7 +238,7 @@ def main(argv=None) -> int:
             result = json.loads(result_file.read_text())
             result["wall_s"] = round(time.perf_counter() - t0, 1)
             results.append(result)
-            print(f"{variant:8} {method:5} {result['tok_s']:10.1f} tok/s "
+            print(f"{variant:9} {method:5} {result['tok_s']:10.1f} tok/s "
                   f"({result['wall_s']} s)", flush=True)
     summary = _summary(results)
     report = {"device": torch.cuda.get_device_name(0) if cuda else "cpu",

@@ -59,6 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--packing", action="store_true",
                    help="lay examples back to back in rows of --max-len tokens (no pads; "
                         "--batch-size then counts rows)")
+    p.add_argument("--attention", default="auto", choices=("auto", "sdpa", "varlen"),
+                   help="packed rows on a GPU: flash varlen over each example (auto, varlen) "
+                        "or sdpa with a block mask")
     p.add_argument("--gradient-checkpointing", action="store_true",
                    help="recompute activations in backward (less memory, ~30 %% slower)")
     p.add_argument("--mixed-precision", default="auto", choices=("auto", "no", "bf16", "fp16"),
@@ -100,6 +103,7 @@ def main(argv: list[str] | None = None) -> int:
             batch_size=args.batch_size, grad_accum=args.grad_accum, max_len=args.max_len,
             lora_r=args.lora_r, seed=args.seed, warmup_steps=args.warmup_steps,
             save_every=args.save_every, resume=args.resume, packing=args.packing,
+            attention=args.attention,
             stop_after=args.stop_after,
             gradient_checkpointing=args.gradient_checkpointing,
             mixed_precision=args.mixed_precision, progress=not args.no_progress)

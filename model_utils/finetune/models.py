@@ -4,8 +4,8 @@ training loop runs.
 full  : every weight trains, in fp32 (the optimizer's master copy; autocast does the bf16 math).
 lora  : the base is frozen (bf16 on a GPU, fp32 on the CPU) and peft adds LoRA matrices to every
         linear layer of the decoder.
-qlora : the base is loaded in bitsandbytes nf4 (double quantized, bf16 compute) and peft's
-        prepare_model_for_kbit_training readies it for LoRA, as in the QLoRA paper.
+qlora : the base is loaded in bitsandbytes nf4 (double quantized, bf16 compute), its other
+        weights frozen in bf16, and peft adds the same LoRA matrices (the QLoRA paper's recipe).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from .data import IGNORE
+from .packed_attention import varlen_kwargs
 
 Method = Literal["lora", "qlora", "full"]
 METHODS: tuple[str, ...] = ("lora", "qlora", "full")
@@ -69,18 +70,37 @@ def load_for_training(path: str | Path, method: Method, *, device: torch.device,
             model.gradient_checkpointing_enable(
                 gradient_checkpointing_kwargs={"use_reentrant": False})
         return model
-    from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
+    from peft import LoraConfig, get_peft_model
 
     if method == "qlora":
-        model = prepare_model_for_kbit_training(
-            model, use_gradient_checkpointing=gradient_checkpointing,
-            gradient_checkpointing_kwargs={"use_reentrant": False})
-    elif gradient_checkpointing:
+        # What peft's prepare_model_for_kbit_training does, less its upcast of every
+        # non-quantized weight to fp32: those (norms, embeddings, lm_head: 4.4 GB in fp32 on
+        # the 7B shape) never train, and in bf16 they cost half the memory and keep the
+        # residual stream in bf16, as with --method lora. Measured faster (BENCHMARKS.md).
+        for parameter in model.parameters():
+            parameter.requires_grad = False
+    if gradient_checkpointing:
+        # Non-reentrant checkpointing needs no enable_input_require_grads (peft's note).
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        model.enable_input_require_grads()
     config = LoraConfig(r=lora_r, lora_alpha=lora_alpha or 2 * lora_r, lora_dropout=lora_dropout,
                         target_modules="all-linear", task_type="CAUSAL_LM")
     return get_peft_model(model, config)
+
+
+def keep_input_dtype(model: nn.Module) -> None:
+    """Under autocast, let peft's LoRA layers take their input as it comes (bf16).
+
+    peft casts each LoRA layer's input to the adapter's fp32 before lora_A, and autocast casts it
+    straight back to bf16 for the matmul: two copies of every adapted activation, forward and
+    backward, for an identical result. Measured on the 7B shape that is a large share of a LoRA
+    step's elementwise time (BENCHMARKS.md). Set once, not per call, so that activation
+    checkpointing recomputes exactly what the forward computed.
+    """
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    for module in model.modules():
+        if isinstance(module, BaseTunerLayer):
+            module.cast_input_dtype_enabled = False
 
 
 def causal_lm_parts(model: nn.Module) -> tuple[nn.Module, nn.Module]:
@@ -99,15 +119,19 @@ class TokenLoss(nn.Module):
     gradient), while one chunk at a time costs a fraction of it.
     """
 
-    def __init__(self, model: nn.Module, *, chunk_tokens: int = 1024):
+    def __init__(self, model: nn.Module, *, chunk_tokens: int = 1024, varlen: bool = False):
         super().__init__()
         self.model = model
         self.chunk_tokens = chunk_tokens
+        self.varlen = varlen  # packed batches go through packed_attention (flash varlen)
 
     def forward(self, input_ids, labels, attention_mask=None, position_ids=None):
         decoder, head = causal_lm_parts(self.model)
+        extra = {}
+        if self.varlen and position_ids is not None and attention_mask is None:
+            extra = varlen_kwargs(position_ids)
         hidden = decoder(input_ids=input_ids, attention_mask=attention_mask,
-                         position_ids=position_ids, use_cache=False).last_hidden_state
+                         position_ids=position_ids, use_cache=False, **extra).last_hidden_state
         # Position t predicts token t+1.
         hidden = hidden[:, :-1].reshape(-1, hidden.shape[-1])
         targets = labels[:, 1:].reshape(-1)

@@ -21,8 +21,9 @@ from pathlib import Path
 import torch
 
 from . import checkpoint as ckpt
+from . import packed_attention
 from .data import Example, Schedule, file_sha256, pack_batch, pack_examples, pad_batch
-from .models import METHODS, TokenLoss, count_parameters, load_for_training
+from .models import METHODS, TokenLoss, count_parameters, keep_input_dtype, load_for_training
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +47,7 @@ class TrainConfig:
     save_every: int = 0  # 0: only on interrupt
     resume: bool = False
     packing: bool = False  # one row per micro-batch, no pads (data.pack_batch)
+    attention: str = "auto"  # packed rows: auto/varlen = packed_attention where CUDA has it
     gradient_checkpointing: bool = False
     mixed_precision: str = "auto"  # auto: bf16 on a GPU that has it, else none
     progress: bool = True
@@ -58,6 +60,8 @@ class TrainConfig:
     def __post_init__(self):
         if self.method not in METHODS:
             raise ValueError(f"--method must be one of {', '.join(METHODS)}")
+        if self.attention not in ("auto", "sdpa", "varlen"):
+            raise ValueError("--attention must be auto, sdpa or varlen")
         for name in ("batch_size", "grad_accum", "max_len", "lora_r"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
@@ -138,7 +142,12 @@ def run(config: TrainConfig, examples: list[Example], tokenizer) -> RunResult:
     steps = config.steps or max(1, math.ceil(
         config.epochs * schedule.micro_steps_per_epoch / micro_per_step))
     warmup = config.warmup_steps if config.warmup_steps is not None else int(0.05 * steps)
-    loss_module = TokenLoss(model)
+    if accelerator.mixed_precision != "no":
+        keep_input_dtype(model)
+    varlen = _use_varlen(config, accelerator.device)
+    if varlen:
+        packed_attention.use_packed_varlen(model)
+    loss_module = TokenLoss(model, varlen=varlen)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad],
                                   lr=config.lr, weight_decay=0.0,
                                   fused=accelerator.device.type == "cuda")
@@ -169,7 +178,8 @@ def run(config: TrainConfig, examples: list[Example], tokenizer) -> RunResult:
               f"{trained:,} of {total:,} parameters train; {len(examples)} examples, "
               f"{steps} steps of {schedule.global_batch * micro_per_step} examples on "
               f"{accelerator.num_processes} process(es), {accelerator.device}, "
-              f"mixed precision {accelerator.mixed_precision}", flush=True)
+              f"mixed precision {accelerator.mixed_precision}"
+              f"{', flash varlen attention' if varlen else ''}", flush=True)
     pad_id = getattr(tokenizer, "pad_token_id", None) or 0
     collate = pack_batch if config.packing else pad_batch
     bar = None
@@ -254,6 +264,17 @@ def run(config: TrainConfig, examples: list[Example], tokenizer) -> RunResult:
             ckpt.remove_checkpoint(out)
     accelerator.wait_for_everyone()
     return RunResult(steps, losses[-1], losses, out)
+
+
+def _use_varlen(config: TrainConfig, device: torch.device) -> bool:
+    if not config.packing or config.attention == "sdpa":
+        return False
+    if packed_attention.available(device):
+        return True
+    if config.attention == "varlen":
+        raise ValueError("--attention varlen needs a CUDA GPU and a torch with "
+                         "torch.nn.attention.varlen; use --attention sdpa")
+    return False
 
 
 def _agree(accelerator, flag: bool) -> bool:
