@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Is the fast path the same model on a GPU? One run, under 8 minutes on one H200:
+# Is the fast path the same model on a GPU? One run, under 9 minutes on one H200:
 #   1. the CUDA tests:  python3 -m pytest -m gpu tests/gpu
 #   2. a real-width Qwen3-architecture model (hidden 2048, 8 layers) trained ~75 s on the
 #      project's documents (peaked distributions; model_utils/peaked_model.py)
@@ -21,7 +21,7 @@ WORK=${WORK:-$(mktemp -d /tmp/gpu-correctness.XXXX)}
 mkdir -p "$OUT"
 LOG="$OUT/run.log"
 START=$(date +%s)
-BUDGET=${BUDGET:-470}  # seconds for the whole run
+BUDGET=${BUDGET:-540}  # seconds for the whole run
 left() { echo $(( BUDGET - ($(date +%s) - START) )); }
 say() { echo "[$(( $(date +%s) - START )) s] $*" | tee -a "$LOG"; }
 
@@ -42,7 +42,7 @@ say "start: gpu=$GPU, $($PY -c 'import torch, transformers; print("torch", torch
 if [ "$GPU" = 1 ]; then nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader >>"$LOG" 2>&1; fi
 
 # 1. the CUDA tests, in the background
-( timeout 240 $PY -m pytest -m gpu tests/gpu -q -p no:cacheprovider --junitxml="$OUT/gpu-tests.xml" \
+( timeout 330 $PY -m pytest -m gpu tests/gpu -q -p no:cacheprovider --junitxml="$OUT/gpu-tests.xml" \
     >"$WORK/pytest.log" 2>&1; echo $? >"$WORK/pytest.rc" ) &
 TESTS=$!
 

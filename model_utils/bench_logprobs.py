@@ -3,8 +3,9 @@
 For each batch size b the engine decodes b greedy requests together (one alone for b = 1, each
 of the compared prompts in turn) recording their top-k log-probabilities, and runs the same
 sequences (prompt + its greedy reply) teacher-forced through its path; plain generate does the
-same on the same prompts (b at once, unpadded), and an fp32 copy of the same weights gives the
-reference distributions (logprob_check.py). The engine's part is collected first and kept on
+same on the same prompts (b at once, unpadded), the plain model is teacher-forced the way
+generate computes (prompt prefilled, then one token a step), and an fp32 copy of the same weights
+gives the reference distributions (logprob_check.py). The engine's part is collected first and kept on
 the CPU, so the command-line benchmark can unload the engine before it loads the peer.
 """
 
@@ -76,14 +77,17 @@ def compare(model, found: dict, run_peer: PeerRunner = run_here) -> dict[int, di
                 ref = run_peer(lambda y, r=reference, s=sequences, n=prompt_len:
                                check.teacher_forced_plain(r, s, n))
                 theirs = run_peer(lambda y, s=sequences, n=prompt_len:
-                                  check.teacher_forced_plain(model, s, n))
+                                  check.teacher_forced_plain(model, s, n, incremental=True))
+                one_pass = run_peer(lambda y, s=sequences, n=prompt_len:
+                                    check.teacher_forced_plain(model, s, n))
                 mine = forced.to(ref.device)
-                kls.append((check.kl_stats(ref, mine), check.kl_stats(ref, theirs)))
-                del ref, mine, theirs
+                kls.append((check.kl_stats(ref, mine), check.kl_stats(ref, theirs),
+                            check.kl_stats(ref, one_pass)))
+                del ref, mine, theirs, one_pass
         result = check.check_logprobs_close(engine_steps, plain_steps, tolerance=tolerance)
         if kls:
-            result["teacher_forced"] = check.error_ratio(_mean(k[0] for k in kls),
-                                                        _mean(k[1] for k in kls))
+            result["teacher_forced"] = check.error_ratio(
+                _mean(k[0] for k in kls), _mean(k[1] for k in kls), _mean(k[2] for k in kls))
         else:
             result["teacher_forced"] = {"skipped": why_not}
         results[b] = result

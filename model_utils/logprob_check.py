@@ -11,7 +11,8 @@ the two continuations are different texts.
 Second, a teacher-forced measure that does not depend on ties at all: the same token sequence
 fed through both paths, and each next-token distribution compared with an fp32 run of the same
 weights (KL divergence, top-1 agreement). The engine's error against fp32 may be at most
-ERROR_RATIO_LIMIT times plain bf16's error against fp32: different kernels, no worse.
+ERROR_RATIO_LIMIT times plain bf16's error against fp32 (the larger of plain's two ways of
+computing the same tokens, see error_ratio): different kernels, no worse.
 This module holds the comparisons and the fp32 reference; logprob_runs.py collects the runs.
 """
 
@@ -118,22 +119,51 @@ def kl_stats(reference: torch.Tensor, other: torch.Tensor) -> dict:
             "top1_agreement": agree.mean().item()}
 
 
-def error_ratio(engine: dict, plain: dict) -> dict:
-    """Engine against fp32 over plain against fp32 (mean KL), and whether it is within limit."""
-    ratio = engine["kl_mean"] / max(plain["kl_mean"], KL_FLOOR)
-    return {"engine_vs_fp32": engine, "plain_vs_fp32": plain, "ratio": ratio,
-            "within_limit": ratio <= ERROR_RATIO_LIMIT, "limit": ERROR_RATIO_LIMIT}
+def error_ratio(engine: dict, plain: dict, plain_one_forward: dict | None = None) -> dict:
+    """Engine against fp32 over plain against fp32 (mean KL), and whether it is within limit.
+
+    `plain` is generate's way (prompt prefilled, then one token a step), `plain_one_forward` the
+    same tokens in one whole-sequence forward. Both are the plain model, and in 16-bit they
+    differ from each other by as much as the limit (CPU, demo model, bf16: 1.48e-4 against
+    1.84e-4, BENCHMARKS.md): the engine is held to the larger of the two, and the ratio against
+    each is reported."""
+    paths = [plain] + ([plain_one_forward] if plain_one_forward else [])
+    worst = max(p["kl_mean"] for p in paths)
+    ratio = engine["kl_mean"] / max(worst, KL_FLOOR)
+    out = {"engine_vs_fp32": engine, "plain_vs_fp32": plain, "ratio": ratio,
+           "ratio_vs_generate": engine["kl_mean"] / max(plain["kl_mean"], KL_FLOOR),
+           "within_limit": ratio <= ERROR_RATIO_LIMIT, "limit": ERROR_RATIO_LIMIT}
+    if plain_one_forward:
+        out["plain_one_forward_vs_fp32"] = plain_one_forward
+        out["ratio_vs_one_forward"] = (engine["kl_mean"]
+                                       / max(plain_one_forward["kl_mean"], KL_FLOOR))
+    return out
 
 
 @torch.inference_mode()
-def teacher_forced_plain(model, sequences: list[list[int]], prompt_len: int) -> torch.Tensor:
-    """[rows, positions, V] float32 log-probabilities of the model's plain forward over the
-    whole sequences: position t predicts token prompt_len + t (equal-length sequences)."""
+def teacher_forced_plain(model, sequences: list[list[int]], prompt_len: int, *,
+                         incremental: bool = False) -> torch.Tensor:
+    """[rows, positions, V] float32 log-probabilities of the plain model over the sequences:
+    position t predicts token prompt_len + t (equal-length sequences).
+
+    incremental=False: one forward over the whole sequences (the fp32 reference).
+    incremental=True: what plain `generate` computes for the same tokens: the prompt prefilled
+    into a DynamicCache, then one token a step. In 16-bit and 4-bit modes a one-token step takes
+    other kernels than a whole-sequence matmul (bitsandbytes' 4-bit gemv, for one), so this is
+    the peer the engine's decoding is held to."""
     from .decoders import input_device
 
     ids = torch.tensor(sequences, device=input_device(model))
-    logits = model(input_ids=ids, use_cache=False).logits[:, prompt_len - 1:-1]
-    return torch.log_softmax(logits.float(), -1)
+    if not incremental:
+        logits = model(input_ids=ids, use_cache=False).logits[:, prompt_len - 1:-1]
+        return torch.log_softmax(logits.float(), -1)
+    out = model(input_ids=ids[:, :prompt_len], use_cache=True)
+    steps, cache = [out.logits[:, -1].float()], out.past_key_values
+    for t in range(prompt_len, ids.shape[1] - 1):
+        out = model(input_ids=ids[:, t:t + 1], past_key_values=cache, use_cache=True)
+        steps.append(out.logits[:, -1].float())
+        cache = out.past_key_values
+    return torch.log_softmax(torch.stack(steps, 1), -1)
 
 
 # -- an fp32 copy of the same weights ---------------------------------------------------------

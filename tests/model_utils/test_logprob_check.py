@@ -51,6 +51,8 @@ def both_sides(engine, model, prompts):
     ref = check.teacher_forced_plain(reference, sequences, PROMPT)
     forced = check.error_ratio(
         check.kl_stats(ref, engine_teacher_forced(engine, sequences, PROMPT)),
+        check.kl_stats(ref, check.teacher_forced_plain(model, sequences, PROMPT,
+                                                       incremental=True)),
         check.kl_stats(ref, check.teacher_forced_plain(model, sequences, PROMPT)))
     close = check.check_logprobs_close(mine, theirs, tolerance=check.tolerance_for(model.dtype))
     return close, forced
