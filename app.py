@@ -25,7 +25,7 @@ LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    from model_utils.modes import MODES  # the one table of modes, so the help cannot drift
+    from model_utils.loading.modes import MODES  # the one table of modes, so the help cannot drift
 
     p = argparse.ArgumentParser(description="Local chat app for Qwen / Hugging Face causal LMs.")
     p.add_argument("--model", default="demo",
@@ -64,7 +64,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--shutdown-grace", type=float, default=5.0, metavar="SECONDS",
                    help="on SIGTERM/SIGINT, how long open replies may go on before they are "
                         "ended with an error (default 5)")
-    # model_utils.fast_path.COMPILE_MODES, spelled out: --help must answer without importing torch
+    # model_utils.runtime.fast_path.COMPILE_MODES, spelled out: --help must answer without importing torch
     p.add_argument("--compile-mode", default="default",
                    choices=("default", "max-autotune-no-cudagraphs"),
                    help="torch.compile mode of the GPU decode step; the autotuned one loads "
@@ -163,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import ui
     from model_utils.engine import Engine
-    from model_utils.manager import freeze_long_lived
+    from model_utils.loading.manager import freeze_long_lived
 
     try:
         engine = remote_engine(args) if args.backend else Engine(
@@ -218,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
                     f"gradio share server?); serving locally only at {local_url}")
             log.warning(note)  # the console handler shows it too
             info.share_note = note
-    from ui.shutdown import shut_down, wait_for_signal
+    from server.shutdown import shut_down, wait_for_signal
 
     why = wait_for_signal()
     shut_down(engine, demo, why=why, grace_s=args.shutdown_grace)
@@ -234,8 +234,8 @@ def load_initial_model(engine, args, info) -> None:
     """Load --model before serving; on failure serve anyway and show the error on the page."""
     import gradio as gr
 
-    from model_utils.manager import LoadError
-    from ui.model_actions import default_placement, make_request
+    from model_utils.loading.manager import LoadError
+    from server.model_actions import default_placement, make_request
 
     try:
         request = make_request(model=args.model, mode=args.mode,

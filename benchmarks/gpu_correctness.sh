@@ -2,7 +2,7 @@
 # Is the fast path the same model on a GPU? One run, under 9 minutes on one H200:
 #   1. the CUDA tests:  python3 -m pytest -m gpu tests/gpu
 #   2. a real-width Qwen3-architecture model (hidden 2048, 8 layers) trained ~75 s on the
-#      project's documents (peaked distributions; model_utils/peaked_model.py)
+#      project's documents (peaked distributions; model_utils/bench/peaked_model.py)
 #   3. on it, bf16 greedy output of the engine against plain generate, 3 prompts x 128 tokens:
 #      equal, or where they part with the margin between the top two logprobs there
 #   4. the benchmark with logprobs (logprobs_close, logit_error_ratio) on the Qwen2.5-7B shape
@@ -50,16 +50,16 @@ TESTS=$!
 if [ "$GPU" = 1 ]; then
   ( timeout 120 $PY -c "
 from pathlib import Path
-from model_utils.bench_inputs import build_random_model
+from model_utils.bench.inputs import build_random_model
 build_random_model(Path('benchmarks/configs/qwen2.5-7b-instruct.config.json'), Path('$BENCH_MODEL'), 'cuda')
 " >"$WORK/build.log" 2>&1; echo $? >"$WORK/build.rc" ) &
   BUILD=$!
 fi
 say "training: $TRAIN"
-timeout 150 $PY -m model_utils.peaked_model --out "$WORK/peaked" $TRAIN >>"$LOG" 2>&1
+timeout 150 $PY -m model_utils.bench.peaked_model --out "$WORK/peaked" $TRAIN >>"$LOG" 2>&1
 say "training exit $?"
 cp "$WORK/peaked/training.json" "$OUT/training.json" 2>/dev/null
-timeout 150 $PY -m model_utils.greedy_compare --model "$WORK/peaked" --mode bf16 $GREEDY \
+timeout 150 $PY -m model_utils.bench.greedy_compare --model "$WORK/peaked" --mode bf16 $GREEDY \
   --out "$OUT/greedy-bf16.json" >>"$LOG" 2>&1
 say "greedy comparison exit $?"
 wait $TESTS
@@ -104,7 +104,7 @@ for mode in ("bf16", "nf4"):
     if not path.exists():
         print(f"\nbench {mode}: no result (see run.log)")
         continue
-    from model_utils.bench_report import BenchRow, summary_table
+    from model_utils.bench.report import BenchRow, summary_table
     data = json.loads(path.read_text())
     rows = [BenchRow(**r) for r in data["rows"]]
     print(f"\nbench {mode} ({data['meta']}):\n\n" + summary_table(rows))

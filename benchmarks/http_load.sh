@@ -22,7 +22,7 @@ trap 'kill $app 2>/dev/null || true; rm -rf "$model"' EXIT
 
 read -r device mode placement < <("$python" -c "import torch; print(*(('cuda', 'bf16', 'cuda:0') \
     if torch.cuda.is_available() else ('cpu', 'fp32', 'cpu')))")
-"$python" -c "from pathlib import Path; from model_utils.bench import build_random_model; \
+"$python" -c "from pathlib import Path; from model_utils.bench.run import build_random_model; \
 build_random_model(Path('$config'), Path('$model'), '$device')"
 
 "$python" app.py --model "$model" --mode "$mode" --placement "$placement" --port "$port" \
@@ -50,7 +50,7 @@ import sys
 import torch
 from transformers import AutoModelForCausalLM
 
-from model_utils.bench import peer_generate, random_prompts
+from model_utils.bench.run import peer_generate, random_prompts
 
 cuda = torch.cuda.is_available()
 model = AutoModelForCausalLM.from_pretrained(

@@ -11,7 +11,7 @@ greedy), the aggregate for 32 concurrent streams, the weights' memory and the pe
 loading, mean KL and top-1 agreement of next-token distributions against the fp32 model, and a
 torch.profiler summary of one decode step (per kernel). Candidates:
 
-- bf16, int4-wo, int8-wo, nf4, ...: the app's own modes (model_utils/modes.py);
+- bf16, int4-wo, int8-wo, nf4, ...: the app's own modes (model_utils/loading/modes.py);
 - torchao-int4 / torchao-int8: torchao 0.18's Int4WeightOnlyConfig (tinygemm,
   int4_packing_format="tile_packed_to_4d", group 128) / Int8WeightOnlyConfig, applied to the
   engine's bf16 model before it compiles;
@@ -47,12 +47,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from quant_swaps import LIBRARY_INDUCTOR_OPTIONS, SWAPS, missing  # beside this script
 
-from model_utils import bench, quality
+from model_utils.bench import quality
+from model_utils.bench import run as bench
 from model_utils.engine import Engine
-from model_utils.fused_qkv import fuse_qkv
-from model_utils.manager import LoadRequest
+from model_utils.loading.manager import LoadRequest
+from model_utils.loading.placement import Placement
 from model_utils.memory import GB
-from model_utils.placement import Placement
+from model_utils.runtime.fused_qkv import fuse_qkv
 
 log = logging.getLogger("quant_candidates")
 DEFAULT = ("bf16,int4-wo,int8-wo,torchao-int4,gemlite-int4,int4-wo-head8,int8-wo-hybrid,"
@@ -65,8 +66,8 @@ class LoadLog(logging.Handler):
     """What the engine said while getting a candidate ready (which forward each graph captured,
     what failed): kept with its results, since a GPU run is seldom repeated."""
 
-    NAMES = ("model_utils.fast_path", "model_utils.prefill", "model_utils.engine",
-             "model_utils.weight_only", "model_utils.batching")
+    NAMES = ("model_utils.runtime.fast_path", "model_utils.runtime.prefill", "model_utils.engine",
+             "model_utils.loading.weight_only", "model_utils.runtime.batching")
 
     def __init__(self):
         super().__init__(logging.INFO)

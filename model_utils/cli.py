@@ -176,7 +176,7 @@ def requested_settings(args):
     check they stand in as neutral values. A max_new_tokens longer than the context window
     leaves is not an error: the engine limits the reply to what fits, with a note on stderr.
     """
-    from .generation import GenerationSettings
+    from .runtime.generation import GenerationSettings
 
     settings = GenerationSettings(**{name: getattr(args, name, None) for name in SAMPLING_FLAGS})
     neutral = {"max_new_tokens": 1, "temperature": 0.0, "top_p": 1.0, "top_k": 0,
@@ -187,7 +187,7 @@ def requested_settings(args):
 
 
 def requested_placement(args):
-    from .placement import Placement
+    from .loading.placement import Placement
 
     caps = {}
     for item in args.max_memory:
@@ -246,8 +246,8 @@ class StreamPrinter:
 
 
 def cmd_chat(args) -> int:
-    from .chat import normalize_messages
-    from .registry import ModelRegistry
+    from .chat.prompt import normalize_messages
+    from .loading.registry import ModelRegistry
 
     messages = read_messages(args)
     normalize_messages(messages, args.system)  # a malformed message is refused right away
@@ -258,7 +258,7 @@ def cmd_chat(args) -> int:
     placement = requested_placement(args)
     _quiet_transformers(args.verbose)
     from .engine import Engine
-    from .manager import LoadRequest
+    from .loading.manager import LoadRequest
 
     engine = Engine(models_dir=args.models_dir, trust_remote_code=args.trust_remote_code)
     request = LoadRequest(model=args.model, mode=args.mode, placement=placement,
@@ -334,8 +334,8 @@ def _load_and_reply(engine, request, messages, settings, args) -> int:
 
 def cmd_prompt(args) -> int:
     """The prompt text, through the same prepare_prompt the chat path uses (trimming included)."""
-    from .chat import normalize_messages
-    from .registry import ModelRegistry
+    from .chat.prompt import normalize_messages
+    from .loading.registry import ModelRegistry
 
     messages = read_messages(args)
     normalize_messages(messages, args.system)
@@ -343,9 +343,9 @@ def cmd_prompt(args) -> int:
     _quiet_transformers(args.verbose)
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
-    from .chat import prepare_prompt
-    from .generation import GenerationSettings
-    from .manager import LoadRequest, ModelManager
+    from .chat.prompt import prepare_prompt
+    from .loading.manager import LoadRequest, ModelManager
+    from .runtime.generation import GenerationSettings
 
     trust = args.trust_remote_code
     try:

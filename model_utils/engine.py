@@ -15,17 +15,22 @@ from pathlib import Path
 
 import torch
 
-from . import attention, batch_cache, fast_path, prefill
-from .batching import BatchScheduler, EagerStep
-from .chat import prepare_prompt, render_prompt, split_reasoning, supports_thinking
-from .decoders import EagerDecoder
-from .fused_qkv import fuse_qkv
-from .generation import GenerationSettings, IncrementalDetokenizer, ReplyStats, decode_tokens
-from .manager import LoadedModel, LoadRequest, ModelBusy, ModelManager, Progress
+from .chat.prompt import prepare_prompt, render_prompt, split_reasoning, supports_thinking
+from .loading.manager import LoadedModel, LoadRequest, ModelBusy, ModelManager, Progress
+from .loading.placement import FitEstimate
+from .loading.registry import ModelRegistry
 from .memory import GB, MemoryHistory, MemorySnapshot, torch_cuda_gb
-from .placement import FitEstimate
-from .registry import ModelRegistry
-from .worker import DecodeWorker
+from .runtime import attention, batch_cache, fast_path, prefill
+from .runtime.batching import BatchScheduler, EagerStep
+from .runtime.decoders import EagerDecoder
+from .runtime.fused_qkv import fuse_qkv
+from .runtime.generation import (
+    GenerationSettings,
+    IncrementalDetokenizer,
+    ReplyStats,
+    decode_tokens,
+)
+from .runtime.worker import DecodeWorker
 
 log = logging.getLogger(__name__)
 

@@ -16,16 +16,16 @@ import gradio as gr
 
 from model_utils.backends.remote import RemoteEngine
 from model_utils.engine import Engine
+from server.api import register_api
+from server.common import AppInfo, reply_concurrency
+from server.guards import request_guard
+from server.model_actions import headline
+from server.openai_api import register_openai_api
 
-from .api import register_api
 from .bench_panel import build_bench_panel
 from .chat_panel import build_chat_panel
-from .common import AppInfo, reply_concurrency
-from .guards import request_guard
 from .memory_panel import build_memory_panel
-from .model_actions import headline
 from .model_panel import build_model_panel
-from .openai_api import register_openai_api
 from .remote_panel import (
     build_remote_bench_panel,
     build_remote_memory_panel,

@@ -1,10 +1,10 @@
 """Benchmark panel: the loaded model on this app's decode path against plain model.generate.
 
-Runs model_utils.bench.bench_loaded on the model that is loaded now (nothing is reloaded), with
+Runs model_utils.bench.run.bench_loaded on the model that is loaded now (nothing is reloaded), with
 sizes capped (bench_modes.LOADED_LIMITS) so that it takes seconds; the full per-mode comparison
 is the command line `python -m model_utils.bench` (README, BENCHMARKS.md). Under --admin only
 the admin may run it: checked in the handler, whatever the page shows. Chat replies go first:
-the benchmark gives way to them between its steps (model_utils.bench_gate).
+the benchmark gives way to them between its steps (model_utils.bench.gate).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from dataclasses import asdict
 
 import gradio as gr
 
-from model_utils.bench import (
+from model_utils.bench.run import (
     LOADED_LIMITS,
     bench_loaded,
     chart_figure,
@@ -21,8 +21,7 @@ from model_utils.bench import (
     summary_table,
 )
 from model_utils.engine import Engine
-
-from .common import require_admin, user_error
+from server.common import require_admin, user_error
 
 INTRO = ("Measures the loaded model: time to first token and decode tokens/s through this "
          "app's engine, next to plain `model.generate` on the same weights in the same process, "

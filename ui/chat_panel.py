@@ -15,10 +15,8 @@ from pathlib import Path
 import gradio as gr
 
 from model_utils.engine import Engine
-
-from .chat_settings import keep_settings
-from .common import DEMO_NOTICE, reply_concurrency, user_error
-from .conversation import (
+from server.common import DEMO_NOTICE, reply_concurrency, user_error
+from server.conversation import (
     MAX_IMPORT_BYTES,
     ConversationError,
     chatbot_messages,
@@ -29,7 +27,9 @@ from .conversation import (
     without_last_reply,
     without_last_turn,
 )
-from .replies import SETTING_NAMES, StopSignals, make_settings, stats_line, stream
+from server.replies import SETTING_NAMES, StopSignals, make_settings, stats_line, stream
+
+from .chat_settings import keep_settings
 
 # Stats line of a reply the page stopped seeing (a reload, a closed tab): the conversation in
 # the browser is saved while the reply streams, and this is what such a turn ends with.

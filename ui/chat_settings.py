@@ -6,9 +6,8 @@ from __future__ import annotations
 import gradio as gr
 
 from model_utils.engine import Engine
-
-from .conversation import chatbot_messages
-from .replies import SETTING_NAMES
+from server.conversation import chatbot_messages
+from server.replies import SETTING_NAMES
 
 
 def keep_settings(c: dict, engine: Engine, demo: gr.Blocks, settings_inputs: list, *,

@@ -10,12 +10,11 @@ import time
 import gradio as gr
 
 from model_utils.engine import Engine
-from model_utils.modes import dropdown_choices, dropdown_info
-from model_utils.placement import STRATEGIES, available_placements
-
-from . import model_actions as actions
-from .common import AppInfo
-from .errors import shows_full_paths
+from model_utils.loading.modes import dropdown_choices, dropdown_info
+from model_utils.loading.placement import STRATEGIES, available_placements
+from server import model_actions as actions
+from server.common import AppInfo
+from server.errors import shows_full_paths
 
 SPLIT_COST = ("Splitting a model over GPUs makes every token wait on each GPU in turn: "
               "measured 5x slower decoding (8.4 vs 41.3 tok/s) than one GPU for a model that "

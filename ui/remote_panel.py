@@ -11,8 +11,7 @@ from dataclasses import asdict
 import gradio as gr
 
 from model_utils.backends.bench import bench_remote, markdown_table
-
-from .common import user_error
+from server.common import user_error
 
 REFRESH_S = 2.0
 THE_SERVERS_BUSINESS = (

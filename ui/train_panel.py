@@ -16,10 +16,9 @@ import pandas as pd
 from model_utils.engine import Engine
 from model_utils.finetune.models import METHODS
 from model_utils.finetune.runner import TrainingRunner, TrainRefused, TrainRequest
-from model_utils.registry import ModelNotFound
-
-from . import model_actions as actions
-from .common import require_admin, user_error
+from model_utils.loading.registry import ModelNotFound
+from server import model_actions as actions
+from server.common import require_admin, user_error
 
 REFRESH_S = 2.0
 

@@ -17,10 +17,10 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 if TYPE_CHECKING:  # the types only: importing them would import torch
     from model_utils.engine import ChatUpdate
-    from model_utils.generation import GenerationSettings
-    from model_utils.manager import LoadRequest, Progress
+    from model_utils.loading.manager import LoadRequest, Progress
+    from model_utils.loading.placement import FitEstimate
     from model_utils.memory import MemorySnapshot
-    from model_utils.placement import FitEstimate
+    from model_utils.runtime.generation import GenerationSettings
 
 
 @runtime_checkable
@@ -28,7 +28,7 @@ class ChatBackend(Protocol):
     """The engine surface the UI, the gradio endpoints and the /v1 endpoint use."""
 
     # Replies decoded together, and more that may wait: the UI lets max_batch + max_queue
-    # handlers run at once (ui.common.reply_concurrency).
+    # handlers run at once (server.common.reply_concurrency).
     max_batch: int
     max_queue: int
 
@@ -58,7 +58,7 @@ class ChatBackend(Protocol):
              system_prompt: str | None = None, thinking: bool = True,
              stop: threading.Event | None = None) -> Iterator[ChatUpdate]:
         """Stream one reply. Input refused before anything is generated raises one of
-        ui.replies.INPUT_ERRORS on the first next(); setting `stop` or closing the iterator
+        server.replies.INPUT_ERRORS on the first next(); setting `stop` or closing the iterator
         ends the reply and frees its place."""
 
     def generate_text(self, messages: list[dict], settings: GenerationSettings | None = None,

@@ -15,11 +15,11 @@ import time
 from collections.abc import Iterator
 from dataclasses import replace
 
-from model_utils.chat import ChatInputError, normalize_messages, split_reasoning
+from model_utils.chat.prompt import ChatInputError, normalize_messages, split_reasoning
 from model_utils.engine import ChatUpdate
-from model_utils.generation import GenerationSettings, ReplyStats
-from model_utils.manager import LoadError
+from model_utils.loading.manager import LoadError
 from model_utils.memory import MemoryHistory, MemorySnapshot
+from model_utils.runtime.generation import GenerationSettings, ReplyStats
 
 from . import openai_client as api
 from .errors import EXTENSIONS, BackendBusy, BackendError, BackendRejected, BackendUnavailable

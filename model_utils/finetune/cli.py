@@ -73,7 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def resolve_model(name: str) -> tuple[str, Path]:
     """(name as given, folder) for 'demo', a folder path or a cached hub id."""
-    from ..registry import ModelRegistry
+    from model_utils.loading.registry import ModelRegistry
 
     registry = ModelRegistry()
     if name not in ("", "demo") and Path(name).expanduser().exists():

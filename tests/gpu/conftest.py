@@ -1,5 +1,5 @@
 """Fixtures for the CUDA tests: a small Qwen3 model trained for a few seconds on the GPU (peaked
-distributions, see model_utils/peaked_model.py) and engines loaded on it.
+distributions, see model_utils/bench/peaked_model.py) and engines loaded on it.
 
 Run on a GPU machine with:  python -m pytest -m gpu tests/gpu -q
 Without CUDA every test here is skipped with the reason.
@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from model_utils.engine import Engine
-from model_utils.manager import LoadRequest
-from model_utils.placement import Placement
+from model_utils.loading.manager import LoadRequest
+from model_utils.loading.placement import Placement
 
 CUDA = Placement("cuda:0")
 # Longer than the largest prefill graph bucket (1024) plus new tokens: the boundary tests cross
@@ -27,7 +27,7 @@ def gpu_marks():
 
 @pytest.fixture(scope="session")
 def peaked_gpu(tmp_path_factory):
-    from model_utils.peaked_model import train
+    from model_utils.bench.peaked_model import train
 
     folder = tmp_path_factory.mktemp("peaked-gpu") / "model"
     report = train(folder, hidden=256, layers=4, seconds=None, max_steps=300, window=128,
@@ -44,7 +44,7 @@ def load_engine(folder, mode: str, **engine_kwargs) -> Engine:
 
 
 def plain(folder, mode: str):
-    from model_utils.bench_modes import load_peer
+    from model_utils.bench.per_mode import load_peer
 
     return load_peer(folder, mode)
 

@@ -8,12 +8,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from model_utils import bench_logprobs
-from model_utils import logprob_check as check
-from model_utils.bench_modes import load_peer
-from model_utils.logprob_runs import engine_greedy, engine_teacher_forced
-from model_utils.modes import MODES
-from model_utils.peaked_model import sample_prompts
+from model_utils.bench import logprob_check as check
+from model_utils.bench import logprobs as bench_logprobs
+from model_utils.bench.logprob_runs import engine_greedy, engine_teacher_forced
+from model_utils.bench.peaked_model import sample_prompts
+from model_utils.bench.per_mode import load_peer
+from model_utils.loading.modes import MODES
 
 from .conftest import gpu_marks, load_engine
 

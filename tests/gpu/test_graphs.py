@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from model_utils import logprob_check as check
-from model_utils.logprob_runs import engine_greedy, plain_greedy
-from model_utils.peaked_model import sample_prompts
-from model_utils.prefill import PREFILL_BUCKETS
+from model_utils.bench import logprob_check as check
+from model_utils.bench.logprob_runs import engine_greedy, plain_greedy
+from model_utils.bench.peaked_model import sample_prompts
+from model_utils.runtime.prefill import PREFILL_BUCKETS
 
 from .conftest import gpu_marks, plain
 

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from model_utils.demo_model import demo_model_path
 from model_utils.engine import Engine
+from model_utils.loading.demo_model import demo_model_path
 
 from .helpers import cpu_request
 

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
 
-from model_utils import attention
+from model_utils.runtime import attention
 
 
 class GroupedAttention(torch.nn.Module):

@@ -11,11 +11,11 @@ import time
 
 import pytest
 
-from model_utils.batching import QueueFull
-from model_utils.decoders import EagerDecoder
 from model_utils.engine import Engine, eos_ids
-from model_utils.generation import GenerationSettings, ReplyStats, decode_tokens
-from model_utils.manager import ModelBusy
+from model_utils.loading.manager import ModelBusy
+from model_utils.runtime.batching import QueueFull
+from model_utils.runtime.decoders import EagerDecoder
+from model_utils.runtime.generation import GenerationSettings, ReplyStats, decode_tokens
 
 from .helpers import cpu_request
 
@@ -330,7 +330,7 @@ def test_a_reply_that_cannot_fit_its_row_is_refused_before_it_joins(small_engine
 
 
 def test_with_memory_for_fewer_rows_the_surplus_waits_its_turn(demo_path, monkeypatch):
-    import model_utils.batching as batching
+    import model_utils.runtime.batching as batching
 
     row_bytes = 4 * 2 * 2 * 32 * 4 * 4096  # demo: layers x (K, V) x kv heads x dim x fp32 x slots
     monkeypatch.setattr(batching, "_free_bytes",

@@ -8,9 +8,9 @@ import time
 
 import pytest
 
-from model_utils.bench import LOADED_LIMITS, bench_loaded
-from model_utils.bench_gate import Gate
-from model_utils.generation import GenerationSettings
+from model_utils.bench.gate import Gate
+from model_utils.bench.run import LOADED_LIMITS, bench_loaded
+from model_utils.runtime.generation import GenerationSettings
 
 from .helpers import HELLO
 

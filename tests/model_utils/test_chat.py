@@ -8,14 +8,14 @@ import jinja2
 import pytest
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from model_utils.chat import (
+from model_utils.chat.prompt import (
     ChatInputError,
     normalize_messages,
     prepare_prompt,
     render_prompt,
     split_reasoning,
 )
-from model_utils.generation import GenerationSettings, IncrementalDetokenizer
+from model_utils.runtime.generation import GenerationSettings, IncrementalDetokenizer
 
 from .helpers import FIXTURES, copy_demo, cpu_request
 
@@ -282,7 +282,7 @@ def test_a_maximal_history_is_prepared_in_bounded_time(demo_tokenizer):
     took 25 s), and one over the bounds is refused before any tokenizing."""
     import time
 
-    from model_utils.chat import MAX_MESSAGES, MAX_PROMPT_CHARS
+    from model_utils.chat.prompt import MAX_MESSAGES, MAX_PROMPT_CHARS
 
     stated_bound_s = 3.0
     messages = [{"role": "user" if i % 2 == 0 else "assistant", "content": f"hi {i}"}
@@ -350,7 +350,7 @@ def test_text_parts_are_accepted_as_openai_sends_them(demo_tokenizer):
 def test_the_engine_applies_the_bounds_on_its_own_path(load_demo):
     """engine.chat (what the page's Send, /chat and /v1 all call) refuses a 5000-turn
     conversation before tokenizing, and answers a maximal one with its oldest turns left out."""
-    from model_utils.chat import MAX_MESSAGES
+    from model_utils.chat.prompt import MAX_MESSAGES
 
     engine = load_demo("fp32")
     turns = [{"role": "user" if i % 2 == 0 else "assistant", "content": f"turn {i}"}

@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from model_utils.chat import render_prompt, split_reasoning
+from model_utils.chat.prompt import render_prompt, split_reasoning
 from model_utils.cli import StreamPrinter
 
 from .helpers import REPO_ROOT
@@ -195,7 +195,7 @@ def random_model(tmp_path_factory, demo_path):
     (the trained demo model ends its replies within a second)."""
     from transformers import AutoTokenizer
 
-    from model_utils.demo_model import _build_model
+    from model_utils.loading.demo_model import _build_model
 
     folder = tmp_path_factory.mktemp("models") / "random"
     tokenizer = AutoTokenizer.from_pretrained(demo_path)

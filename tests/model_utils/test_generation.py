@@ -7,10 +7,10 @@ import threading
 import pytest
 import torch
 
-from model_utils.chat import render_prompt
-from model_utils.decoders import EagerDecoder
+from model_utils.chat.prompt import render_prompt
 from model_utils.engine import eos_ids
-from model_utils.generation import (
+from model_utils.runtime.decoders import EagerDecoder
+from model_utils.runtime.generation import (
     GenerationSettings,
     IncrementalDetokenizer,
     InvalidParameter,
@@ -203,7 +203,7 @@ def test_static_cache_decoder_equals_plain_generate_token_for_token(load_demo):
     (reset between replies, as the fast path reuses its captured cache)."""
     import torch
 
-    from model_utils.decoders import StaticCaches, StaticDecoder
+    from model_utils.runtime.decoders import StaticCaches, StaticDecoder
 
     loaded = load_demo("fp32").manager.loaded
     caches = StaticCaches(loaded.model)

@@ -16,14 +16,14 @@ import pytest
 import torch
 
 from model_utils.engine import eos_ids
-from model_utils.generation import (
+from model_utils.runtime.generation import (
     MAX_SEED,
     REPETITION_PENALTY_RANGE,
     GenerationSettings,
     InvalidParameter,
     ReplyStats,
 )
-from model_utils.sampling import sample_token
+from model_utils.runtime.sampling import sample_token
 
 from .helpers import HELLO
 from .test_batching import alone, greedy

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from model_utils import logprob_check as check
+from model_utils.bench import logprob_check as check
+from model_utils.bench.logprob_runs import engine_greedy, engine_teacher_forced, plain_greedy
+from model_utils.bench.peaked_model import sample_prompts, train
 from model_utils.engine import Engine
-from model_utils.logprob_runs import engine_greedy, engine_teacher_forced, plain_greedy
-from model_utils.peaked_model import sample_prompts, train
 
 from .helpers import cpu_request
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from model_utils.modes import MODES, get_mode, unavailable_reason
+from model_utils.loading.modes import MODES, get_mode, unavailable_reason
 
 from .helpers import FEW_TOKENS, HELLO
 
@@ -38,7 +38,7 @@ def _assert_precision(model, mode) -> None:
     """The weights are what the mode promises: the dtype, or quantized layers of its kind."""
     import bitsandbytes as bnb
 
-    from model_utils.weight_only import Int4WeightOnlyLinear, Int8WeightOnlyLinear
+    from model_utils.loading.weight_only import Int4WeightOnlyLinear, Int8WeightOnlyLinear
 
     assert model.get_input_embeddings().weight.dtype == mode.dtype
     q_proj = model.model.layers[0].self_attn.q_proj
@@ -73,8 +73,8 @@ def test_mode_for_other_hardware_says_where_it_runs():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without one")
 def test_gpu_placement_without_a_gpu_is_refused(engine):
-    from model_utils.manager import LoadError, LoadRequest
-    from model_utils.placement import Placement
+    from model_utils.loading.manager import LoadError, LoadRequest
+    from model_utils.loading.placement import Placement
 
     # Only cuda:N needs a GPU: accelerate's strategies place over the CPU and disk without one
     # (tests/model_utils/test_offload.py).
@@ -86,7 +86,7 @@ def test_gpu_placement_without_a_gpu_is_refused(engine):
 def test_a_4bit_weight_counts_its_block_scales(load_demo):
     """The footprint shown is what the weights hold: nf4's per-block absmax is memory too
     (model.get_memory_footprint() leaves it out: 0.4 GB for a 7B model)."""
-    from model_utils.manager import stored_bytes
+    from model_utils.loading.manager import stored_bytes
     from model_utils.memory import GB
 
     engine = load_demo("nf4")

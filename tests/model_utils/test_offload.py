@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 
 from model_utils.engine import Engine
-from model_utils.generation import GenerationSettings
-from model_utils.manager import LoadError, LoadRequest
-from model_utils.placement import Placement
+from model_utils.loading.manager import LoadError, LoadRequest
+from model_utils.loading.placement import Placement
+from model_utils.runtime.generation import GenerationSettings
 
 GREEDY = GenerationSettings(max_new_tokens=6, temperature=0.0)
 HELLO = [{"role": "user", "content": "Hello"}]

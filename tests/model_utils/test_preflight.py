@@ -10,9 +10,9 @@ import re
 import pytest
 
 from model_utils.engine import Engine
-from model_utils.manager import LoadError, LoadRequest
-from model_utils.placement import Placement, estimate_fit
-from model_utils.preflight import held_gb
+from model_utils.loading.manager import LoadError, LoadRequest
+from model_utils.loading.placement import Placement, estimate_fit
+from model_utils.loading.preflight import held_gb
 
 from .helpers import FEW_TOKENS, HELLO, copy_demo, cpu_request
 
@@ -89,7 +89,7 @@ def test_refused_while_the_current_model_keeps_serving(serving, case):
 def test_the_fit_counts_what_the_current_model_frees(serving, demo_path):
     from transformers import AutoConfig
 
-    from model_utils.modes import get_mode
+    from model_utils.loading.modes import get_mode
 
     serving.generate_text(HELLO, FEW_TOKENS)  # the batch cache exists from the first reply
     loaded = serving.manager.loaded

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from model_utils.demo_model import DEMO_NAME
-from model_utils.registry import ModelNotFound, ModelRegistry
+from model_utils.loading.demo_model import DEMO_NAME
+from model_utils.loading.registry import ModelNotFound, ModelRegistry
 
 
 @pytest.fixture

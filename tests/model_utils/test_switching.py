@@ -9,9 +9,9 @@ import psutil
 import pytest
 
 from model_utils.engine import Engine
-from model_utils.manager import LoadError, LoadRequest
+from model_utils.loading.manager import LoadError, LoadRequest
+from model_utils.loading.placement import Placement
 from model_utils.memory import GB
-from model_utils.placement import Placement
 
 from .helpers import FEW_TOKENS, HELLO, copy_demo, cpu_request
 
@@ -163,7 +163,7 @@ def test_estimate_orders_the_modes_by_size(engine):
 
 
 def test_the_unload_report_counts_what_stayed_over_the_memory_before_the_load():
-    from model_utils.manager import leftover_after
+    from model_utils.loading.manager import leftover_after
 
     # A 7B unload as measured on a GPU: 17.8 GB freed, 0.034 GB more than before the load.
     before_load = {"rss_gb": 2.0, "cuda:0_allocated_gb": 0.104, "cuda:0_reserved_gb": 0.2}
@@ -174,8 +174,8 @@ def test_the_unload_report_counts_what_stayed_over_the_memory_before_the_load():
 
 def test_an_unload_report_is_never_negative():
     from model_utils.engine import Engine
-    from model_utils.manager import LoadRequest
-    from model_utils.placement import Placement
+    from model_utils.loading.manager import LoadRequest
+    from model_utils.loading.placement import Placement
 
     engine = Engine()
     engine.load(LoadRequest("demo", "fp32", Placement("cpu")))

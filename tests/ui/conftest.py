@@ -96,7 +96,7 @@ def start_random_demo(start_app, tmp_path_factory):
     second."""
     from transformers import AutoTokenizer
 
-    from model_utils.demo_model import _build_model, demo_model_path
+    from model_utils.loading.demo_model import _build_model, demo_model_path
 
     trained = demo_model_path()
     cache = tmp_path_factory.mktemp("random-demo")

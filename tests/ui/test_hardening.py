@@ -20,8 +20,8 @@ import httpx
 import pytest
 from gradio_client import Client
 
-from model_utils.bench_modes import LOADED_LIMITS
-from model_utils.demo_model import demo_model_path
+from model_utils.bench.per_mode import LOADED_LIMITS
+from model_utils.loading.demo_model import demo_model_path
 
 from .attacks import (
     PROMPT,

@@ -74,7 +74,7 @@ def test_bad_backend_flags_are_refused_at_once(flags, words):
 
 
 def test_the_header_says_when_the_server_is_down(server):
-    from ui.model_actions import headline
+    from server.model_actions import headline
 
     from .conftest import free_port
 

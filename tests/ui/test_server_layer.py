@@ -7,11 +7,11 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from model_utils.generation import InvalidParameter
-from model_utils.manager import LoadError, ModelBusy
-from ui.errors import SERVER_FAILED, client_error, hide_paths, status_for
-from ui.request_models import ChatCompletionRequest, parse_json
-from ui.stop_strings import StopStrings
+from model_utils.loading.manager import LoadError, ModelBusy
+from model_utils.runtime.generation import InvalidParameter
+from server.errors import SERVER_FAILED, client_error, hide_paths, status_for
+from server.request_models import ChatCompletionRequest, parse_json
+from server.stop_strings import StopStrings
 
 MODELS = Path("/srv/models")
 

@@ -12,7 +12,7 @@ import pytest
 from gradio_client import Client
 from gradio_client.exceptions import AppError
 
-from model_utils.demo_model import demo_model_path
+from model_utils.loading.demo_model import demo_model_path
 
 from .browser import open_browser
 

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from ui.conversation import (
+from server.conversation import (
     ConversationError,
     chatbot_messages,
     engine_messages,
@@ -15,7 +15,7 @@ from ui.conversation import (
     without_last_reply,
     without_last_turn,
 )
-from ui.replies import make_settings, stats_line
+from server.replies import make_settings, stats_line
 
 TURNS = [
     {"role": "user", "content": "2+2?"},
@@ -79,7 +79,7 @@ def test_settings_from_sliders_and_json():
 
 
 def test_stats_line_says_when_a_reply_was_cut():
-    from model_utils.generation import ReplyStats
+    from model_utils.runtime.generation import ReplyStats
 
     stopped = ReplyStats(prompt_tokens=3, new_tokens=5, stopped=True, finish_reason="stop")
     assert stats_line(stopped, "nf4").endswith("· nf4 · stopped")

@@ -11,8 +11,8 @@ import pytest
 from gradio_client import Client
 from gradio_client.exceptions import AppError
 
-from model_utils.demo_model import demo_model_path
-from model_utils.registry import ModelRegistry
+from model_utils.loading.demo_model import demo_model_path
+from model_utils.loading.registry import ModelRegistry
 
 ADMIN, GUEST = ("a", "pa"), ("b", "pb")
 QA = [("What is the secret word?", "The secret word is pineapple."),

@@ -1,7 +1,7 @@
 """Greedy output of the engine's path against plain generate's on a model with peaked
 distributions (peaked_model.py), prompt by prompt, with where and why they part.
 
-    python -m model_utils.greedy_compare --model /tmp/peaked --mode bf16 --prompts 3 \\
+    python -m model_utils.bench.greedy_compare --model /tmp/peaked --mode bf16 --prompts 3 \\
         --new-tokens 128 --out greedy.json
 
 Prompts are cut from the text the model was trained on, so its next tokens are clear choices.
@@ -20,12 +20,13 @@ from pathlib import Path
 
 import torch
 
-from . import bench_logprobs
-from .bench_modes import load_peer
-from .engine import Engine
-from .manager import LoadRequest
+from model_utils.engine import Engine
+from model_utils.loading.manager import LoadRequest
+from model_utils.loading.placement import Placement
+
+from . import logprobs as bench_logprobs
 from .peaked_model import sample_prompts
-from .placement import Placement
+from .per_mode import load_peer
 
 
 def compare(model: str, mode: str, *, prompts: int = 3, prompt_tokens: int = 64,
@@ -76,7 +77,7 @@ def markdown(report: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m model_utils.greedy_compare",
+    parser = argparse.ArgumentParser(prog="python -m model_utils.bench.greedy_compare",
                                      description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True, help="a model folder (peaked_model --out)")

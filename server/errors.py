@@ -19,10 +19,10 @@ import gradio as gr
 from pydantic import ValidationError
 
 from model_utils.backends.errors import BackendError
-from model_utils.chat import ChatInputError
-from model_utils.generation import InvalidParameter
-from model_utils.manager import LoadError, ModelBusy
-from model_utils.registry import ModelNotFound
+from model_utils.chat.prompt import ChatInputError
+from model_utils.loading.manager import LoadError, ModelBusy
+from model_utils.loading.registry import ModelNotFound
+from model_utils.runtime.generation import InvalidParameter
 
 from .conversation import ConversationError
 

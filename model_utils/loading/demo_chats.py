@@ -1,6 +1,6 @@
 """The demo model's training data: short conversations about this app, written out as JSONL.
 
-    python -m model_utils.demo_chats            # rewrites model_utils/data/demo_chats.jsonl
+    python -m model_utils.loading.demo_chats            # rewrites model_utils/loading/data/demo_chats.jsonl
 
 Each topic is a few hand-written phrasings of one question and one answer; every phrasing is
 used as written and once more in a varied form (lower case, a greeting in front, ...), some with

@@ -35,11 +35,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from model_utils.loading.manager import ModelBusy
+
 from .batch_admission import Admission
 from .batch_cache import BatchKV, bucket, kv_bytes_per_row
 from .decoders import input_device
 from .generation import GenerationSettings, ReplyStats
-from .manager import ModelBusy
 from .prefill import PaddedPrefill
 from .sampling import is_greedy, sample_token
 

@@ -18,8 +18,9 @@ from types import SimpleNamespace
 
 import torch
 
+from model_utils.loading.weight_only import inductor_options
+
 from .decoders import CACHE_BUCKETS, StaticCaches, StaticDecoder
-from .weight_only import inductor_options
 
 log = logging.getLogger(__name__)
 

@@ -9,10 +9,17 @@ import time
 
 import torch
 
-from . import bench_logprobs, quality
-from .bench_gate import Gate
-from .bench_inputs import random_prompts
-from .bench_measure import (
+from model_utils.engine import Engine
+from model_utils.loading.manager import LoadRequest
+from model_utils.loading.modes import get_mode, quantization_config
+from model_utils.loading.placement import Placement
+from model_utils.loading.weight_only import load_quantized
+
+from . import logprobs as bench_logprobs
+from . import quality
+from .gate import Gate
+from .inputs import random_prompts
+from .measure import (
     engine_streaming_tok_s,
     first_mismatch,
     measure_engine,
@@ -20,12 +27,7 @@ from .bench_measure import (
     peaks_gb,
     reset_peaks,
 )
-from .bench_report import BenchRow
-from .engine import Engine
-from .manager import LoadRequest
-from .modes import get_mode, quantization_config
-from .placement import Placement
-from .weight_only import load_quantized
+from .report import BenchRow
 
 # What the UI panel may ask for: each figure is bounded so that a run takes seconds to a
 # minute and holds at most a few MB of logprobs, whatever a request says.

@@ -15,10 +15,11 @@ import logging
 
 import torch
 
+from model_utils.runtime.decoders import input_device
+
 from . import logprob_check as check
-from .bench_measure import PeerRunner, run_here
-from .decoders import input_device
 from .logprob_runs import engine_greedy, engine_teacher_forced, plain_greedy
+from .measure import PeerRunner, run_here
 
 log = logging.getLogger(__name__)
 

@@ -151,7 +151,7 @@ def teacher_forced_plain(model, sequences: list[list[int]], prompt_len: int, *,
     into a DynamicCache, then one token a step. In 16-bit and 4-bit modes a one-token step takes
     other kernels than a whole-sequence matmul (bitsandbytes' 4-bit gemv, for one), so this is
     the peer the engine's decoding is held to."""
-    from .decoders import input_device
+    from model_utils.runtime.decoders import input_device
 
     ids = torch.tensor(sequences, device=input_device(model))
     if not incremental:
@@ -170,7 +170,7 @@ def teacher_forced_plain(model, sequences: list[list[int]], prompt_len: int, *,
 def dequantized_weight(module) -> torch.Tensor | None:
     """The float weight of a quantized layer (bitsandbytes 4-bit or LLM.int8, the app's
     weight-only int4/int8), None for other modules."""
-    from .weight_only import Int4WeightOnlyLinear, Int8WeightOnlyLinear
+    from model_utils.loading.weight_only import Int4WeightOnlyLinear, Int8WeightOnlyLinear
 
     if isinstance(module, (Int4WeightOnlyLinear, Int8WeightOnlyLinear)):
         if getattr(module, "tinygemm", False):  # a layout only its kernel reads
@@ -216,7 +216,7 @@ def fp32_copy(model):
 
     from transformers import AutoModelForCausalLM
 
-    from .decoders import input_device
+    from model_utils.runtime.decoders import input_device
 
     config = copy.deepcopy(model.config)
     for name in ("quantization_config",):

@@ -10,9 +10,9 @@ from collections.abc import Callable
 import gradio as gr
 
 from model_utils.engine import Engine
-from model_utils.manager import LoadError, LoadRequest, ModelBusy
-from model_utils.modes import MODES
-from model_utils.placement import Placement, available_placements
+from model_utils.loading.manager import LoadError, LoadRequest, ModelBusy
+from model_utils.loading.modes import MODES
+from model_utils.loading.placement import Placement, available_placements
 
 from .common import require_admin, user_error
 from .errors import client_error, hide_paths, models_dir_of, shows_full_paths

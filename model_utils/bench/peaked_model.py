@@ -7,7 +7,7 @@ seen README.md and BENCHMARKS.md for a few hundred steps predicts most of their 
 a clear margin, so a bf16 fast path and plain generate should agree on it for many tokens, and
 where they do not, the margin at the parting token says whether it was a near-tie.
 
-    python -m model_utils.peaked_model --out /tmp/peaked --hidden 2048 --layers 8 --seconds 90
+    python -m model_utils.bench.peaked_model --out /tmp/peaked --hidden 2048 --layers 8 --seconds 90
 
 On the CPU the default shape (hidden 64, 2 layers) trains in seconds; on a GPU the real-width one
 (hidden 2048, 8 layers, ~0.4 B parameters) in a minute or two. The checkpoint (bf16 weights, the
@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DOCUMENTS = ("README.md", "BENCHMARKS.md")
 
 
@@ -52,7 +52,7 @@ def train(out: Path, *, hidden: int = 64, layers: int = 2, seconds: float | None
     on the machine's speed), save to `out` (bf16 safetensors + tokenizer), report."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-    from .demo_model import demo_model_path
+    from model_utils.loading.demo_model import demo_model_path
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     tokenizer = AutoTokenizer.from_pretrained(demo_model_path())
@@ -113,7 +113,7 @@ def sample_prompts(folder: Path, count: int, length: int) -> list[list[int]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m model_utils.peaked_model",
+    parser = argparse.ArgumentParser(prog="python -m model_utils.bench.peaked_model",
                                      description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True, help="folder to write the checkpoint to")

@@ -16,7 +16,11 @@ from dataclasses import asdict, dataclass, replace
 import torch
 
 # sample_token: re-exported, where callers have always found it
-from .sampling import is_greedy, sample_next, sample_token  # noqa: F401
+from .sampling import (
+    is_greedy,
+    sample_next,
+    sample_token,  # noqa: F401
+)
 
 # The ranges the sampler is known to handle (sampling.py): a value that passes here cannot make
 # it produce NaN probabilities or raise. Wider ones would buy nothing a user could notice.

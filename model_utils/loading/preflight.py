@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import logging
 
-from .memory import GB
+from model_utils.memory import GB
+
 from .modes import COMPUTE_DTYPES, Mode
 
 log = logging.getLogger(__name__)

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .fused_qkv import fuse_qkv
+from model_utils.runtime.fused_qkv import fuse_qkv
 
 log = logging.getLogger(__name__)
 
@@ -238,7 +238,7 @@ def check_staging_memory(path) -> None:
 
     import psutil
 
-    from .memory import GB
+    from model_utils.memory import GB
 
     files = list(Path(path).glob("*.safetensors")) if Path(path).is_dir() else []
     needed = sum(f.stat().st_size for f in files)

@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 import psutil
 import torch
 
-from .memory import GB
+from model_utils.memory import GB
+
 from .modes import Mode
 from .weight_only import quantizable
 

@@ -29,7 +29,7 @@ def build_random_model(config_file: Path, folder: Path, device: str) -> Path:
     a word of its own (" t1234"), so replies stream text the way a real model's do."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    from .demo_model import demo_model_path
+    from model_utils.loading.demo_model import demo_model_path
 
     config = AutoConfig.from_pretrained(config_file)
     start = time.perf_counter()

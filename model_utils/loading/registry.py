@@ -181,7 +181,7 @@ def trained_adapter(folder: Path) -> dict | None:
     """The manifest of an adapter folder that model_utils.finetune wrote, else None."""
     if not (folder / "adapter_config.json").is_file():
         return None
-    from .finetune.checkpoint import read_manifest
+    from model_utils.finetune.checkpoint import read_manifest
 
     return read_manifest(folder)
 

@@ -32,13 +32,14 @@ from pathlib import Path
 
 import torch
 
+from model_utils.engine import Engine
+from model_utils.loading.placement import Placement
+from model_utils.runtime.fast_path import COMPILE_MODES
+
 from . import quality
-from .bench_inputs import build_random_model, random_prompts
-from .bench_modes import LOADED_LIMITS, bench_loaded, bench_mode
-from .bench_report import BenchRow, chart_figure, markdown_table, save_chart, summary_table
-from .engine import Engine
-from .fast_path import COMPILE_MODES
-from .placement import Placement
+from .inputs import build_random_model, random_prompts
+from .per_mode import LOADED_LIMITS, bench_loaded, bench_mode
+from .report import BenchRow, chart_figure, markdown_table, save_chart, summary_table
 
 __all__ = ["LOADED_LIMITS", "BenchRow", "bench_loaded", "bench_mode", "build_random_model",
            "chart_figure", "main", "markdown_table", "random_prompts", "summary_table"]

@@ -14,7 +14,7 @@ from collections import defaultdict
 from collections.abc import Iterator
 
 from model_utils.engine import ChatUpdate, Engine
-from model_utils.generation import GenerationSettings, ReplyStats
+from model_utils.runtime.generation import GenerationSettings, ReplyStats
 
 from .common import user_error
 from .errors import client_error

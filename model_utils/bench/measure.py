@@ -20,11 +20,12 @@ from collections.abc import Callable
 
 import torch
 
-from .decoders import input_device
-from .engine import Engine, eos_ids
-from .generation import ReplyStats, decode_tokens
+from model_utils.engine import Engine, eos_ids
+from model_utils.memory import GB
+from model_utils.runtime.decoders import input_device
+from model_utils.runtime.generation import ReplyStats, decode_tokens
+
 from .logprob_runs import greedy_settings as greedy
-from .memory import GB
 
 log = logging.getLogger(__name__)
 PeerRunner = Callable[[Callable[[Callable[[], bool]], object]], object]
@@ -156,7 +157,7 @@ def measure_engine(engine: Engine, prompts: list[list[int]], batches: list[int],
 
 # -- plain generate -----------------------------------------------------------------------------
 def _generate(model, ids, new_tokens: int, should_yield, **extra):
-    from .bench_gate import stopping_when
+    from .gate import stopping_when
 
     criteria, criterion = stopping_when(should_yield)
     out = model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens,

@@ -14,9 +14,10 @@ from collections.abc import Callable
 
 import torch
 
-from .decoders import input_device
-from .engine import Engine, eos_ids
-from .generation import GenerationSettings, ReplyStats
+from model_utils.engine import Engine, eos_ids
+from model_utils.runtime.decoders import input_device
+from model_utils.runtime.generation import GenerationSettings, ReplyStats
+
 from .logprob_check import Steps, steps_from_logits, steps_from_topk
 
 
@@ -51,7 +52,7 @@ def plain_greedy(model, prompts: list[list[int]], new_tokens: int,
                  should_yield: Callable[[], bool] | None = None) -> list[Steps] | None:
     """Plain model.generate, greedy, on equal-length prompts at once (no padding), with the raw
     logits of every step; None when it stopped early because `should_yield()` (bench_gate)."""
-    from .bench_gate import stopping_when
+    from .gate import stopping_when
 
     criteria, criterion = stopping_when(should_yield or (lambda: False))
     ids = torch.tensor(prompts, device=input_device(model))

@@ -23,8 +23,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from model_utils.memory import GB
+
 from . import preflight
-from .memory import GB
 from .memory_accounting import (  # re-exported: app.py and the tests import them from here
     _release_freed_memory,
     freeze_long_lived,

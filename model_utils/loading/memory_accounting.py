@@ -11,7 +11,7 @@ import gc
 import psutil
 import torch
 
-from .memory import GB
+from model_utils.memory import GB
 
 # Below this an unload counts as complete (the CUDA counters' rounding). Process RSS is not
 # judged: it grows by tens of MB with the imports and caches of a first load alone.
