@@ -162,9 +162,10 @@ def main(argv: list[str] | None = None) -> int:
     from fastapi import APIRouter
 
     import ui
+    from model_utils import process_tuning
     from model_utils.engine import Engine
-    from model_utils.loading.manager import freeze_long_lived
 
+    process_tuning.tune_process()  # allocator, GC and warnings: this process serves for long
     try:
         engine = remote_engine(args) if args.backend else Engine(
             models_dir=args.models_dir, trust_remote_code=args.trust_remote_code,
@@ -208,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
         log.error("cannot serve on %s:%s: %s", args.host, args.port, error)
         return 1
     log.info("serving on %s", local_url)
-    freeze_long_lived()  # the web server's objects too: no long GC pauses while serving
+    process_tuning.serving_started()  # the web server's objects: no long GC pauses either
     if args.share:
         if share_url:
             log.info("public share link: %s", share_url)

@@ -17,7 +17,6 @@ import contextlib
 import logging
 import threading
 import time
-import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
@@ -25,13 +24,12 @@ import torch
 
 from model_utils.memory import GB
 
+from .. import process_tuning
 from . import preflight
 from .memory_accounting import (  # re-exported: app.py and the tests import them from here
     _release_freed_memory,
-    freeze_long_lived,
     leftover_after,
     memory_counters,
-    pin_mmap_threshold,
     stored_bytes,
     summarize_device_map,
 )
@@ -50,9 +48,6 @@ from .registry import ModelRegistry, ModelSource
 from .weight_only import load_quantized
 
 log = logging.getLogger(__name__)
-
-# bitsandbytes warns on every int8 matmul whose input is not fp16; the app picks the dtypes.
-warnings.filterwarnings("ignore", message="MatMul8bitLt: inputs will be cast")
 
 Progress = Callable[[float, str], None]
 
@@ -117,7 +112,6 @@ class ModelManager:
                  busy_timeout_s: float = 30.0):
         self.registry = registry
         self.trust_remote_code = trust_remote_code
-        pin_mmap_threshold()
         self.busy_timeout_s = busy_timeout_s
         self._lock = threading.RLock()  # one load/unload/switch at a time
         self._users = 0  # replies streaming from the current model
@@ -320,7 +314,7 @@ class ModelManager:
         self._loaded = loaded
         if self.on_loaded is not None:
             self.on_loaded(loaded, progress)
-        freeze_long_lived()
+        process_tuning.model_loaded()
         after = memory_counters()
         log.info("loaded %s mode=%s placement=%s in %.2f s; from_pretrained(%s, %s); "
                  "footprint %.3f GB; device map %s; memory before %s after %s",

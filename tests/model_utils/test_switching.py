@@ -8,6 +8,7 @@ import weakref
 import psutil
 import pytest
 
+from model_utils import process_tuning
 from model_utils.engine import Engine
 from model_utils.loading.manager import LoadError, LoadRequest
 from model_utils.loading.placement import Placement
@@ -50,8 +51,9 @@ def wide_models_dir(tmp_path_factory, demo_path):
 
 
 def test_switch_chain_answers_and_gives_memory_back(wide_models_dir):
-    # The engine pins glibc's mmap threshold itself (manager.pin_mmap_threshold), which is what
-    # makes RSS drop after an unload; this test holds it to that.
+    # The app tunes its process (process_tuning: glibc's mmap threshold pinned, which is what
+    # makes RSS drop after an unload); this test holds a process tuned the same way to that.
+    process_tuning.tune_process()
     engine = Engine(models_dir=wide_models_dir)
     # Warm-up: the first int8 / 4-bit / bf16 matmul on a CPU loads bitsandbytes' kernels and
     # torch's bf16 code paths once for the life of the process (~50 MB measured); that is not

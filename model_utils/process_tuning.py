@@ -1,0 +1,48 @@
+"""Process-wide settings for a process that serves one engine for a long time (app.py, the CLI).
+
+Importing or constructing the engine changes nothing outside it; a program that hosts the
+engine opts in with one call, `tune_process()`, which:
+
+- pins glibc's mmap threshold (memory_accounting.pin_mmap_threshold), so that an unloaded
+  model's weights leave the process's RSS instead of staying in the heap;
+- freezes the objects alive after each model load (and after `serving_started()`, the web
+  server's) out of the garbage collector's full passes, which otherwise pause every thread,
+  the decode loop's included, for a scan of ~500 000 long-lived objects
+  (memory_accounting.freeze_long_lived has the measurement);
+- silences bitsandbytes' per-call warning that int8 matmul inputs are cast: the app picks the
+  dtypes on purpose, and the warning would fill the log on every decode step.
+
+A library user (a notebook, a test) that does not call it gets the engine with none of these.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+_tuned = False
+
+
+def tune_process() -> None:
+    global _tuned
+    from .loading.memory_accounting import pin_mmap_threshold
+
+    pin_mmap_threshold()
+    warnings.filterwarnings("ignore", message="MatMul8bitLt: inputs will be cast")
+    _tuned = True
+
+
+def tuned() -> bool:
+    return _tuned
+
+
+def model_loaded() -> None:
+    """Called by the manager after each load: freeze what is alive now, if tuned."""
+    if _tuned:
+        from .loading.memory_accounting import freeze_long_lived
+
+        freeze_long_lived()
+
+
+def serving_started() -> None:
+    """Called by app.py once the web server is up: its objects are long-lived too."""
+    model_loaded()
