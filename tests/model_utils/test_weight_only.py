@@ -255,10 +255,12 @@ def test_unloading_a_weight_only_model_gives_its_memory_back(wide_models_dir):  
     """Process RSS after each unload returns to where it was (test_switching.py explains the
     bound), and the unload gave back at least half of the quantized weights' footprint: neither
     the quantized layers nor the bf16 checkpoint they were made from stay behind."""
+    from model_utils import process_tuning
     from model_utils.engine import Engine
 
     from .test_switching import MB, RSS_BOUND_MB
 
+    process_tuning.tune_process()  # as app.py does: RSS drops after an unload only when tuned
     engine = Engine(models_dir=wide_models_dir)
     for mode in ("bf16", *WEIGHT_ONLY):  # first-use costs of the kernels, paid once
         engine.load(cpu_request(mode, model="wide"))
