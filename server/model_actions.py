@@ -113,6 +113,9 @@ def status_markdown(status: dict) -> str:
     lines.append(f"footprint {status.get('footprint_gb', 0):.4f} GB · tokenizer and weights "
                  f"read in {status.get('load_s', 0):.2f} s · context {status.get('context_tokens')} "
                  f"tokens · decode path {path}")
+    if status.get("load_stages"):
+        stages = ", ".join(f"{s['stage']} {s['s']:.1f} s" for s in status["load_stages"])
+        lines.append(f"getting ready took {status.get('ready_s', 0):.1f} s: {stages}")
     if status.get("estimate"):
         lines.append(f"estimate at load: {status['estimate']}")
     return "\n\n".join(lines)
@@ -121,10 +124,12 @@ def status_markdown(status: dict) -> str:
 def loaded_message(status: dict, ready_s: float) -> str:
     """What a Load click did, each figure named: the whole wait (unloading the previous
     model, reading the weights, preparing decoding) and the part spent reading weights."""
+    stages = "; ".join(f"{s['stage']} {s['s']:.1f} s" for s in status.get("load_stages", [])
+                       if s["s"] >= 0.05)
     return (f"Loaded {status['model']} in {status['mode']}: ready to serve {ready_s:.2f} s "
             f"after the click; {status.get('load_s', 0):.2f} s of that went to reading the "
             "tokenizer and weights (the rest: unloading the previous model, checking the "
-            "request, preparing decoding).")
+            "request, preparing decoding)." + (f" Stages: {stages}." if stages else ""))
 
 
 def unload_message(status: dict) -> str:

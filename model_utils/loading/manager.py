@@ -26,6 +26,8 @@ from model_utils.memory import GB
 
 from .. import process_tuning
 from . import preflight
+from .load_stages import Stage, StageClock
+from .load_stages import summary as stage_summary
 from .memory_accounting import (  # re-exported: app.py and the tests import them from here
     _release_freed_memory,
     leftover_after,
@@ -90,6 +92,10 @@ class LoadedModel:
     memory_stages: dict[str, dict] = field(default_factory=dict)
     # memory_counters() just before this model was loaded: what an unload should come back to
     memory_before_load: dict[str, float] = field(default_factory=dict)
+    # Each stage of getting ready (reading weights, quantizing, compiling, capturing) and the
+    # whole of it, from the request to the first reply it can serve.
+    stages: list[Stage] = field(default_factory=list)
+    ready_s: float = 0.0
 
     @property
     def display_name(self) -> str:
@@ -187,7 +193,8 @@ class ModelManager:
     def _replace_locked(self, request: LoadRequest, progress: Progress) -> LoadedModel:
         previous = self._loaded.request if self._loaded else None
         if previous is not None:
-            progress(0.05, f"unloading {self._loaded.display_name}")
+            last = self._loaded.ready_s
+            progress(0.05, f"unloading {self._loaded.display_name} (its load took {last:.0f} s)")
             self._unload_locked()
         try:
             return self._load_locked(request, progress)
@@ -268,6 +275,7 @@ class ModelManager:
     def _load_locked(self, request: LoadRequest, progress: Progress) -> LoadedModel:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
+        progress = clock = StageClock(progress)
         progress(0.1, f"resolving {request.model}")
         source, mode, config = self._check(request)
         context = self._context_tokens(config, request)
@@ -315,12 +323,14 @@ class ModelManager:
         if self.on_loaded is not None:
             self.on_loaded(loaded, progress)
         process_tuning.model_loaded()
+        loaded.stages, loaded.ready_s = clock.finish(), clock.elapsed
         after = memory_counters()
         log.info("loaded %s mode=%s placement=%s in %.2f s; from_pretrained(%s, %s); "
                  "footprint %.3f GB; device map %s; memory before %s after %s",
                  source.label, mode.name, request.placement.describe(), load_s, source.path,
                  logged_kwargs, loaded.footprint_gb, loaded.device_map, _fmt(before), _fmt(after))
-        progress(1.0, f"loaded {source.label} in {mode.name} ({load_s:.1f} s)")
+        clock.report(1.0, f"loaded {source.label} in {mode.name}: ready in {loaded.ready_s:.1f} s "
+                          f"({stage_summary(loaded.stages)})")
         return loaded
 
     def _unload_locked(self) -> UnloadReport | None:
@@ -357,6 +367,8 @@ class ModelManager:
             "placement": loaded.request.placement.describe(),
             "device_map": loaded.device_map,
             "load_s": round(loaded.load_s, 3),
+            "ready_s": round(loaded.ready_s, 2),
+            "load_stages": [stage.as_dict() for stage in loaded.stages],
             "footprint_gb": round(loaded.footprint_gb, 4),
             "context_tokens": loaded.context_tokens,
             "decode_path": loaded.decode_path,
