@@ -182,7 +182,7 @@ def test_switch_mode_updates_status_and_memory(page, artifacts):
     # The message once done (the progress line drawn there during the load says "loaded" too).
     page.locator("#model-message").get_by_text("ready to serve").wait_for(timeout=60000)
     # The status box is refreshed by a timer too: one taken mid-switch may still be on its way.
-    page.locator("#model-status").get_by_text("nf4", exact=False).wait_for()
+    page.locator("#model-status").get_by_text("nf4", exact=True).wait_for()
     status = page.locator("#model-status").inner_text()
     assert "nf4" in status and "cpu" in status and "0-3" in status
     # The header follows (a memory tick taken mid-switch may show "no model" for a moment).

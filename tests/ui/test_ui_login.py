@@ -59,7 +59,7 @@ def test_guest_sees_load_and_unload_disabled_with_the_reason(browser, app, artif
 def test_admin_sees_load_and_unload_enabled(browser, app):
     page = log_in(browser, app.url, "boss", "pw1")
     page.get_by_role("tab", name="Model").click()
-    page.locator("#model-status").get_by_text("bf16").wait_for()
+    page.locator("#model-status").get_by_text("bf16", exact=True).wait_for()
     page.wait_for_timeout(1000)  # past the page-load handlers that disable them for guests
     assert page.locator("#load").is_enabled() and page.locator("#unload").is_enabled()
     assert "disabled" not in page.locator("#admin-note").inner_text()

@@ -99,7 +99,7 @@ def test_every_page_follows_a_change_made_through_the_api(browser, app, artifact
         client.predict("demo", "nf4", "cpu", None, None, "bf16", 2048, api_name="/load_model")
         for page in (chat_page, other):
             page.locator("#headline").get_by_text("nf4").wait_for()
-        chat_page.locator("#model-status").get_by_text("nf4").wait_for()
+        chat_page.locator("#model-status").get_by_text("nf4", exact=True).wait_for()
         chat_page.get_by_role("tab", name="Chat").click()
         wait_until(lambda: slider_max(chat_page) == 2048, "the slider to follow the context")
         tokens = chat_page.locator('input[aria-label^="number input for max_new_tokens"]')
