@@ -16,7 +16,8 @@ from pathlib import Path
 import torch
 
 from .chat.prompt import prepare_prompt, render_prompt, split_reasoning, supports_thinking
-from .loading.manager import LoadedModel, LoadRequest, ModelBusy, ModelManager, Progress
+from .errors import ShuttingDown
+from .loading.manager import LoadedModel, LoadRequest, ModelManager, Progress
 from .loading.placement import FitEstimate
 from .loading.registry import ModelRegistry
 from .memory import GB, MemoryHistory, MemorySnapshot, torch_cuda_gb
@@ -33,10 +34,6 @@ from .runtime.generation import (
 from .runtime.worker import DecodeWorker
 
 log = logging.getLogger(__name__)
-
-
-class ShuttingDown(ModelBusy):
-    """The server is closing: no new reply starts, and open ones may be ended early."""
 
 
 @dataclass

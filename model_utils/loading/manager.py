@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from model_utils.errors import LoadError, ModelBusy
 from model_utils.memory import GB
 
 from . import preflight
@@ -55,14 +56,6 @@ log = logging.getLogger(__name__)
 warnings.filterwarnings("ignore", message="MatMul8bitLt: inputs will be cast")
 
 Progress = Callable[[float, str], None]
-
-
-class LoadError(RuntimeError):
-    """A load that did not happen; the message is meant for the user."""
-
-
-class ModelBusy(RuntimeError):
-    """A switch refused because replies are still streaming."""
 
 
 @dataclass(frozen=True)

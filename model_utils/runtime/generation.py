@@ -15,6 +15,8 @@ from dataclasses import asdict, dataclass, replace
 
 import torch
 
+from model_utils.errors import InvalidParameter
+
 # sample_token: re-exported, where callers have always found it
 from .sampling import (
     is_greedy,
@@ -28,14 +30,6 @@ MAX_TEMPERATURE = 100.0
 REPETITION_PENALTY_RANGE = (0.01, 10.0)
 MAX_TOP_K = 1_000_000  # more than any vocabulary: "all tokens"
 MAX_SEED = 2**63 - 1  # torch.Generator.manual_seed takes a signed 64-bit integer
-
-
-class InvalidParameter(ValueError):
-    """A generation setting out of range; .name is the parameter."""
-
-    def __init__(self, name: str, message: str):
-        super().__init__(f"{name}: {message}")
-        self.name = name
 
 
 @dataclass(frozen=True)
