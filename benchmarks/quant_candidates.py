@@ -66,7 +66,7 @@ class LoadLog(logging.Handler):
     """What the engine said while getting a candidate ready (which forward each graph captured,
     what failed): kept with its results, since a GPU run is seldom repeated."""
 
-    NAMES = ("model_utils.runtime.fast_path", "model_utils.runtime.prefill", "model_utils.engine",
+    NAMES = ("model_utils.runtime.cuda_graphs", "model_utils.runtime.prefill", "model_utils.engine",
              "model_utils.loading.weight_only", "model_utils.runtime.batching")
 
     def __init__(self):

@@ -21,7 +21,7 @@ from .loading.manager import LoadedModel, LoadRequest, ModelManager, Progress
 from .loading.placement import FitEstimate
 from .loading.registry import ModelRegistry
 from .memory import GB, MemoryHistory, MemorySnapshot, torch_cuda_gb
-from .runtime import attention, batch_cache, fast_path, prefill
+from .runtime import attention, batch_cache, cuda_graphs, prefill
 from .runtime.batching import BatchScheduler, EagerStep
 from .runtime.decoders import EagerDecoder
 from .runtime.fused_qkv import fuse_qkv
@@ -72,7 +72,7 @@ class Engine:
         self.compile = compile
         self.compile_mode = compile_mode  # torch.compile mode of the fast path's step
         # Batched steps of up to this many rows are torch.compile'd before their CUDA graph is
-        # captured; larger ones capture the plain forward (see fast_path.GraphedBatchStep).
+        # captured; larger ones capture the plain forward (see cuda_graphs.GraphedBatchStep).
         self.compiled_rows = compiled_rows
         # Concurrent replies are decoded together, up to max_batch at once; max_queue more may
         # wait for a place, and one more is refused with batching.QueueFull.
@@ -105,23 +105,18 @@ class Engine:
         attention.use_packed_decode(loaded.model)
         batches, why_not = batch_cache.support(loaded.model)
         if not batches:
-            # Replies take turns on the single-stream path (compiled where it applies).
+            # Replies take turns on the single-stream eager decoder (decoders.EagerDecoder).
             log.warning("%s: replies are not batched (%s)", loaded.display_name, why_not)
-            if not self.compile:
-                loaded.decode_path_reason = "eager path: compilation turned off (--no-compile)"
-            else:
-                self.worker.call(lambda: fast_path.attach(loaded, progress,
-                                                          inductor_mode=self.compile_mode))
-            loaded.decode_path_reason += f"; replies take turns ({why_not})"
+            loaded.decode_path_reason = f"eager path; replies take turns ({why_not})"
             return
         step, path = EagerStep(loaded.model), "eager"
-        applies, why = fast_path.support(loaded)
+        applies, why = cuda_graphs.support(loaded)
         if not self.compile:
             why = "eager path: compilation turned off (--no-compile)"
         elif applies:
             fused = fuse_qkv(loaded.model)  # before compiling: the step traces the fused forward
-            step = fast_path.GraphedBatchStep(loaded.model, self.compile_mode,
-                                              compiled_rows=self.compiled_rows)
+            step = cuda_graphs.GraphedBatchStep(loaded.model, self.compile_mode,
+                                                compiled_rows=self.compiled_rows)
             path = "static-cache+cuda-graphs (batched)"
             why = "compiled path: batched static KV cache + CUDA graphs" + \
                   (", one q/k/v matmul per layer" if fused else "")
@@ -344,9 +339,7 @@ class Engine:
         return self.worker.stream(produce)
 
     @staticmethod
-    def decoder_for(loaded: LoadedModel):
-        if loaded.fast_path is not None:
-            return loaded.fast_path.decoder()
+    def decoder_for(loaded: LoadedModel) -> EagerDecoder:
         return EagerDecoder(loaded.model)
 
     def generate_text(self, messages: list[dict], settings: GenerationSettings | None = None,

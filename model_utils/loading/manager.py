@@ -82,7 +82,6 @@ class LoadedModel:
     from_pretrained_kwargs: dict
     decode_path: str = "eager"
     decode_path_reason: str = ""
-    fast_path: object | None = None  # fast_path.FastPath when the compiled path applies
     batcher: object | None = None  # batching.BatchScheduler when replies are batched
     # CUDA memory after each step of getting ready to decode (memory.torch_cuda_gb), in order
     memory_stages: dict[str, dict] = field(default_factory=dict)

@@ -25,8 +25,10 @@ from __future__ import annotations
 import torch
 
 from .attention import NAME as PACKED_SDPA
-from .decoders import CACHE_BUCKETS
 
+# The slot windows a decode step runs on (the cache's first `w` slots): each is one fixed shape
+# for a captured step, so a reply growing past one moves to the next instead of a new shape.
+CACHE_BUCKETS = (1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 SUPPORTED_LAYERS = {"full_attention", "sliding_attention"}
 # Attention implementations whose mask we can build ourselves: sdpa takes a boolean mask (True =
