@@ -22,7 +22,6 @@ from .loading.placement import FitEstimate
 from .loading.registry import ModelRegistry
 from .memory import GB, MemoryHistory, MemorySnapshot, torch_cuda_gb
 from .runtime import attention, batch_cache, cuda_graphs, prefill
-from .runtime.batching import BatchScheduler, EagerStep
 from .runtime.decoders import EagerDecoder
 from .runtime.fused_qkv import fuse_qkv
 from .runtime.generation import (
@@ -31,6 +30,8 @@ from .runtime.generation import (
     ReplyStats,
     decode_tokens,
 )
+from .runtime.runner import BatchRunner, EagerStep
+from .runtime.scheduler import Scheduler, check_limits
 from .runtime.worker import DecodeWorker
 
 log = logging.getLogger(__name__)
@@ -75,9 +76,9 @@ class Engine:
         # captured; larger ones capture the plain forward (see cuda_graphs.GraphedBatchStep).
         self.compiled_rows = compiled_rows
         # Concurrent replies are decoded together, up to max_batch at once; max_queue more may
-        # wait for a place, and one more is refused with batching.QueueFull.
+        # wait for a place, and one more is refused with errors.QueueFull.
         self.max_batch, self.max_queue = max_batch, max_queue
-        BatchScheduler.check_limits(max_batch, max_queue)
+        check_limits(max_batch, max_queue)
         # Every forward pass (warm-up and replies) runs on this one thread.
         self.worker = DecodeWorker()
         self.manager.on_loaded = self._prepare_decoding
@@ -122,10 +123,12 @@ class Engine:
                   (", one q/k/v matmul per layer" if fused else "")
         loaded.decode_path, loaded.decode_path_reason = path, \
             f"{why}; up to {self.max_batch} concurrent replies decoded together"
-        loaded.batcher = BatchScheduler(loaded.model, post=self.worker.post,
-                                        context_tokens=loaded.context_tokens,
-                                        max_batch=self.max_batch, max_queue=self.max_queue,
-                                        step_fn=step, path_name=path)
+        runner = BatchRunner(loaded.model, context_tokens=loaded.context_tokens,
+                             max_batch=self.max_batch, step_fn=step)
+        loaded.batcher = Scheduler(runner, post=self.worker.post,
+                                   context_tokens=loaded.context_tokens,
+                                   max_batch=self.max_batch, max_queue=self.max_queue,
+                                   path_name=path)
         if path != "eager":
             self._warm_up(loaded, progress)
 
@@ -133,7 +136,7 @@ class Engine:
         """Compile and capture the decode step now, for one reply and for every batch size up
         to max_batch, so that no user waits for it: a shape first met while serving stalls
         every reply decoding (capturing 32 rows took 1.3 s on the H200, run F)."""
-        batcher = loaded.batcher
+        batcher = loaded.batcher.runner
         progress(0.6, "compiling the batched decode step (one reply)")
         start = time.perf_counter()
         self.worker.call(batcher.warm_up)
@@ -221,7 +224,7 @@ class Engine:
         loaded = self.manager.loaded
         if loaded is not None and status.get("loaded"):
             if loaded.batcher is not None:
-                status["kv_cache_gb"] = round(loaded.batcher.cache_bytes() / GB, 4)
+                status["kv_cache_gb"] = round(loaded.batcher.runner.cache_bytes() / GB, 4)
             if loaded.memory_stages:
                 status["memory_stages"] = dict(loaded.memory_stages)
         return status

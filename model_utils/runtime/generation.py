@@ -22,6 +22,7 @@ from .sampling import (
     is_greedy,
     sample_next,
     sample_token,  # noqa: F401
+    suppress,
 )
 
 # The ranges the sampler is known to handle (sampling.py): a value that passes here cannot make
@@ -180,8 +181,7 @@ def decode_tokens(decoder, input_ids: list[int], settings: GenerationSettings, *
             finish = "stop"
             break
         if n < settings.min_new_tokens and eos_ids:
-            logits = logits.clone()
-            logits[list(eos_ids)] = -math.inf
+            logits = suppress(logits, eos_ids)
         token = sample_next(logits, settings, seen, generator)
         now = time.perf_counter()
         if n == 0:
