@@ -136,27 +136,27 @@ class Engine:
         """Compile and capture the decode step now, for one reply and for every batch size up
         to max_batch, so that no user waits for it: a shape first met while serving stalls
         every reply decoding (capturing 32 rows took 1.3 s on the H200, run F)."""
-        batcher = loaded.batcher.runner
+        runner = loaded.batcher.runner
         progress(0.6, "compiling the batched decode step (one reply)")
         start = time.perf_counter()
-        self.worker.call(batcher.warm_up)
-        failed = getattr(batcher.step_fn, "failed", None)
+        self.worker.call(runner.warm_up)
+        failed = getattr(runner.step_fn, "failed", None)
         if failed:  # the one-row step did not capture: replies run uncaptured
             loaded.decode_path = "eager"
             loaded.decode_path_reason = f"eager path: compiling failed ({failed})"
             return
         if self.max_batch > 1:
             progress(0.9, f"capturing the decode step for 2-{self.max_batch} replies at once")
-            self.worker.call(lambda: batcher.warm_up(range(2, self.max_batch + 1)))
-            if getattr(batcher.step_fn, "failed", None):  # those shapes decode uncaptured
-                log.warning("some batch sizes run uncaptured: %s", batcher.step_fn.failed)
+            self.worker.call(lambda: runner.warm_up(range(2, self.max_batch + 1)))
+            if getattr(runner.step_fn, "failed", None):  # those shapes decode uncaptured
+                log.warning("some batch sizes run uncaptured: %s", runner.step_fn.failed)
         self._record_memory(loaded, "decode graphs")
         applies, why_not = prefill.support(loaded.model)
         if applies:
             progress(0.95, "capturing the prefill of short prompts")
-            capture = batcher.step_fn.capture  # the decode steps' pool and warm-up stream
-            self.worker.call(lambda: batcher.use_padded_prefill(capture))
-            padded = batcher.padded_prefill
+            capture = runner.step_fn.capture  # the decode steps' pool and warm-up stream
+            self.worker.call(lambda: runner.use_padded_prefill(capture))
+            padded = runner.padded_prefill
             if padded:
                 note = (f"; prompts up to {padded.buckets[-1]} tokens prefilled by CUDA graphs, "
                         f"up to {max(rows for rows, _ in padded.shapes)} at once")

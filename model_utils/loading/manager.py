@@ -20,6 +20,7 @@ import time
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -50,6 +51,11 @@ from .placement import unavailable_reason as placement_unavailable
 from .registry import ModelRegistry, ModelSource
 from .weight_only import load_quantized
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from model_utils.runtime.scheduler import Scheduler
+
 log = logging.getLogger(__name__)
 
 # bitsandbytes warns on every int8 matmul whose input is not fp16; the app picks the dtypes.
@@ -73,7 +79,7 @@ class LoadedModel:
     request: LoadRequest
     mode: Mode
     model: torch.nn.Module
-    tokenizer: object
+    tokenizer: PreTrainedTokenizerBase
     context_tokens: int
     load_s: float
     footprint_gb: float
@@ -82,7 +88,7 @@ class LoadedModel:
     from_pretrained_kwargs: dict
     decode_path: str = "eager"
     decode_path_reason: str = ""
-    batcher: object | None = None  # batching.BatchScheduler when replies are batched
+    batcher: Scheduler | None = None  # when replies are batched (the decode runtime)
     # CUDA memory after each step of getting ready to decode (memory.torch_cuda_gb), in order
     memory_stages: dict[str, dict] = field(default_factory=dict)
     # memory_counters() just before this model was loaded: what an unload should come back to

@@ -14,15 +14,27 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from model_utils.loading.weight_only import inductor_options
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+    from model_utils.loading.manager import LoadedModel
+
+    from .batch_cache import BatchKV
+
+# A captured graph and its output buffer, which each replay overwrites.
+Captured = tuple[torch.cuda.CUDAGraph, torch.Tensor]
+
 log = logging.getLogger(__name__)
 
 
-def compile_forward(model, inductor_mode: str):
+def compile_forward(model: PreTrainedModel, inductor_mode: str) -> Callable[..., Any]:
     """torch.compile of the model's forward for one fixed shape; a model with weight-only
     layers gets their inductor settings too (weight_only.inductor_options). torch.compile takes
     a mode or options, not both: a named mode is spelled out as its options then."""
@@ -36,7 +48,7 @@ def compile_forward(model, inductor_mode: str):
     return torch.compile(model.forward, options=options, fullgraph=True, dynamic=False)
 
 
-def support(loaded) -> tuple[bool, str]:
+def support(loaded: LoadedModel) -> tuple[bool, str]:
     """(applies, why) for a freshly loaded model."""
     devices = set(loaded.device_map)
     if not torch.cuda.is_available():
@@ -64,11 +76,12 @@ class GraphCapture:
     20 graphs of a 32-row bf16 7B model on the H200, BENCHMARKS.md runs L and M).
     """
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.pool = torch.cuda.graph_pool_handle()
         self.side = torch.cuda.Stream()
 
-    def __call__(self, run, restore):
+    def __call__(self, run: Callable[[], torch.Tensor],
+                 restore: Callable[[], None]) -> Captured:
         """(graph, output) of `run` captured as one CUDA graph.
 
         Three warm-up runs first; they move the cache's write index, so `restore` puts it back
@@ -113,16 +126,17 @@ class GraphedBatchStep:
     compiled. Attention reads each KV head once in both (attention.packed_sdpa).
     """
 
-    def __init__(self, model, inductor_mode: str = "default", compiled_rows: int = 1):
+    def __init__(self, model: PreTrainedModel, inductor_mode: str = "default",
+                 compiled_rows: int = 1):
         self.model = model
         self.compiled = compile_forward(model, inductor_mode)
         self.compiled_rows = compiled_rows
-        self._graphs: dict[tuple, tuple] = {}
+        self._graphs: dict[tuple[int, int, int], Captured | None] = {}
         self.capture = GraphCapture()  # shared with the prefill graphs (engine._warm_up)
         self.failed: str | None = None
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
 
-    def __call__(self, kv, b: int, w: int) -> torch.Tensor:
+    def __call__(self, kv: BatchKV, b: int, w: int) -> torch.Tensor:
         key = (id(kv), b, w)
         if key not in self._graphs:
             self._graphs[key] = self._capture_any(kv, b, w)
@@ -133,7 +147,7 @@ class GraphedBatchStep:
         graph.replay()
         return logits
 
-    def _capture_any(self, kv, b: int, w: int):
+    def _capture_any(self, kv: BatchKV, b: int, w: int) -> Captured | None:
         """The first forward that captures for this view, None when neither does (logged).
 
         The compiled one first only for up to compiled_rows rows in the cache's first window,
@@ -153,7 +167,8 @@ class GraphedBatchStep:
         self.failed = reason
         return None
 
-    def _capture(self, kv, b: int, w: int, forward):
+    def _capture(self, kv: BatchKV, b: int, w: int,
+                 forward: Callable[..., Any]) -> Captured:
         inputs = kv.inputs(b, w)
         start = time.perf_counter()
 

@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     from transformers import DynamicCache, PreTrainedModel
 
 
-def input_device(model) -> torch.device:
+def input_device(model: PreTrainedModel) -> torch.device:
     """Where input ids must go: the embedding's device (the first device of a split model)."""
     weight = model.get_input_embeddings().weight
     if weight.device.type == "meta":  # offloaded to disk: accelerate's hooks move it in

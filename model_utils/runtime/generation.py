@@ -12,10 +12,14 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, replace
+from typing import TYPE_CHECKING
 
 import torch
 
 from model_utils.errors import InvalidParameter
+
+if TYPE_CHECKING:
+    from .decoders import EagerDecoder
 
 # sample_token: re-exported, where callers have always found it
 from .sampling import (
@@ -157,7 +161,7 @@ class ReplyStats:
                 f"{self.prompt_tokens} in / {self.new_tokens} out")
 
 
-def decode_tokens(decoder, input_ids: list[int], settings: GenerationSettings, *,
+def decode_tokens(decoder: EagerDecoder, input_ids: list[int], settings: GenerationSettings, *,
                   eos_ids: set[int], stop: threading.Event | None = None,
                   stats: ReplyStats | None = None) -> Iterator[int]:
     """Yield new token ids until EOS, max_new_tokens, or the stop signal.

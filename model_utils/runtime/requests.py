@@ -15,9 +15,14 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from .generation import GenerationSettings, ReplyStats
+    from .sampling import TopK
 
-# The end of a reply's stream (an exception in its place ends it with that error).
-DONE = object()
+
+class _Done:
+    """The end of a reply's stream (an exception in its place ends it with that error)."""
+
+
+DONE = _Done()
 
 
 @dataclass(eq=False)
@@ -29,11 +34,11 @@ class Request:
     stats: ReplyStats
     arrived: float = field(default_factory=time.perf_counter)
     # Token ids for the reader, then DONE or the exception that ended the reply.
-    out: queue.SimpleQueue[int | BaseException | object] = field(
+    out: queue.SimpleQueue[int | BaseException | _Done] = field(
         default_factory=queue.SimpleQueue)
     # Logprob checks (bench/logprob_check.py): when a list, the runner appends for each sampled
     # token the top sampling.LOGPROBS_K (log-probabilities, token ids) of its raw logits.
-    logprobs: list | None = None
+    logprobs: list[TopK] | None = None
     new_tokens: int = 0  # handed to the reader
     sampled: int = 0  # sampled on the device: new_tokens plus those of a step in flight
     first_at: float = 0.0

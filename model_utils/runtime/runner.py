@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -79,7 +79,7 @@ class BatchRunner:
         self._samplers: dict[Request, RowSampler] = {}  # requests set up and not ended
 
     # -- at load time (on the worker thread, no loop running) ----------------------------------
-    def warm_up(self, row_counts=(1,)) -> None:
+    def warm_up(self, row_counts: Iterable[int] = (1,)) -> None:
         """Compile and capture the step for the row buckets of `row_counts` ahead of any reply,
         so that a new batch size does not stall the replies decoding. Call on the worker
         thread (engine.worker.call), where no loop is running: it uses the cache's rows."""

@@ -29,6 +29,7 @@ if TYPE_CHECKING:
 GREEDY_TEMPERATURE = 1e-5
 FLOAT32_MAX = torch.finfo(torch.float32).max
 LOGPROBS_K = 5  # top-k kept per token for a request that records logprobs
+TopK = torch.return_types.topk  # (values, indices) of torch.topk
 
 
 def is_greedy(settings: GenerationSettings) -> bool:
@@ -100,11 +101,11 @@ class RowSampler:
     eos: torch.Tensor | None = None
     # When a list, each sampled token appends the top LOGPROBS_K (log-probabilities, token
     # ids) of its raw logits, on the device (bench/logprob_check.py).
-    logprobs: list | None = None
+    logprobs: list[TopK] | None = None
 
     @classmethod
     def set_up(cls, settings: GenerationSettings, input_ids: list[int], eos_ids: set[int],
-               device: torch.device, logprobs: list | None = None) -> RowSampler:
+               device: torch.device, logprobs: list[TopK] | None = None) -> RowSampler:
         """Raises for settings torch cannot take (a seed past 64 bits, say): that request
         fails alone."""
         sampler = cls(settings, logprobs=logprobs)

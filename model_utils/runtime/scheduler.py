@@ -42,6 +42,7 @@ from .requests import DONE, Request
 if TYPE_CHECKING:
     from .generation import GenerationSettings, ReplyStats
     from .runner import Prefilled
+    from .sampling import TopK
 
 log = logging.getLogger(__name__)
 
@@ -97,13 +98,13 @@ class Scheduler(Admission):
         self._admitted = 0  # requests taken off the queue and not finished (under _lock)
         self._running = False  # the loop is posted or running (under _lock)
         self.peak_rows = 0
-        # (request, DONE or its error), handed out at the end of the iteration (_flush_ended)
-        self._ended: list[tuple[Request, object]] = []
+        # (request, the error that ended it or None), streams ended by _flush_ended
+        self._ended: list[tuple[Request, BaseException | None]] = []
 
     # -- any thread ---------------------------------------------------------------------------
     def submit(self, input_ids: list[int], settings: GenerationSettings, *, eos_ids: set[int],
                stop: threading.Event, stats: ReplyStats,
-               logprobs: list | None = None) -> Iterator[int]:
+               logprobs: list[TopK] | None = None) -> Iterator[int]:
         """Queue one reply; returns the iterator of its token ids. Raises QueueFull when
         max_batch replies are decoding and max_queue more are waiting. `logprobs`: a list that
         receives each token's top-k log-probabilities (see Request.logprobs); it may hold one
@@ -251,15 +252,15 @@ class Scheduler(Admission):
         self.runner.release(request)
         with self._lock:
             self._admitted -= 1
-        self._ended.append((request, error if error is not None else DONE))
+        self._ended.append((request, error))
 
     def _flush_ended(self) -> None:
         """End the streams of requests finished in this iteration. Deferred to its end, after
         this iteration's last tensor work (rows moving), so that a caller that exits as soon as
         its reply ends (the CLI) never tears the process down under a running torch op."""
         ended, self._ended = self._ended, []
-        for request, marker in ended:
-            request.out.put(marker)
+        for request, error in ended:
+            request.out.put(error if error is not None else DONE)
 
     def _fail_all(self, error: BaseException) -> None:
         for request in self.rows:

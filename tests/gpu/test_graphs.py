@@ -27,8 +27,8 @@ def test_graphed_decode_equals_eager_decode_in_fp32(peaked_gpu, fp32_graphed, fp
 
 
 def test_padded_prefill_graph_equals_eager_prefill(peaked_gpu, fp32_graphed):
-    batcher = fp32_graphed.manager.loaded.batcher.runner
-    padded = batcher.padded_prefill
+    runner = fp32_graphed.manager.loaded.batcher.runner
+    padded = runner.padded_prefill
     assert padded is not None and not padded.uncaptured
     prompts = [p[:n] for p, n in zip(sample_prompts(peaked_gpu, 3, 100), (100, 37, 64))]
 
@@ -38,7 +38,7 @@ def test_padded_prefill_graph_equals_eager_prefill(peaked_gpu, fp32_graphed):
             graph_logits = logits.clone()
             graph_keys = [[layer.keys[i, :, :n].clone() for i, n in enumerate(ends)]
                           for layer in cache.layers]
-            eager_logits, eager_cache = batcher.forward_prompts([p for p in prompts])
+            eager_logits, eager_cache = runner.forward_prompts([p for p in prompts])
             return graph_logits, graph_keys, eager_logits, eager_cache
 
     graph_logits, graph_keys, eager_logits, eager_cache = fp32_graphed.worker.call(run)
