@@ -21,7 +21,7 @@ from .loading.manager import LoadedModel, LoadRequest, ModelManager, Progress
 from .loading.placement import FitEstimate
 from .loading.registry import ModelRegistry
 from .memory import GB, MemoryHistory, MemorySnapshot, torch_cuda_gb
-from .runtime import attention, batch_cache, cuda_graphs, prefill
+from .runtime import attention, cuda_graphs, kv_cache, prefill
 from .runtime.decoders import EagerDecoder
 from .runtime.fused_qkv import fuse_qkv
 from .runtime.generation import (
@@ -104,7 +104,7 @@ class Engine:
     def _prepare_decoding(self, loaded: LoadedModel, progress: Progress) -> None:
         self._record_memory(loaded, "weights")
         attention.use_packed_decode(loaded.model)
-        batches, why_not = batch_cache.support(loaded.model)
+        batches, why_not = kv_cache.support(loaded.model)
         if not batches:
             # Replies take turns on the single-stream eager decoder (decoders.EagerDecoder).
             log.warning("%s: replies are not batched (%s)", loaded.display_name, why_not)

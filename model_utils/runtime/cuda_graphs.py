@@ -2,7 +2,7 @@
 
 Plain model.generate spends most of each token launching kernels from Python (a 7B model decodes
 at 4-15 % of the H200's memory-bandwidth bound). The batched decode step has fixed shapes (one
-token per row, views of a preallocated cache of bucketed sizes, batch_cache.BatchKV), so each
+token per row, views of a preallocated cache of bucketed sizes, kv_cache.BatchKV), so each
 shape is captured once as a CUDA graph (GraphedBatchStep) and every later step is one replay.
 The prefill graphs (prefill.PaddedPrefill) are captured through the same GraphCapture.
 
@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 
     from model_utils.loading.manager import LoadedModel
 
-    from .batch_cache import BatchKV
+    from .kv_cache import BatchKV
 
 # A captured graph and its output buffer, which each replay overwrites.
 Captured = tuple[torch.cuda.CUDAGraph, torch.Tensor]
@@ -110,7 +110,7 @@ class GraphedBatchStep:
     Captured by hand: torch.compile's own "reduce-overhead" mode also replays CUDA graphs, but it
     first evaluates dynamo's guards and copies inputs on every call, which costs about as much
     as the GPU work of a 7B decode step. Here every input is already a persistent buffer of
-    batch_cache.BatchKV (ids, positions, mask, cache views, the write index as a device tensor
+    kv_cache.BatchKV (ids, positions, mask, cache views, the write index as a device tensor
     updated inside the graph): the graph reads them in place, so a replay needs no copies at
     all. One graph per (rows, slots) bucket of the view; a shape whose capture fails runs the
     plain forward uncaptured (logged): it never fails a reply.

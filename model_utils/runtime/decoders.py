@@ -3,7 +3,7 @@
 EagerDecoder runs the model's own forward on a dynamic KV cache that grows each step, which is
 what plain model.generate does and works everywhere (CPU, offloaded placements, bitsandbytes).
 generation.decode_tokens drives it: for models the batch runner cannot batch (their layer types
-or attention implementation, batch_cache.support), and as the reference the tests compare the
+or attention implementation, kv_cache.support), and as the reference the tests compare the
 batched path with.
 """
 

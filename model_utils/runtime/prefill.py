@@ -14,7 +14,7 @@ most for 4-bit weights, dequantized by every multi-token forward).
 
 Why right padding: the causal mask stays the same for every prompt (no prompt token can see the
 padding after it), positions are simply 0..n-1, and the prompt's KV sits in slots [0, n) of the
-cache, from where batch_cache.BatchKV.place copies it into a reply's row. Only the logits of the
+cache, from where kv_cache.BatchKV.place copies it into a reply's row. Only the logits of the
 prompt's last token are computed (logits_to_keep as a device index: with r rows that is r x r
 positions, of which the diagonal is kept).
 """
@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .batch_cache import MASK_KINDS, BatchKV, bucket, layer_types, static_cache
+from .kv_cache import MASK_KINDS, BatchKV, bucket, layer_types, static_cache
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel

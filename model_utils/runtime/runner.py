@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .batch_cache import BatchKV, bucket, kv_bytes_per_row
 from .decoders import input_device
+from .kv_cache import BatchKV, bucket, kv_bytes_per_row
 from .prefill import PaddedPrefill
 from .readback import TokenReadback
 from .sampling import RowSampler, sample_rows
