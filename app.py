@@ -64,7 +64,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--shutdown-grace", type=float, default=5.0, metavar="SECONDS",
                    help="on SIGTERM/SIGINT, how long open replies may go on before they are "
                         "ended with an error (default 5)")
-    # model_utils.runtime.fast_path.COMPILE_MODES, spelled out: --help must answer without importing torch
+    # model_utils.runtime.cuda_graphs.COMPILE_MODES, spelled out: --help must answer without importing torch
     p.add_argument("--compile-mode", default="default",
                    choices=("default", "max-autotune-no-cudagraphs"),
                    help="torch.compile mode of the GPU decode step; the autotuned one loads "

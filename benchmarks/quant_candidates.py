@@ -66,8 +66,9 @@ class LoadLog(logging.Handler):
     """What the engine said while getting a candidate ready (which forward each graph captured,
     what failed): kept with its results, since a GPU run is seldom repeated."""
 
-    NAMES = ("model_utils.runtime.fast_path", "model_utils.runtime.prefill", "model_utils.engine",
-             "model_utils.loading.weight_only", "model_utils.runtime.batching")
+    NAMES = ("model_utils.runtime.cuda_graphs", "model_utils.runtime.prefill", "model_utils.engine",
+             "model_utils.loading.weight_only", "model_utils.runtime.scheduler",
+             "model_utils.runtime.admission", "model_utils.runtime.runner")
 
     def __init__(self):
         super().__init__(logging.INFO)
@@ -93,7 +94,7 @@ def profile_step(engine: Engine, steps: int = 3) -> dict:
     per kernel, its time per step; and the step's wall time."""
     from torch.profiler import ProfilerActivity, profile
 
-    batcher = engine.manager.loaded.batcher
+    batcher = engine.manager.loaded.batcher.runner
 
     @torch.inference_mode()  # as the scheduler's own steps: the cache is an inference tensor
     def run():

@@ -16,12 +16,12 @@ from pathlib import Path
 import torch
 
 from .chat.prompt import prepare_prompt, render_prompt, split_reasoning, supports_thinking
-from .loading.manager import LoadedModel, LoadRequest, ModelBusy, ModelManager, Progress
+from .errors import ShuttingDown
+from .loading.manager import LoadedModel, LoadRequest, ModelManager, Progress
 from .loading.placement import FitEstimate
 from .loading.registry import ModelRegistry
 from .memory import GB, MemoryHistory, MemorySnapshot, torch_cuda_gb
-from .runtime import attention, batch_cache, fast_path, prefill
-from .runtime.batching import BatchScheduler, EagerStep
+from .runtime import attention, cuda_graphs, kv_cache, prefill
 from .runtime.decoders import EagerDecoder
 from .runtime.fused_qkv import fuse_qkv
 from .runtime.generation import (
@@ -30,13 +30,11 @@ from .runtime.generation import (
     ReplyStats,
     decode_tokens,
 )
+from .runtime.runner import BatchRunner, EagerStep
+from .runtime.scheduler import Scheduler, check_limits
 from .runtime.worker import DecodeWorker
 
 log = logging.getLogger(__name__)
-
-
-class ShuttingDown(ModelBusy):
-    """The server is closing: no new reply starts, and open ones may be ended early."""
 
 
 @dataclass
@@ -75,12 +73,12 @@ class Engine:
         self.compile = compile
         self.compile_mode = compile_mode  # torch.compile mode of the fast path's step
         # Batched steps of up to this many rows are torch.compile'd before their CUDA graph is
-        # captured; larger ones capture the plain forward (see fast_path.GraphedBatchStep).
+        # captured; larger ones capture the plain forward (see cuda_graphs.GraphedBatchStep).
         self.compiled_rows = compiled_rows
         # Concurrent replies are decoded together, up to max_batch at once; max_queue more may
-        # wait for a place, and one more is refused with batching.QueueFull.
+        # wait for a place, and one more is refused with errors.QueueFull.
         self.max_batch, self.max_queue = max_batch, max_queue
-        BatchScheduler.check_limits(max_batch, max_queue)
+        check_limits(max_batch, max_queue)
         # Every forward pass (warm-up and replies) runs on this one thread.
         self.worker = DecodeWorker()
         self.manager.on_loaded = self._prepare_decoding
@@ -106,34 +104,31 @@ class Engine:
     def _prepare_decoding(self, loaded: LoadedModel, progress: Progress) -> None:
         self._record_memory(loaded, "weights")
         attention.use_packed_decode(loaded.model)
-        batches, why_not = batch_cache.support(loaded.model)
+        batches, why_not = kv_cache.support(loaded.model)
         if not batches:
-            # Replies take turns on the single-stream path (compiled where it applies).
+            # Replies take turns on the single-stream eager decoder (decoders.EagerDecoder).
             log.warning("%s: replies are not batched (%s)", loaded.display_name, why_not)
-            if not self.compile:
-                loaded.decode_path_reason = "eager path: compilation turned off (--no-compile)"
-            else:
-                self.worker.call(lambda: fast_path.attach(loaded, progress,
-                                                          inductor_mode=self.compile_mode))
-            loaded.decode_path_reason += f"; replies take turns ({why_not})"
+            loaded.decode_path_reason = f"eager path; replies take turns ({why_not})"
             return
         step, path = EagerStep(loaded.model), "eager"
-        applies, why = fast_path.support(loaded)
+        applies, why = cuda_graphs.support(loaded)
         if not self.compile:
             why = "eager path: compilation turned off (--no-compile)"
         elif applies:
             fused = fuse_qkv(loaded.model)  # before compiling: the step traces the fused forward
-            step = fast_path.GraphedBatchStep(loaded.model, self.compile_mode,
-                                              compiled_rows=self.compiled_rows)
+            step = cuda_graphs.GraphedBatchStep(loaded.model, self.compile_mode,
+                                                compiled_rows=self.compiled_rows)
             path = "static-cache+cuda-graphs (batched)"
             why = "compiled path: batched static KV cache + CUDA graphs" + \
                   (", one q/k/v matmul per layer" if fused else "")
         loaded.decode_path, loaded.decode_path_reason = path, \
             f"{why}; up to {self.max_batch} concurrent replies decoded together"
-        loaded.batcher = BatchScheduler(loaded.model, post=self.worker.post,
-                                        context_tokens=loaded.context_tokens,
-                                        max_batch=self.max_batch, max_queue=self.max_queue,
-                                        step_fn=step, path_name=path)
+        runner = BatchRunner(loaded.model, context_tokens=loaded.context_tokens,
+                             max_batch=self.max_batch, step_fn=step)
+        loaded.batcher = Scheduler(runner, post=self.worker.post,
+                                   context_tokens=loaded.context_tokens,
+                                   max_batch=self.max_batch, max_queue=self.max_queue,
+                                   path_name=path)
         if path != "eager":
             self._warm_up(loaded, progress)
 
@@ -141,27 +136,27 @@ class Engine:
         """Compile and capture the decode step now, for one reply and for every batch size up
         to max_batch, so that no user waits for it: a shape first met while serving stalls
         every reply decoding (capturing 32 rows took 1.3 s on the H200, run F)."""
-        batcher = loaded.batcher
+        runner = loaded.batcher.runner
         progress(0.6, "compiling the batched decode step (one reply)")
         start = time.perf_counter()
-        self.worker.call(batcher.warm_up)
-        failed = getattr(batcher.step_fn, "failed", None)
+        self.worker.call(runner.warm_up)
+        failed = getattr(runner.step_fn, "failed", None)
         if failed:  # the one-row step did not capture: replies run uncaptured
             loaded.decode_path = "eager"
             loaded.decode_path_reason = f"eager path: compiling failed ({failed})"
             return
         if self.max_batch > 1:
             progress(0.9, f"capturing the decode step for 2-{self.max_batch} replies at once")
-            self.worker.call(lambda: batcher.warm_up(range(2, self.max_batch + 1)))
-            if getattr(batcher.step_fn, "failed", None):  # those shapes decode uncaptured
-                log.warning("some batch sizes run uncaptured: %s", batcher.step_fn.failed)
+            self.worker.call(lambda: runner.warm_up(range(2, self.max_batch + 1)))
+            if getattr(runner.step_fn, "failed", None):  # those shapes decode uncaptured
+                log.warning("some batch sizes run uncaptured: %s", runner.step_fn.failed)
         self._record_memory(loaded, "decode graphs")
         applies, why_not = prefill.support(loaded.model)
         if applies:
             progress(0.95, "capturing the prefill of short prompts")
-            capture = batcher.step_fn.capture  # the decode steps' pool and warm-up stream
-            self.worker.call(lambda: batcher.use_padded_prefill(capture))
-            padded = batcher.padded_prefill
+            capture = runner.step_fn.capture  # the decode steps' pool and warm-up stream
+            self.worker.call(lambda: runner.use_padded_prefill(capture))
+            padded = runner.padded_prefill
             if padded:
                 note = (f"; prompts up to {padded.buckets[-1]} tokens prefilled by CUDA graphs, "
                         f"up to {max(rows for rows, _ in padded.shapes)} at once")
@@ -229,7 +224,7 @@ class Engine:
         loaded = self.manager.loaded
         if loaded is not None and status.get("loaded"):
             if loaded.batcher is not None:
-                status["kv_cache_gb"] = round(loaded.batcher.cache_bytes() / GB, 4)
+                status["kv_cache_gb"] = round(loaded.batcher.runner.cache_bytes() / GB, 4)
             if loaded.memory_stages:
                 status["memory_stages"] = dict(loaded.memory_stages)
         return status
@@ -347,9 +342,7 @@ class Engine:
         return self.worker.stream(produce)
 
     @staticmethod
-    def decoder_for(loaded: LoadedModel):
-        if loaded.fast_path is not None:
-            return loaded.fast_path.decoder()
+    def decoder_for(loaded: LoadedModel) -> EagerDecoder:
         return EagerDecoder(loaded.model)
 
     def generate_text(self, messages: list[dict], settings: GenerationSettings | None = None,

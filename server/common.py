@@ -25,7 +25,7 @@ def user_error(message: str) -> gr.Error:
 
 def reply_concurrency(engine) -> int:
     """How many chat handlers may run at once: every reply the engine decodes together plus
-    every one it lets wait. Past that the engine itself says "busy" (batching.QueueFull)."""
+    every one it lets wait. Past that the engine itself says "busy" (errors.QueueFull)."""
     return engine.max_batch + engine.max_queue
 
 

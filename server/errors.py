@@ -19,10 +19,7 @@ import gradio as gr
 from pydantic import ValidationError
 
 from model_utils.backends.errors import BackendError
-from model_utils.chat.prompt import ChatInputError
-from model_utils.loading.manager import LoadError, ModelBusy
-from model_utils.loading.registry import ModelNotFound
-from model_utils.runtime.generation import InvalidParameter
+from model_utils.errors import ChatInputError, InvalidParameter, LoadError, ModelBusy, ModelNotFound
 
 from .conversation import ConversationError
 
@@ -60,7 +57,7 @@ def client_error(error: BaseException, *, context: str = "request") -> ClientErr
                            retry_after=error.retry_after)
     if isinstance(error, ValidationError):
         return ClientError(400, describe_validation(error), param=_first_field(error))
-    if isinstance(error, ModelBusy):  # batching.QueueFull and a shutting-down engine too
+    if isinstance(error, ModelBusy):  # QueueFull and ShuttingDown too
         return ClientError(503, str(error))
     if isinstance(error, InvalidParameter):
         return ClientError(400, str(error), param=error.name)

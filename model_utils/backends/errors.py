@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import re
 
-from model_utils.loading.manager import LoadError
+from model_utils.errors import LoadError
 
 # The extensions to the OpenAI chat API that vLLM and SGLang accept and others may refuse.
 EXTENSIONS = ("top_k", "repetition_penalty", "chat_template_kwargs")

@@ -2,7 +2,7 @@
 teacher-forced next-token distributions, from the engine's own path and from the plain model.
 
 The engine side goes through the loaded model's batch scheduler: greedy replies are ordinary
-requests that record their logprobs (batching.Request.logprobs), and the teacher-forced run
+requests that record their logprobs (requests.Request.logprobs), and the teacher-forced run
 drives the scheduler's own pieces (its prefill, padded prefill graphs where the model has them,
 its batch cache, its step function: CUDA graphs of the fused q/k/v and packed-attention forward
 on a GPU, the eager batched forward on the CPU) with given tokens instead of sampled ones.
@@ -79,7 +79,7 @@ def engine_teacher_forced(engine: Engine, sequences: list[list[int]], prompt_len
     loaded = engine.manager.loaded
     if loaded is None or loaded.batcher is None:
         raise ValueError("logprob checks need a model the engine decodes in batches")
-    batcher = loaded.batcher
+    batcher = loaded.batcher.runner  # the batch runner: its cache, prefill and step
     return engine.worker.call(lambda: _teacher_forced(batcher, sequences, prompt_len,
                                                       should_yield))
 
@@ -103,7 +103,7 @@ def _teacher_forced(batcher, sequences, prompt_len, should_yield) -> torch.Tenso
             if padded:
                 logits, cache, ends = batcher.padded_prefill(prompts)
             else:
-                (logits, cache), ends = batcher._forward_prompts(prompts), None
+                (logits, cache), ends = batcher.forward_prompts(prompts), None
             for j, row in enumerate(group):  # rows are placed in order: group by group
                 kv.place(row, cache, prompt_len, row, source=j, end=ends[j] if ends else None)
                 kv.set_token(row, sequences[row][prompt_len])

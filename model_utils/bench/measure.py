@@ -107,7 +107,7 @@ def warm_engine(engine: Engine, prompts: list[list[int]], batches: list[int],
     loaded = engine.manager.loaded
     if loaded.batcher is not None:
         counts = range(1, max(batches) + 1)
-        engine.worker.call(lambda: loaded.batcher.warm_up(counts))
+        engine.worker.call(lambda: loaded.batcher.runner.warm_up(counts))
     tokens = max(8, min(new_tokens, 32))
     engine_decode(engine, prompts[0], tokens)
     for b in batches:

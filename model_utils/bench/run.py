@@ -34,7 +34,7 @@ import torch
 
 from model_utils.engine import Engine
 from model_utils.loading.placement import Placement
-from model_utils.runtime.fast_path import COMPILE_MODES
+from model_utils.runtime.cuda_graphs import COMPILE_MODES
 
 from . import quality
 from .inputs import build_random_model, random_prompts

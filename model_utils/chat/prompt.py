@@ -11,12 +11,9 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass
 
+from model_utils.errors import ChatInputError
+
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
-
-
-class ChatInputError(ValueError):
-    """Input the chat cannot turn into a prompt; the message says what to change."""
-
 
 # Bounds on what is rendered and tokenized at all, checked before either (a request over them
 # is refused, whatever path it came by): the UI keeps at most 2000 turns of history, plus the

@@ -19,9 +19,11 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
+from model_utils.errors import LoadError, ModelBusy
 from model_utils.memory import GB
 
 from .. import process_tuning
@@ -49,17 +51,14 @@ from .placement import unavailable_reason as placement_unavailable
 from .registry import ModelRegistry, ModelSource
 from .weight_only import load_quantized
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from model_utils.runtime.scheduler import Scheduler
+
 log = logging.getLogger(__name__)
 
 Progress = Callable[[float, str], None]
-
-
-class LoadError(RuntimeError):
-    """A load that did not happen; the message is meant for the user."""
-
-
-class ModelBusy(RuntimeError):
-    """A switch refused because replies are still streaming."""
 
 
 @dataclass(frozen=True)
@@ -77,7 +76,7 @@ class LoadedModel:
     request: LoadRequest
     mode: Mode
     model: torch.nn.Module
-    tokenizer: object
+    tokenizer: PreTrainedTokenizerBase
     context_tokens: int
     load_s: float
     footprint_gb: float
@@ -86,8 +85,7 @@ class LoadedModel:
     from_pretrained_kwargs: dict
     decode_path: str = "eager"
     decode_path_reason: str = ""
-    fast_path: object | None = None  # fast_path.FastPath when the compiled path applies
-    batcher: object | None = None  # batching.BatchScheduler when replies are batched
+    batcher: Scheduler | None = None  # when replies are batched (the decode runtime)
     # CUDA memory after each step of getting ready to decode (memory.torch_cuda_gb), in order
     memory_stages: dict[str, dict] = field(default_factory=dict)
     # memory_counters() just before this model was loaded: what an unload should come back to

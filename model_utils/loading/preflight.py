@@ -109,9 +109,9 @@ def held_gb(loaded) -> dict[str, float]:
     if loaded is None:
         return {}
     held = {device: entry["gb"] for device, entry in loaded.device_map.items()}
-    batcher = loaded.batcher
-    device = getattr(batcher, "device", None)
+    runner = loaded.batcher.runner if loaded.batcher is not None else None
+    device = getattr(runner, "device", None)
     if device is not None:
         name = "cpu" if device.type == "cpu" else f"cuda:{device.index or 0}"
-        held[name] = held.get(name, 0.0) + batcher.cache_bytes() / GB
+        held[name] = held.get(name, 0.0) + runner.cache_bytes() / GB
     return held

@@ -16,15 +16,13 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from model_utils.errors import ModelNotFound
+
 from .demo_model import DEMO_LABEL, DEMO_NAME, default_cache_dir, demo_model_path
 
 log = logging.getLogger(__name__)
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
-
-
-class ModelNotFound(ValueError):
-    """A model name that does not resolve to a loadable checkpoint (message says why)."""
 
 
 @dataclass(frozen=True)

@@ -14,17 +14,22 @@ mask function, so the model builds exactly the masks it builds for sdpa.
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 log = logging.getLogger(__name__)
 
 NAME = "sdpa_packed_gqa"
 
 
-def packed_sdpa(module, query, key, value, attention_mask, dropout: float = 0.0,
-                scaling: float | None = None, **kwargs):
+def packed_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+                value: torch.Tensor, attention_mask: torch.Tensor | None, dropout: float = 0.0,
+                scaling: float | None = None, **kwargs) -> tuple[torch.Tensor, None]:
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     groups = getattr(module, "num_key_value_groups", 1)
@@ -53,7 +58,8 @@ def packed_sdpa(module, query, key, value, attention_mask, dropout: float = 0.0,
 MATMUL_ROWS = 8
 
 
-def _matmul_attention(query, key, value, mask, scaling):
+def _matmul_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      mask: torch.Tensor, scaling: float | None) -> torch.Tensor:
     scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
     # Scores in fp32, as fused attention kernels keep them: a bf16 product rounded every score
     # to 8 bits of mantissa before the softmax, which put this path's error against an fp32
@@ -74,7 +80,7 @@ def register() -> None:
     AttentionMaskInterface.register(NAME, sdpa_mask)
 
 
-def use_packed_decode(model) -> bool:
+def use_packed_decode(model: PreTrainedModel) -> bool:
     """Switch an sdpa model to packed_sdpa (same results, less memory traffic when compiled).
     Returns whether it applies; a model that refuses the switch (one whose attention does not
     go through transformers' attention interface) keeps plain sdpa."""

@@ -17,9 +17,13 @@ from __future__ import annotations
 import logging
 import sys
 import types
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from transformers.cache_utils import Cache
 
 log = logging.getLogger(__name__)
 
@@ -28,7 +32,7 @@ log = logging.getLogger(__name__)
 FUSABLE = {"Qwen2Attention", "Qwen3Attention", "LlamaAttention"}
 
 
-def fuse_qkv(model) -> int:
+def fuse_qkv(model: nn.Module) -> int:
     """Fuse every fusable attention layer of `model` in place; returns how many were fused."""
     fused = 0
     for module in model.modules():
@@ -40,7 +44,7 @@ def fuse_qkv(model) -> int:
     return fused
 
 
-def _plain_projections(module) -> bool:
+def _plain_projections(module: nn.Module) -> bool:
     """Three plain nn.Linear on one device and dtype (not bitsandbytes layers, which subclass
     nn.Linear, nor layers whose weights accelerate offloads), all with or all without bias."""
     layers = [getattr(module, name, None) for name in ("q_proj", "k_proj", "v_proj")]
@@ -52,7 +56,7 @@ def _plain_projections(module) -> bool:
     return len({layer.bias is None for layer in layers}) == 1
 
 
-def _fuse(module) -> None:
+def _fuse(module: nn.Module) -> None:
     q, k, v = module.q_proj, module.k_proj, module.v_proj
     with torch.no_grad():
         fused = nn.Linear(q.in_features, q.out_features + k.out_features + v.out_features,
@@ -68,8 +72,10 @@ def _fuse(module) -> None:
     module.forward = types.MethodType(fused_forward, module)
 
 
-def fused_forward(self, hidden_states: torch.Tensor, position_embeddings, attention_mask,
-                  cache=None, **kwargs):
+def fused_forward(self: nn.Module, hidden_states: torch.Tensor,
+                  position_embeddings: tuple[torch.Tensor, torch.Tensor],
+                  attention_mask: torch.Tensor | None, cache: Cache | None = None,
+                  **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
     """transformers' attention forward (Qwen2/Qwen3/Llama) with one q/k/v matmul."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 

@@ -12,14 +12,21 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, replace
+from typing import TYPE_CHECKING
 
 import torch
+
+from model_utils.errors import InvalidParameter
+
+if TYPE_CHECKING:
+    from .decoders import EagerDecoder
 
 # sample_token: re-exported, where callers have always found it
 from .sampling import (
     is_greedy,
     sample_next,
     sample_token,  # noqa: F401
+    suppress,
 )
 
 # The ranges the sampler is known to handle (sampling.py): a value that passes here cannot make
@@ -28,14 +35,6 @@ MAX_TEMPERATURE = 100.0
 REPETITION_PENALTY_RANGE = (0.01, 10.0)
 MAX_TOP_K = 1_000_000  # more than any vocabulary: "all tokens"
 MAX_SEED = 2**63 - 1  # torch.Generator.manual_seed takes a signed 64-bit integer
-
-
-class InvalidParameter(ValueError):
-    """A generation setting out of range; .name is the parameter."""
-
-    def __init__(self, name: str, message: str):
-        super().__init__(f"{name}: {message}")
-        self.name = name
 
 
 @dataclass(frozen=True)
@@ -162,7 +161,7 @@ class ReplyStats:
                 f"{self.prompt_tokens} in / {self.new_tokens} out")
 
 
-def decode_tokens(decoder, input_ids: list[int], settings: GenerationSettings, *,
+def decode_tokens(decoder: EagerDecoder, input_ids: list[int], settings: GenerationSettings, *,
                   eos_ids: set[int], stop: threading.Event | None = None,
                   stats: ReplyStats | None = None) -> Iterator[int]:
     """Yield new token ids until EOS, max_new_tokens, or the stop signal.
@@ -186,8 +185,7 @@ def decode_tokens(decoder, input_ids: list[int], settings: GenerationSettings, *
             finish = "stop"
             break
         if n < settings.min_new_tokens and eos_ids:
-            logits = logits.clone()
-            logits[list(eos_ids)] = -math.inf
+            logits = suppress(logits, eos_ids)
         token = sample_next(logits, settings, seen, generator)
         now = time.perf_counter()
         if n == 0:

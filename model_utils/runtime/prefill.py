@@ -14,7 +14,7 @@ most for 4-bit weights, dequantized by every multi-token forward).
 
 Why right padding: the causal mask stays the same for every prompt (no prompt token can see the
 padding after it), positions are simply 0..n-1, and the prompt's KV sits in slots [0, n) of the
-cache, from where batch_cache.BatchKV.place copies it into a reply's row. Only the logits of the
+cache, from where kv_cache.BatchKV.place copies it into a reply's row. Only the logits of the
 prompt's last token are computed (logits_to_keep as a device index: with r rows that is r x r
 positions, of which the diagonal is kept).
 """
@@ -23,10 +23,18 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
-from .batch_cache import MASK_KINDS, BatchKV, bucket, layer_types, static_cache
+from .kv_cache import MASK_KINDS, BatchKV, bucket, layer_types, static_cache
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+    from transformers.cache_utils import Cache
+
+    from .cuda_graphs import GraphCapture
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +44,7 @@ PREFILL_BUCKETS = (64, 128, 256, 512, 1024)
 PREFILL_ROWS = (1, 2, 4, 8)  # prompts prefilled by one replay
 
 
-def support(model) -> tuple[bool, str]:
+def support(model: PreTrainedModel) -> tuple[bool, str]:
     """(applies, why not): models whose layers all attend to the full context; sliding-window
     layers would need masks of their own."""
     types = set(layer_types(model))
@@ -50,12 +58,13 @@ class PaddedPrefill:
     together: (logits [n, V], cache, lengths) where row i of the cache holds prompt i's KV in
     slots [0, lengths[i]).
 
-    `capture` (a fast_path.GraphCapture, on a CUDA device): replay each shape as a CUDA graph;
+    `capture` (a cuda_graphs.GraphCapture, on a CUDA device): replay each shape as a CUDA graph;
     without it the same padded forward runs eagerly, which is what the CPU tests compare with an
     unpadded prefill.
     """
 
-    def __init__(self, model, kv: BatchKV, *, capture=None,
+    def __init__(self, model: PreTrainedModel, kv: BatchKV, *,
+                 capture: GraphCapture | None = None,
                  buckets: tuple[int, ...] = PREFILL_BUCKETS):
         self.model = model
         self.kv = kv
@@ -85,7 +94,7 @@ class PaddedPrefill:
         return (0 < len(lengths) <= PREFILL_ROWS[-1] and self.fits(max(lengths))
                 and self._shape(lengths) in self.shapes)
 
-    def __call__(self, prompts: list[list[int]]):
+    def __call__(self, prompts: list[list[int]]) -> tuple[torch.Tensor, Cache, list[int]]:
         lengths = [len(p) for p in prompts]
         entry = self._entry(self._shape(lengths))
         ids = torch.zeros(len(prompts), entry.size, dtype=torch.long)
@@ -124,7 +133,7 @@ class PaddedPrefill:
             self.uncaptured.append((entry.rows, entry.size))
             return
 
-        def replay():
+        def replay() -> torch.Tensor:
             graph.replay()
             return logits
 
@@ -151,7 +160,7 @@ class _Bucket:
         self.cache = static_cache([_rows_view(k, rows, size) for k in owner.keys],
                                   [_rows_view(v, rows, size) for v in owner.values],
                                   self.indices)
-        self.run = self.forward
+        self.run: Callable[[], torch.Tensor] = self.forward  # or its graph's replay
 
     def forward(self) -> torch.Tensor:
         """Logits [rows, V]: row i's at position last[i]."""

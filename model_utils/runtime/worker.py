@@ -3,7 +3,7 @@
 Why a dedicated thread: CUDA graphs recorded by torch.compile belong to the thread that recorded
 them (torch keeps them in thread-local trees), and a web server answers each request on whichever
 pool thread is free. Funnelling warm-up and decoding through one thread means a graph is recorded
-once and replayed for every reply. Concurrent replies share it through batching.BatchScheduler,
+once and replayed for every reply. Concurrent replies share it through scheduler.Scheduler,
 whose decode loop is one long job here; other jobs (a warm-up, a cleanup) run between its runs.
 """
 
@@ -13,15 +13,17 @@ import logging
 import queue
 import threading
 from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
 
 log = logging.getLogger(__name__)
 
-_DONE = object()
+T = TypeVar("T")
+_DONE = object()  # the end of a stream's items
 
 
 class DecodeWorker:
     def __init__(self, name: str = "decode-worker"):
-        self._jobs: queue.Queue = queue.Queue()
+        self._jobs: queue.Queue[Callable[[], Any]] = queue.Queue()
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
 
@@ -36,16 +38,16 @@ class DecodeWorker:
             # model it ran on, and an unloaded model must be freed now, not at the next job.
             del job
 
-    def post(self, fn: Callable[[], object]) -> None:
+    def post(self, fn: Callable[[], Any]) -> None:
         """Queue fn to run on the worker thread and return at once; fn handles its own errors."""
         self._jobs.put(fn)
 
-    def call(self, fn: Callable[[], object]):
+    def call(self, fn: Callable[[], T]) -> T:
         """Run fn on the worker thread and return its result (re-raising its exception)."""
         if threading.current_thread() is self._thread:
             return fn()
         done = threading.Event()
-        box: dict = {}
+        box: dict[str, Any] = {}  # "value" or "error"
 
         def job():
             try:
@@ -61,14 +63,14 @@ class DecodeWorker:
             raise box["error"]
         return box.get("value")
 
-    def stream(self, produce: Callable[[], Iterator]) -> Iterator:
+    def stream(self, produce: Callable[[], Iterator[T]]) -> Iterator[T]:
         """Iterate produce() on the worker thread, yielding its items here as they come.
 
         The producer must end by itself when asked (the engine passes it a stop event it sets
         when this iterator is closed); items are buffered, so the worker never blocks on a slow
         or vanished consumer.
         """
-        items: queue.Queue = queue.Queue()
+        items: queue.Queue[Any] = queue.Queue()  # produced items, then _DONE or an error
 
         def job():
             try:

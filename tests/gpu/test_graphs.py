@@ -27,8 +27,8 @@ def test_graphed_decode_equals_eager_decode_in_fp32(peaked_gpu, fp32_graphed, fp
 
 
 def test_padded_prefill_graph_equals_eager_prefill(peaked_gpu, fp32_graphed):
-    batcher = fp32_graphed.manager.loaded.batcher
-    padded = batcher.padded_prefill
+    runner = fp32_graphed.manager.loaded.batcher.runner
+    padded = runner.padded_prefill
     assert padded is not None and not padded.uncaptured
     prompts = [p[:n] for p, n in zip(sample_prompts(peaked_gpu, 3, 100), (100, 37, 64))]
 
@@ -38,7 +38,7 @@ def test_padded_prefill_graph_equals_eager_prefill(peaked_gpu, fp32_graphed):
             graph_logits = logits.clone()
             graph_keys = [[layer.keys[i, :, :n].clone() for i, n in enumerate(ends)]
                           for layer in cache.layers]
-            eager_logits, eager_cache = batcher._forward_prompts([p for p in prompts])
+            eager_logits, eager_cache = runner.forward_prompts([p for p in prompts])
             return graph_logits, graph_keys, eager_logits, eager_cache
 
     graph_logits, graph_keys, eager_logits, eager_cache = fp32_graphed.worker.call(run)
@@ -67,7 +67,7 @@ def test_prompt_lengths_at_every_prefill_bucket_edge_decode_as_plain_generate(
 
 
 def test_a_reply_crossing_a_cache_window_decodes_as_plain_generate(peaked_gpu, fp32_graphed):
-    kv = fp32_graphed.manager.loaded.batcher.kv
+    kv = fp32_graphed.manager.loaded.batcher.runner.kv
     assert kv.windows[:2] == (1024, 2048), kv.windows
     prompts = sample_prompts(peaked_gpu, 2, 1000)  # 1000 + 64: from window 1024 into 2048
     graphed = engine_greedy(fp32_graphed, prompts, 64)

@@ -12,8 +12,7 @@ import time
 import pytest
 
 from model_utils.engine import Engine, eos_ids
-from model_utils.loading.manager import ModelBusy
-from model_utils.runtime.batching import QueueFull
+from model_utils.errors import ModelBusy, QueueFull
 from model_utils.runtime.decoders import EagerDecoder
 from model_utils.runtime.generation import GenerationSettings, ReplyStats, decode_tokens
 
@@ -132,10 +131,10 @@ def test_the_padded_prefill_gives_the_replies_of_an_unpadded_one(small_engine):
     the padded prefill must really have served the short prompts, and the 1100-token prompt
     (longer than any bucket) the eager one."""
     loaded = small_engine.manager.loaded
-    batcher = loaded.batcher
-    small_engine.worker.call(batcher.warm_up)  # allocates the batch cache
-    small_engine.worker.call(lambda: batcher.use_padded_prefill())
-    padded = batcher.padded_prefill
+    runner = loaded.batcher.runner
+    small_engine.worker.call(runner.warm_up)  # allocates the batch cache
+    small_engine.worker.call(lambda: runner.use_padded_prefill())
+    padded = runner.padded_prefill
     served = []
     original = padded.__call__
 
@@ -149,7 +148,7 @@ def test_the_padded_prefill_gives_the_replies_of_an_unpadded_one(small_engine):
         assert padded.buckets == (64, 128, 256, 512, 1024)
         joining_and_leaving(loaded)
     finally:
-        batcher.padded_prefill = None
+        runner.padded_prefill = None
     assert sorted(served) == [2, 5, 9, 17, 40, 300]
 
 
@@ -158,10 +157,10 @@ def test_prompts_arriving_together_share_one_padded_prefill(load_demo):
     64-token bucket: one replay on a GPU), and each reply is still the one it gets alone."""
     engine = load_demo("fp32")
     loaded = engine.manager.loaded
-    batcher = loaded.batcher
-    engine.worker.call(batcher.warm_up)  # allocates the batch cache
-    engine.worker.call(lambda: batcher.use_padded_prefill())
-    padded = batcher.padded_prefill
+    batcher, runner = loaded.batcher, loaded.batcher.runner
+    engine.worker.call(runner.warm_up)  # allocates the batch cache
+    engine.worker.call(lambda: runner.use_padded_prefill())
+    padded = runner.padded_prefill
     groups: list[list[int]] = []
     original = padded.__call__
 
@@ -190,7 +189,7 @@ def test_prompts_arriving_together_share_one_padded_prefill(load_demo):
             t.join(timeout=300)
     finally:
         gate.set()  # a failed check must not leave the worker blocked for the next tests
-        batcher.padded_prefill = None
+        runner.padded_prefill = None
     assert groups == [[3 + 7 * i for i in range(8)]]
     for i, ((tokens, _), reference) in enumerate(zip(results, expected)):
         assert tokens == reference, i
@@ -330,11 +329,11 @@ def test_a_reply_that_cannot_fit_its_row_is_refused_before_it_joins(small_engine
 
 
 def test_with_memory_for_fewer_rows_the_surplus_waits_its_turn(demo_path, monkeypatch):
-    import model_utils.runtime.batching as batching
+    import model_utils.runtime.runner as runner
 
     row_bytes = 4 * 2 * 2 * 32 * 4 * 4096  # demo: layers x (K, V) x kv heads x dim x fp32 x slots
-    monkeypatch.setattr(batching, "_free_bytes",
-                        lambda device: int(2.5 * row_bytes / batching.KV_MEMORY_SHARE))
+    monkeypatch.setattr(runner, "_free_bytes",
+                        lambda device: int(2.5 * row_bytes / runner.KV_MEMORY_SHARE))
     engine = Engine(max_batch=8)
     engine.load(cpu_request("fp32"))
     try:
@@ -351,6 +350,6 @@ def test_with_memory_for_fewer_rows_the_surplus_waits_its_turn(demo_path, monkey
         finally:
             gate.set()
         assert [list(stream) for stream in streams] == expected
-        assert loaded.batcher.kv.rows == loaded.batcher.peak_rows == 2
+        assert loaded.batcher.runner.kv.rows == loaded.batcher.peak_rows == 2
     finally:
         engine.unload()

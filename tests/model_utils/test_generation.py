@@ -195,27 +195,3 @@ def test_incremental_detokenizer_never_splits_a_character(demo_tokenizer):
     pieces = [detok.push(token) for token in ids]
     assert "".join(pieces) == text
     assert not any("\ufffd" in piece for piece in pieces)
-
-
-# -- the static-cache decoder (the CUDA fast path's, here uncompiled on the CPU) --------------
-def test_static_cache_decoder_equals_plain_generate_token_for_token(load_demo):
-    """Same tokens as model.generate for 3 prompts, with one cache bucket reused across them
-    (reset between replies, as the fast path reuses its captured cache)."""
-    import torch
-
-    from model_utils.runtime.decoders import StaticCaches, StaticDecoder
-
-    loaded = load_demo("fp32").manager.loaded
-    caches = StaticCaches(loaded.model)
-    settings = _resolved(loaded, max_new_tokens=40, min_new_tokens=40, temperature=0.0,
-                         repetition_penalty=1.0)
-    for prompt in ("Hello there", "Explain why the sky is blue.", "def main(): print"):
-        ids = loaded.tokenizer(prompt)["input_ids"]
-        with torch.inference_mode():
-            reference = loaded.model.generate(torch.tensor([ids]), max_new_tokens=40,
-                                              min_new_tokens=40, do_sample=False)
-        # min_new_tokens holds back the same end-of-turn ids generate holds back.
-        tokens = list(decode_tokens(StaticDecoder(loaded.model, caches), ids, settings,
-                                    eos_ids=set(loaded.model.generation_config.eos_token_id)))
-        assert tokens == reference[0, len(ids):].tolist(), prompt
-    assert len(caches._caches) == 1  # one bucket served every reply

@@ -94,9 +94,9 @@ def test_the_fit_counts_what_the_current_model_frees(serving, demo_path):
     serving.generate_text(HELLO, FEW_TOKENS)  # the batch cache exists from the first reply
     loaded = serving.manager.loaded
     held = held_gb(loaded)
-    assert loaded.batcher.cache_bytes() > 0
+    assert loaded.batcher.runner.cache_bytes() > 0
     assert held["cpu"] == pytest.approx(loaded.device_map["cpu"]["gb"] +
-                                        loaded.batcher.cache_bytes() / 2**30, rel=1e-9)
+                                        loaded.batcher.runner.cache_bytes() / 2**30, rel=1e-9)
     config = AutoConfig.from_pretrained(demo_path)
     plain = estimate_fit(config, get_mode("fp32"), Placement("cpu"), context_tokens=512)
     counted = estimate_fit(config, get_mode("fp32"), Placement("cpu"), context_tokens=512,

@@ -1,10 +1,10 @@
-"""The fast path for single-stream decoding on a CUDA GPU: static KV cache + CUDA graphs.
+"""The decode step on a CUDA GPU: torch.compile, and CUDA graphs captured and replayed by hand.
 
 Plain model.generate spends most of each token launching kernels from Python (a 7B model decodes
-at 4-15 % of the H200's memory-bandwidth bound). Here the decode step has fixed shapes (one token
-per row, a preallocated cache of a bucketed length), so it is torch.compile'd once, captured as a
-CUDA graph, and every later token is one graph replay (GraphedStep for a single-stream decoder,
-GraphedBatchStep for the batch scheduler, which serves every reply of a model it can batch).
+at 4-15 % of the H200's memory-bandwidth bound). The batched decode step has fixed shapes (one
+token per row, views of a preallocated cache of bucketed sizes, kv_cache.BatchKV), so each
+shape is captured once as a CUDA graph (GraphedBatchStep) and every later step is one replay.
+The prefill graphs (prefill.PaddedPrefill) are captured through the same GraphCapture.
 
 It applies only where it can: one CUDA device holding every weight, a mode that compiles. Else the
 eager path is used and the status says why.
@@ -14,18 +14,27 @@ from __future__ import annotations
 
 import logging
 import time
-from types import SimpleNamespace
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from model_utils.loading.weight_only import inductor_options
 
-from .decoders import CACHE_BUCKETS, StaticCaches, StaticDecoder
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+    from model_utils.loading.manager import LoadedModel
+
+    from .kv_cache import BatchKV
+
+# A captured graph and its output buffer, which each replay overwrites.
+Captured = tuple[torch.cuda.CUDAGraph, torch.Tensor]
 
 log = logging.getLogger(__name__)
 
 
-def compile_forward(model, inductor_mode: str):
+def compile_forward(model: PreTrainedModel, inductor_mode: str) -> Callable[..., Any]:
     """torch.compile of the model's forward for one fixed shape; a model with weight-only
     layers gets their inductor settings too (weight_only.inductor_options). torch.compile takes
     a mode or options, not both: a named mode is spelled out as its options then."""
@@ -39,7 +48,7 @@ def compile_forward(model, inductor_mode: str):
     return torch.compile(model.forward, options=options, fullgraph=True, dynamic=False)
 
 
-def support(loaded) -> tuple[bool, str]:
+def support(loaded: LoadedModel) -> tuple[bool, str]:
     """(applies, why) for a freshly loaded model."""
     devices = set(loaded.device_map)
     if not torch.cuda.is_available():
@@ -67,11 +76,12 @@ class GraphCapture:
     20 graphs of a 32-row bf16 7B model on the H200, BENCHMARKS.md runs L and M).
     """
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.pool = torch.cuda.graph_pool_handle()
         self.side = torch.cuda.Stream()
 
-    def __call__(self, run, restore):
+    def __call__(self, run: Callable[[], torch.Tensor],
+                 restore: Callable[[], None]) -> Captured:
         """(graph, output) of `run` captured as one CUDA graph.
 
         Three warm-up runs first; they move the cache's write index, so `restore` puts it back
@@ -88,131 +98,22 @@ class GraphCapture:
         return graph, output
 
 
-class GraphedStep:
-    """The compiled forward captured by hand as one CUDA graph per static cache.
-
-    torch.compile's own "reduce-overhead" mode also replays CUDA graphs, but it first evaluates
-    dynamo's guards and copies inputs on every call, which costs about as much as the GPU work
-    of a 7B decode step. A hand-held torch.cuda.CUDAGraph replays with two tiny copies
-    (token, position) and nothing else. The cache's write position (cumulative_length) is a
-    device tensor updated inside the graph, so each replay writes the next slot.
-    """
-
-    def __init__(self, model, inductor_mode: str = "default"):
-        # "max-autotune-no-cudagraphs" benchmarks matmul kernels for each shape at warm-up:
-        # longer loads, sometimes faster 1-token GEMVs. Capturing the graph stays ours.
-        self.compiled = compile_forward(model, inductor_mode)
-        self._graphs: dict[int, tuple] = {}
-        self.capture = GraphCapture()  # every bucket's graph
-
-    def __call__(self, *, input_ids, position_ids, cache, **_):
-        entry = self._graphs.get(id(cache)) or self._capture(input_ids, position_ids, cache)
-        graph, token, position, logits = entry
-        token.copy_(input_ids)
-        position.copy_(position_ids)
-        graph.replay()
-        return SimpleNamespace(logits=logits)
-
-    def _capture(self, input_ids, position_ids, cache):
-        token, position = input_ids.clone(), position_ids.clone()
-        lengths = [layer.cumulative_length.clone() for layer in cache.layers]
-
-        def run():
-            return self.compiled(input_ids=token, position_ids=position, cache=cache,
-                                 use_cache=True, logits_to_keep=1).logits
-
-        def restore():  # back to where this reply stands
-            for layer, length in zip(cache.layers, lengths):
-                layer.cumulative_length.copy_(length)
-
-        graph, logits = self.capture(run, restore)
-        entry = (graph, token, position, logits)
-        self._graphs[id(cache)] = entry
-        return entry
-
-
-STRATEGIES = ("graphed", "reduce-overhead", "reduce-overhead-partial")
 # torch.compile modes offered for the decode step. The autotuned one benchmarks matmul kernels
 # for each shape while warming up: about a minute more per load (less once inductor's cache
 # has them), 200 against 192 tok/s for one bf16 7B stream on the H200 (BENCHMARKS.md, run E).
 COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")
 
 
-class FastPath:
-    """Owns the compiled step and the static caches of one loaded model."""
-
-    def __init__(self, model, *, strategy: str = "graphed", inductor_mode: str = "default"):
-        self.model = model
-        self.caches = StaticCaches(model)
-        self.name = f"static-cache+cuda-graphs ({strategy})"
-        # Each bucket is one more compiled shape; leave room for all of them.
-        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit,
-                                                    4 * len(CACHE_BUCKETS))
-        if strategy == "graphed":
-            self.step_fn = GraphedStep(model, inductor_mode)
-        else:
-            self.step_fn = torch.compile(model.forward, mode="reduce-overhead",
-                                         fullgraph=strategy == "reduce-overhead",
-                                         dynamic=False)
-
-    def decoder(self) -> StaticDecoder:
-        return StaticDecoder(self.model, self.caches, self.step_fn, name=self.name)
-
-    def warm_up(self, bucket: int, progress=None) -> float:
-        """Compile and capture the step for one cache bucket; returns seconds spent."""
-        start = time.perf_counter()
-        decoder = self.decoder()
-        prompt = [0] * 16
-        # reduce-overhead compiles on the first call, records the CUDA graph on a later one
-        # and replays from then on: a handful of steps gets through all three.
-        steps = 6
-        decoder.prefill(prompt, max_new_tokens=bucket - len(prompt))
-        for i in range(steps):
-            if progress:
-                progress(0.6 + 0.3 * i / steps,
-                         f"compiling the decode step for a {bucket}-token cache ({i + 1}/{steps})")
-            decoder.step(0)
-        torch.cuda.synchronize()
-        return time.perf_counter() - start
-
-
-def attach(loaded, progress=None, *, warm_bucket: int = 1024,
-           inductor_mode: str = "default") -> None:
-    """Manager hook: decide the path for a new model and warm the fast one up."""
-    applies, why = support(loaded)
-    loaded.decode_path_reason = why
-    if not applies:
-        loaded.decode_path = "eager"
-        return
-    error = None
-    # Fastest first: one hand-captured graph; then torch's own CUDA-graph mode; then the
-    # same with graph breaks allowed (several captured pieces still beat eager).
-    for strategy in STRATEGIES:
-        try:
-            fast = FastPath(loaded.model, strategy=strategy, inductor_mode=inductor_mode)
-            seconds = fast.warm_up(warm_bucket, progress)
-            break
-        except Exception as exc:  # noqa: BLE001 - any compile failure falls back, logged
-            log.exception("compiling the decode step (%s) failed", strategy)
-            error = exc
-            torch._dynamo.reset()
-    else:
-        loaded.decode_path = "eager"
-        loaded.decode_path_reason = f"eager path: compiling failed ({type(error).__name__}: " \
-                                    f"{str(error).splitlines()[0][:200]})"
-        return
-    loaded.fast_path = fast
-    loaded.decode_path = fast.name  # names the strategy that captured
-    log.info("fast path ready for %s in %.1f s", loaded.display_name, seconds)
-
-
 class GraphedBatchStep:
-    """The batched decode step (batching.BatchScheduler) captured as one CUDA graph per view.
+    """The batched decode step (runner.BatchRunner's step_fn) captured as one CUDA graph per view.
 
-    Like GraphedStep, but every input is already a persistent buffer of batch_cache.BatchKV
-    (ids, positions, mask, cache views): the graph reads them in place, so a replay needs no
-    copies at all. One graph per (rows, slots) bucket of the view; a shape whose capture fails
-    runs the plain forward uncaptured (logged): it never fails a reply.
+    Captured by hand: torch.compile's own "reduce-overhead" mode also replays CUDA graphs, but it
+    first evaluates dynamo's guards and copies inputs on every call, which costs about as much
+    as the GPU work of a 7B decode step. Here every input is already a persistent buffer of
+    kv_cache.BatchKV (ids, positions, mask, cache views, the write index as a device tensor
+    updated inside the graph): the graph reads them in place, so a replay needs no copies at
+    all. One graph per (rows, slots) bucket of the view; a shape whose capture fails runs the
+    plain forward uncaptured (logged): it never fails a reply.
 
     Which forward is captured: the torch.compile'd one for up to `compiled_rows` rows in the
     cache's first window (default 1 row: one reply decodes at 192 tok/s on the H200, bf16 7B,
@@ -225,16 +126,17 @@ class GraphedBatchStep:
     compiled. Attention reads each KV head once in both (attention.packed_sdpa).
     """
 
-    def __init__(self, model, inductor_mode: str = "default", compiled_rows: int = 1):
+    def __init__(self, model: PreTrainedModel, inductor_mode: str = "default",
+                 compiled_rows: int = 1):
         self.model = model
         self.compiled = compile_forward(model, inductor_mode)
         self.compiled_rows = compiled_rows
-        self._graphs: dict[tuple, tuple] = {}
+        self._graphs: dict[tuple[int, int, int], Captured | None] = {}
         self.capture = GraphCapture()  # shared with the prefill graphs (engine._warm_up)
         self.failed: str | None = None
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
 
-    def __call__(self, kv, b: int, w: int) -> torch.Tensor:
+    def __call__(self, kv: BatchKV, b: int, w: int) -> torch.Tensor:
         key = (id(kv), b, w)
         if key not in self._graphs:
             self._graphs[key] = self._capture_any(kv, b, w)
@@ -245,7 +147,7 @@ class GraphedBatchStep:
         graph.replay()
         return logits
 
-    def _capture_any(self, kv, b: int, w: int):
+    def _capture_any(self, kv: BatchKV, b: int, w: int) -> Captured | None:
         """The first forward that captures for this view, None when neither does (logged).
 
         The compiled one first only for up to compiled_rows rows in the cache's first window,
@@ -265,7 +167,8 @@ class GraphedBatchStep:
         self.failed = reason
         return None
 
-    def _capture(self, kv, b: int, w: int, forward):
+    def _capture(self, kv: BatchKV, b: int, w: int,
+                 forward: Callable[..., Any]) -> Captured:
         inputs = kv.inputs(b, w)
         start = time.perf_counter()
 

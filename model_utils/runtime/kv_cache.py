@@ -22,12 +22,23 @@ shape for a compiled step.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 import torch
 
 from .attention import NAME as PACKED_SDPA
-from .decoders import CACHE_BUCKETS
 
+# The slot windows a decode step runs on (the cache's first `w` slots): each is one fixed shape
+# for a captured step, so a reply growing past one moves to the next instead of a new shape.
+CACHE_BUCKETS = (1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+    from transformers.cache_utils import Cache
+
+# The attention_mask argument of a forward: one mask, or one per layer type (sliding windows).
+MaskArg = torch.Tensor | dict[str, torch.Tensor]
 SUPPORTED_LAYERS = {"full_attention", "sliding_attention"}
 # Attention implementations whose mask we can build ourselves: sdpa takes a boolean mask (True =
 # attend), eager an additive float one. Others (flash, flex) want their own formats.
@@ -41,13 +52,13 @@ def bucket(value: int, buckets: tuple[int, ...]) -> int:
     raise ValueError(f"{value} exceeds the largest bucket ({buckets[-1]})")
 
 
-def layer_types(model) -> list[str]:
+def layer_types(model: PreTrainedModel) -> list[str]:
     from transformers.cache_utils import get_layer_types_and_kwargs
 
     return get_layer_types_and_kwargs(model.config.get_text_config(decoder=True))[0]
 
 
-def support(model) -> tuple[bool, str]:
+def support(model: PreTrainedModel) -> tuple[bool, str]:
     """(batched decoding applies, why not) for a loaded model."""
     types = set(layer_types(model))
     if not types <= SUPPORTED_LAYERS:
@@ -58,7 +69,7 @@ def support(model) -> tuple[bool, str]:
     return True, ""
 
 
-def kv_bytes_per_row(prompt_cache, length: int) -> dict[torch.device, int]:
+def kv_bytes_per_row(prompt_cache: Cache, length: int) -> dict[torch.device, int]:
     """Bytes one row of `length` slots takes on each device, from a prefilled batch-1 cache."""
     per_device: dict[torch.device, int] = {}
     for layer in prompt_cache.layers:
@@ -69,7 +80,7 @@ def kv_bytes_per_row(prompt_cache, length: int) -> dict[torch.device, int]:
 
 
 def static_cache(keys: list[torch.Tensor], values: list[torch.Tensor],
-                 indices: list[torch.Tensor]):
+                 indices: list[torch.Tensor]) -> Cache:
     """A transformers Cache whose StaticLayers use the given storage ([b, kv_heads, w, d] per
     layer, views allowed) and write at the given device indices (their cumulative_length)."""
     from transformers.cache_utils import Cache, StaticLayer
@@ -90,7 +101,8 @@ def static_cache(keys: list[torch.Tensor], values: list[torch.Tensor],
 class BatchKV:
     """K/V storage, masks, positions and input ids for up to `rows` replies of `length` slots."""
 
-    def __init__(self, model, prompt_cache, *, rows: int, length: int, device: torch.device):
+    def __init__(self, model: PreTrainedModel, prompt_cache: Cache, *, rows: int, length: int,
+                 device: torch.device):
         self.rows, self.length, self.device = rows, length, device
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
@@ -107,7 +119,7 @@ class BatchKV:
         self.windows = tuple(w for w in CACHE_BUCKETS if w < length) + (length,)
         self.row_buckets = tuple(b for b in ROW_BUCKETS if b < rows) + (rows,)
         self._masks = _ModelMasks(model, self.mask)
-        self._views: dict[tuple[int, int], object] = {}
+        self._views: dict[tuple[int, int], Cache] = {}
 
     @property
     def nbytes(self) -> int:
@@ -115,7 +127,7 @@ class BatchKV:
         return sum(t.numel() * t.element_size() for t in self.keys + self.values)
 
     # -- what a forward pass reads ---------------------------------------------------------
-    def view(self, b: int, w: int):
+    def view(self, b: int, w: int) -> Cache:
         """A transformers Cache over rows [0, b) and slots [0, w), sharing this storage."""
         key = (b, w)
         if key not in self._views:
@@ -123,7 +135,7 @@ class BatchKV:
                                             [v[:b, :, :w] for v in self.values], self.index)
         return self._views[key]
 
-    def inputs(self, b: int, w: int) -> dict:
+    def inputs(self, b: int, w: int) -> dict[str, Any]:
         """Keyword arguments of the model's forward for one decode step on the (b, w) view.
         The tensors are views of persistent buffers, so a captured graph reads them in place."""
         return dict(input_ids=self.ids[:b], position_ids=self.pos[:b],
@@ -131,7 +143,7 @@ class BatchKV:
                     use_cache=True, logits_to_keep=1)
 
     # -- bookkeeping between steps ----------------------------------------------------------
-    def place(self, row: int, prompt_cache, prompt_len: int, active: int, *,
+    def place(self, row: int, prompt_cache: Cache, prompt_len: int, active: int, *,
               source: int = 0, end: int | None = None) -> None:
         """Copy a prefilled prompt into `row`, ending at the write index: the prompt_len slots
         of row `source` of prompt_cache that end at slot `end` (default: its last slot, as
@@ -173,7 +185,7 @@ class BatchKV:
 
     def set_token(self, row: int, token: int) -> None:
         """The next input of `row` (a new reply's first token). Later inputs are written on the
-        device by the step that samples them (see batching.BatchScheduler._launch)."""
+        device by the step that samples them (see runner.BatchRunner.launch)."""
         self.ids[row, 0] = token
 
     def prepare_step(self, active: int, longest: int) -> tuple[int, int]:
@@ -212,7 +224,7 @@ class _ModelMasks:
     last `window` slots" is "the last `window` positions").
     """
 
-    def __init__(self, model, mask: torch.Tensor):
+    def __init__(self, model: PreTrainedModel, mask: torch.Tensor):
         self.mask = mask
         kind = MASK_KINDS[model.config._attn_implementation]
         self.dtype = model.dtype
@@ -225,7 +237,7 @@ class _ModelMasks:
         self.sliding_float = torch.zeros_like(self.float) \
             if self.window and self.float is not None else None
         self.slots = torch.arange(mask.shape[1], device=mask.device)
-        self._args: dict[tuple[int, int], object] = {}
+        self._args: dict[tuple[int, int], MaskArg] = {}
 
     def refresh(self, b: int, w: int, j: int) -> None:
         if self.sliding is not None:
@@ -237,7 +249,7 @@ class _ModelMasks:
             if self.sliding_float is not None:
                 self.sliding_float[:b, :w] = torch.where(self.sliding[:b, :w], 0.0, low)
 
-    def arg(self, b: int, w: int):
+    def arg(self, b: int, w: int) -> MaskArg:
         key = (b, w)
         if key not in self._args:
             full = self.float if self.float is not None else self.mask

@@ -1,0 +1,42 @@
+"""The errors the engine raises to its callers, in one place.
+
+Each class says what went wrong in words meant for the user; server/errors.py maps them to HTTP
+codes and gr.Error once, and the CLI to its exit codes. This module imports nothing, so any
+layer can name these classes (a refused CLI flag, an endpoint's mapping) without importing
+torch, and no runtime module imports the model manager just for an exception.
+"""
+
+from __future__ import annotations
+
+
+class LoadError(RuntimeError):
+    """A load that did not happen, or no model to answer; the message is meant for the user."""
+
+
+class ModelBusy(RuntimeError):
+    """A switch refused because replies are still streaming, or a reply refused for now."""
+
+
+class QueueFull(ModelBusy):
+    """Too many requests in flight: the caller should say "busy, try again shortly".
+    A ModelBusy, so a front end that already presents ModelBusy presents this too."""
+
+
+class ShuttingDown(ModelBusy):
+    """The server is closing: no new reply starts, and open ones may be ended early."""
+
+
+class ModelNotFound(ValueError):
+    """A model name that does not resolve to a loadable checkpoint (message says why)."""
+
+
+class ChatInputError(ValueError):
+    """Input the chat cannot turn into a prompt; the message says what to change."""
+
+
+class InvalidParameter(ValueError):
+    """A generation setting out of range; .name is the parameter."""
+
+    def __init__(self, name: str, message: str):
+        super().__init__(f"{name}: {message}")
+        self.name = name

@@ -1,0 +1,275 @@
+"""The batch scheduler's decisions, without a model: admission order, rows given and reused,
+one request's stop or failure leaving the others alone, the queue's limits.
+
+The scheduler drives a runner through a small interface (scheduler.Runner); here that runner
+is plain Python: reply token n of a request is a number made from its prompt and n, and the
+runner keeps the rows as the KV cache would (placed, moved into holes) and checks at every
+step that row i holds the request the scheduler says it does. So a row mixed up, reused while
+taken or lost shows as a wrong token or a failed check. The loop runs on the test's thread:
+`post` only collects it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+
+import pytest
+
+from model_utils.errors import QueueFull
+from model_utils.runtime.generation import GenerationSettings, ReplyStats
+from model_utils.runtime.scheduler import MAX_BATCH_LIMIT, Scheduler, check_limits
+
+pytestmark = pytest.mark.unit
+
+EOS = -1
+
+
+def reply_token(request, n: int) -> int:
+    """Token n of a request's reply: EOS at the position its prompt's second id names."""
+    first, eos_at = request.input_ids[0], request.input_ids[1]
+    return EOS if n == eos_at else first * 1000 + n
+
+
+def expected(first: int, count: int) -> list[int]:
+    return [first * 1000 + n for n in range(count)]
+
+
+class ListRunner:
+    """A runner in plain Python (see the module docstring). `rows`: what the cache's memory
+    allows (None: max_batch); `on_step(step_number, rows)` runs before each step is sampled."""
+
+    max_batch = 0  # the rows asked for, as the real runner is told
+
+    def __init__(self, rows: int | None = None, *, on_step=None):
+        self.memory_rows = rows
+        self.rows: int | None = None
+        self.slots: dict[int, object] = {}  # cache row -> the request whose KV it holds
+        self.prefilled: list[list[int]] = []  # each prefill's prompts (their first ids)
+        self.steps: list[int] = []  # rows per decode step
+        self.set_up_now: set = set()  # requests with device state (set up, not released)
+        self.on_step = on_step
+        self.bad_setup: set[int] = set()  # first prompt ids whose set_up raises
+        self.bad_groups: set[int] = set()  # first prompt ids that fail any group's prefill
+        self.bad_sampling: dict[int, int] = {}  # first prompt id -> the step its sampling fails
+
+    @property
+    def capacity(self) -> int | None:
+        return self.rows
+
+    def session(self):
+        return contextlib.nullcontext()
+
+    def fits_padded(self, tokens: int) -> bool:
+        return False
+
+    def fit_padded_together(self, lengths: list[int]) -> bool:
+        return False
+
+    def set_up(self, request) -> None:
+        if request.input_ids[0] in self.bad_setup:
+            raise ValueError("this request's seed cannot be used")
+        self.set_up_now.add(request)
+
+    def release(self, request) -> None:
+        self.set_up_now.discard(request)
+
+    def prefill(self, requests, padded: bool):
+        firsts = [r.input_ids[0] for r in requests]
+        if len(requests) > 1 and self.bad_groups & set(firsts):
+            raise RuntimeError("the group's forward failed")
+        self.prefilled.append(firsts)
+        return list(requests)
+
+    def allocate(self, prefilled) -> int:
+        if self.rows is None:
+            self.rows = min(self.memory_rows or self.max_batch, self.max_batch)
+        return self.rows
+
+    def first_tokens(self, prefilled, requests):
+        assert all(r in self.set_up_now for r in requests)
+        return [reply_token(r, 0) for r in requests], []
+
+    def place(self, row: int, prefilled, source: int, length: int, token: int) -> None:
+        request = prefilled[source]
+        assert row not in self.slots or self.slots[row].finished, "a taken row given again"
+        assert row < self.rows and length == len(request.input_ids)
+        assert token == reply_token(request, 0)
+        self.slots[row] = request
+
+    def launch(self, rows, longest: int):
+        for i, request in enumerate(rows):
+            assert self.slots[i] is request, f"row {i} holds another request"
+            assert request in self.set_up_now
+        assert len(rows) <= self.rows and longest == max(r.length for r in rows)
+        self.steps.append(len(rows))
+        if self.on_step:
+            self.on_step(len(self.steps), rows)
+        failures = [(i, RuntimeError("sampling failed")) for i, r in enumerate(rows)
+                    if self.bad_sampling.get(r.input_ids[0]) == len(self.steps)]
+        tokens = [reply_token(r, r.sampled) for r in rows]
+        return (lambda: tokens), failures
+
+    def move_row(self, src: int, dst: int, length: int) -> None:
+        self.slots[dst] = self.slots.pop(src)
+
+
+class Harness:
+    """A scheduler on a ListRunner; the posted loop runs when run() is called."""
+
+    def __init__(self, runner: ListRunner | None = None, *, max_batch: int = 2,
+                 max_queue: int = 8, context_tokens: int = 64):
+        self.runner = runner or ListRunner()
+        self.runner.max_batch = max_batch
+        self.jobs: list = []
+        self.scheduler = Scheduler(self.runner, post=self.jobs.append,
+                                   context_tokens=context_tokens, max_batch=max_batch,
+                                   max_queue=max_queue)
+
+    def submit(self, first: int, new_tokens: int, *, eos_at: int = 10**6, stop=None):
+        stats = ReplyStats()
+        stream = self.scheduler.submit([first, eos_at, 7],
+                                       GenerationSettings(max_new_tokens=new_tokens),
+                                       eos_ids={EOS}, stop=stop or threading.Event(),
+                                       stats=stats)
+        return stream, stats
+
+    def run(self) -> None:
+        while self.jobs:
+            self.jobs.pop(0)()
+
+
+def test_requests_take_rows_in_the_order_they_came_and_each_gets_its_own_reply():
+    h = Harness(max_batch=2)
+    lengths = {1: 3, 2: 9, 3: 4, 4: 6, 5: 2}
+    streams = {first: h.submit(first, n) for first, n in lengths.items()}
+    assert len(h.jobs) == 1  # one loop for them all
+    assert h.scheduler.load() == {"active": 0, "waiting": 5, "max_batch": 2, "max_queue": 8}
+    h.run()
+    prefilled = [first for group in h.runner.prefilled for first in group]
+    assert prefilled == [1, 2, 3, 4, 5]  # first come, first served
+    for first, (stream, stats) in streams.items():
+        assert list(stream) == expected(first, lengths[first])
+        assert stats.finish_reason == "length" and stats.new_tokens == lengths[first]
+    assert max(h.runner.steps) == 2 == h.scheduler.peak_rows  # never more rows than the batch
+    assert h.scheduler.load()["active"] == 0 and not h.jobs
+    assert not h.runner.set_up_now  # every request's device state was let go
+
+
+def test_a_freed_row_is_reused_and_the_last_row_moves_into_the_hole():
+    h = Harness(max_batch=3)
+    short, long_a, long_b, late = (h.submit(1, 2), h.submit(2, 12), h.submit(3, 12),
+                                   h.submit(4, 5))
+    h.run()
+    # Row 0 (request 1) ended first: request 3 moved from row 2 into it, and request 4 took
+    # the free row; the runner checked at every step that each row held its request.
+    assert [list(s) for s, _ in (short, long_a, long_b, late)] == [
+        expected(1, 2), expected(2, 12), expected(3, 12), expected(4, 5)]
+    assert h.runner.prefilled == [[1, 2, 3], [4]]
+    assert h.scheduler.peak_rows == 3 and max(h.runner.steps) == 3
+
+
+def test_eos_ends_a_reply_early_and_is_not_part_of_it():
+    h = Harness()
+    (ended, ended_stats), (other, other_stats) = h.submit(1, 20, eos_at=4), h.submit(2, 6)
+    h.run()
+    assert list(ended) == expected(1, 4) and ended_stats.finish_reason == "eos"
+    assert list(other) == expected(2, 6) and other_stats.finish_reason == "length"
+
+
+def test_stopping_one_reply_ends_it_alone():
+    stop = threading.Event()
+
+    def on_step(step, rows):
+        if step == 3:
+            stop.set()
+
+    h = Harness(ListRunner(on_step=on_step), max_batch=3)
+    first, stopped, third = h.submit(1, 10), h.submit(2, 50, stop=stop), h.submit(3, 10)
+    h.run()
+    assert stopped[1].finish_reason == "stop" and stopped[1].stopped
+    assert 3 <= len(list(stopped[0])) <= 5  # within a step of the Stop (one may be in flight)
+    for (stream, stats), n in ((first, 1), (third, 3)):
+        assert list(stream) == expected(n, 10) and stats.finish_reason == "length"
+    assert h.scheduler.load()["active"] == 0
+
+
+def test_a_request_stopped_while_it_waits_is_never_prefilled():
+    h = Harness(max_batch=1)
+    stop = threading.Event()
+    running, waiting = h.submit(1, 4), h.submit(2, 4, stop=stop)
+    stop.set()
+    h.run()
+    assert list(waiting[0]) == [] and waiting[1].finish_reason == "stop"
+    assert list(running[0]) == expected(1, 4)
+    assert h.runner.prefilled == [[1]]
+
+
+def test_a_full_queue_refuses_at_once_and_takes_requests_again_once_drained():
+    h = Harness(max_batch=2, max_queue=1)
+    streams = [h.submit(i, 3) for i in range(1, 4)]
+    with pytest.raises(QueueFull, match="busy"):
+        h.submit(9, 3)
+    assert h.scheduler.load()["waiting"] == 3
+    h.run()
+    assert [list(s) for s, _ in streams] == [expected(i, 3) for i in range(1, 4)]
+    again, _ = h.submit(9, 3)
+    h.run()
+    assert list(again) == expected(9, 3)
+
+
+def test_limits_and_the_context_window_are_checked_before_anything_queues():
+    for max_batch, max_queue in ((0, 1), (MAX_BATCH_LIMIT + 1, 1), (2.0, 1), (2, -1)):
+        with pytest.raises(ValueError):
+            check_limits(max_batch, max_queue)
+    h = Harness(context_tokens=10)
+    with pytest.raises(ValueError, match="context window"):
+        h.submit(1, 8)  # 3 prompt tokens + 8 > 10
+    with pytest.raises(ValueError, match="empty"):
+        h.scheduler.submit([], GenerationSettings(max_new_tokens=1), eos_ids=set(),
+                           stop=threading.Event(), stats=ReplyStats())
+    assert h.scheduler.load()["waiting"] == 0 and not h.jobs
+
+
+def test_with_fewer_rows_than_the_batch_the_surplus_waits_its_turn():
+    h = Harness(ListRunner(rows=1), max_batch=3)
+    streams = [h.submit(i, 4) for i in (1, 2, 3)]
+    h.run()
+    assert [list(s) for s, _ in streams] == [expected(i, 4) for i in (1, 2, 3)]
+    assert h.scheduler.peak_rows == 1 and max(h.runner.steps) == 1
+
+
+def test_a_request_whose_set_up_fails_ends_alone_with_its_error():
+    runner = ListRunner()
+    runner.bad_setup.add(2)
+    h = Harness(runner, max_batch=3)
+    good, bad, other = h.submit(1, 5), h.submit(2, 5), h.submit(3, 5)
+    h.run()
+    with pytest.raises(ValueError, match="seed"):
+        list(bad[0])
+    assert bad[1].finish_reason == "error"
+    assert list(good[0]) == expected(1, 5) and list(other[0]) == expected(3, 5)
+
+
+def test_a_group_whose_prefill_fails_is_prefilled_again_one_by_one():
+    runner = ListRunner()
+    runner.bad_groups.add(2)
+    h = Harness(runner, max_batch=3)
+    streams = [h.submit(i, 5) for i in (1, 2, 3)]
+    h.run()
+    # Alone, request 2's prefill works (the fault was the group's): all three decode.
+    assert runner.prefilled == [[1], [2], [3]]
+    assert [list(s) for s, _ in streams] == [expected(i, 5) for i in (1, 2, 3)]
+
+
+def test_a_row_whose_sampling_fails_ends_alone_and_the_others_go_on():
+    runner = ListRunner()
+    runner.bad_sampling[2] = 2  # request 2's sampling raises in the second step
+    h = Harness(runner, max_batch=3)
+    good, bad, other = h.submit(1, 8), h.submit(2, 8), h.submit(3, 8)
+    h.run()
+    with pytest.raises(RuntimeError, match="sampling failed"):
+        list(bad[0])
+    assert bad[1].finish_reason == "error"
+    assert list(good[0]) == expected(1, 8) and list(other[0]) == expected(3, 8)
+    assert not runner.set_up_now
