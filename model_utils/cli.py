@@ -381,20 +381,14 @@ def _one_line(error: BaseException) -> str:
 
 def _is_refusal(error: BaseException) -> bool:
     """Whether an error is a refusal of the input (exit 2) rather than a failure (exit 1).
-
-    The engine's error classes are looked up only in modules already imported: an error from a
-    module never imported cannot be one of them, and a bad messages file is then reported
-    without first importing torch (seconds).
-    """
+    model_utils.errors imports nothing, so a bad messages file is reported without first
+    importing torch (seconds)."""
     if isinstance(error, UsageError):
         return True
-    package = __package__ or "model_utils"
-    names = {"chat.prompt": ("ChatInputError",), "runtime.generation": ("InvalidParameter",),
-             "loading.manager": ("LoadError", "ModelBusy"),
-             "loading.registry": ("ModelNotFound",)}
-    classes = tuple(getattr(sys.modules[f"{package}.{module}"], name)
-                    for module, module_names in names.items() for name in module_names
-                    if f"{package}.{module}" in sys.modules)
+    from . import errors  # the engine's error classes, in a module that imports nothing
+
+    classes = (errors.ChatInputError, errors.InvalidParameter, errors.LoadError,
+               errors.ModelBusy, errors.ModelNotFound)
     return isinstance(error, classes)
 
 
