@@ -28,7 +28,7 @@ APP_ENGINE_FLAGS = ("models_dir", "log_prompts", "trust_remote_code", "max_queue
                     "compile_mode")
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description="Local chat app for Qwen / Hugging Face causal LMs.")
     add_model_args(p, what="model to load at start",
                    note="; a folder named here may be loaded even outside those")
@@ -53,7 +53,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "ended with an error (default 5)")
     EngineConfig.add_cli_args(p, only=APP_ENGINE_FLAGS)
     add_backend_flags(p)
-    return p.parse_args(argv)
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
 
 
 def read_logins(args: argparse.Namespace, parser_error) -> list[tuple[str, str]]:

@@ -26,7 +26,7 @@ def setting_controls(context: int, schema: tuple[Setting, ...] = SETTINGS) -> di
                 value=spec.value, precision=0 if setting.type is int else None,
                 label=spec.label, minimum=spec.low, elem_id=spec.elem_id)
             continue
-        high = context if spec.high is None else spec.high
+        high = context if spec.up_to_context else spec.high
         controls[setting.name] = gr.Slider(spec.low, high, value=min(spec.value, high),
                                            step=spec.step, label=spec.label,
                                            elem_id=spec.elem_id)
@@ -36,7 +36,7 @@ def setting_controls(context: int, schema: tuple[Setting, ...] = SETTINGS) -> di
 def context_bounded(names, schema: tuple[Setting, ...] = SETTINGS) -> list[str]:
     """Which of these settings' widgets range up to the loaded model's context window."""
     controls = {s.name: s.control for s in schema}
-    return [n for n in names if controls[n] is not None and controls[n].high is None]
+    return [n for n in names if controls[n] is not None and controls[n].up_to_context]
 
 
 def keep_settings(c: dict, engine: Engine, demo: gr.Blocks, settings_inputs: list,

@@ -89,7 +89,7 @@ def quality_reference(engine: Engine, model_name: str, positions: int):
     return sequences, quality.fp32_reference(path, sequences, device=device)
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m model_utils.bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_args(parser, mode=False, placement_default="cuda:0 with a GPU, else cpu")
@@ -114,7 +114,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="teacher-forced positions for kl_vs_fp32 / top1_vs_fp32 (0: skip)")
     parser.add_argument("--out", default="results.json", help="JSON file to write")
     parser.add_argument("--chart", help="PNG chart (default: next to --out)")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     try:
         rows = run(args)

@@ -39,9 +39,10 @@ class Control:
     label: str
     value: float
     low: float
-    high: float | None = None  # None: the loaded model's context window (redrawn on loads)
+    high: float | None = None  # None: a number box without a maximum
     step: float = 1
     number: bool = False
+    up_to_context: bool = False  # the slider's maximum is the loaded model's context window
     elem_id: str | None = None
 
 
@@ -146,7 +147,8 @@ SETTINGS: tuple[Setting, ...] = (
                        "longer one is limited to that)",
             api_names=("max_completion_tokens", "max_tokens"),
             # Up to the loaded model's context: a reply can never be longer than the window.
-            control=Control("max_new_tokens", 512, 1, None, elem_id="max-new-tokens")),
+            control=Control("max_new_tokens", 512, 1, up_to_context=True,
+                            elem_id="max-new-tokens")),
     Setting("repetition_penalty", float, 0.01, 10.0, off=1.0,
             help="penalize tokens already in the prompt or the reply (as transformers "
                  "does); 1 = off",
