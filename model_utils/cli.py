@@ -35,6 +35,7 @@ from .cli_args import (
     requested_placement,
     requested_settings,
 )
+from .engine_config import EngineConfig
 
 EXIT_ERROR = 1
 EXIT_INTERRUPTED = 130
@@ -118,7 +119,6 @@ def cmd_chat(args) -> int:
     settings = requested_settings(args)
     placement = requested_placement(args)
     _quiet_transformers(args.verbose)
-    from .engine_config import EngineConfig
     from .loading.manager import LoadRequest
 
     engine = EngineConfig.from_args(args).build()
