@@ -2,10 +2,11 @@
 text, CLI flag, API names and the chat panel's control.
 
 Every consumer is derived from SETTINGS: GenerationSettings (the frozen dataclass the engine and
-the sampler read) is built from it below; the CLI's flags (cli_args.add_setting_flags), the
-OpenAI request model (server/request_models.py), the /chat endpoint's settings dict
-(`from_values`), the chat panel's sliders (ui/chat_settings.py), the benchmark and the load test
-read it too. A new sampling knob is one `Setting` here plus its use in sampling.py.
+the sampler read) is built from it below, and so are the command-line flags (add_setting_flags:
+the CLI's and the load test's), the OpenAI request model (server/request_models.py), the /chat
+endpoint's settings dict (`from_values`), the chat panel's widgets (ui/chat_settings.py) and the
+benchmark's greedy replies (`greedy`). A new sampling knob is one `Setting` here plus its use
+in sampling.py.
 
 No torch and no gradio here: `python app.py --help` and the CLI's refusals import this.
 """
