@@ -99,14 +99,14 @@ def _settings_controls(c: dict, engine: Engine) -> None:
         # One widget per setting, from the settings' declarations; the ones ranging up to
         # the loaded model's context are redrawn on every load and switch.
         context = engine.status().get("context_tokens") or DEFAULT_CONTEXT
-        c["settings"] = setting_controls(context)
-        c.update(c["settings"])
+        c["setting_controls"] = setting_controls(context)
+        c.update(c["setting_controls"])
 
 
 def _wire(c: dict, engine: Engine, signals: StopSignals, export_dir: Path, demo: gr.Blocks,
           status: gr.State) -> None:
-    setting_names = list(c["settings"])
-    settings_inputs = [c["system_prompt"], c["thinking"], *c["settings"].values()]
+    setting_names = list(c["setting_controls"])
+    settings_inputs = [c["system_prompt"], c["thinking"], *c["setting_controls"].values()]
     controls = [c["send"], c["stop"], c["regenerate"]]
     stream_outputs = [c["chatbot"], c["conversation"], c["message"], c["notice"], *controls]
 
