@@ -17,24 +17,21 @@ from pathlib import Path
 
 from model_utils.backends.flags import add_backend_flags, check_backend_flags, remote_engine
 from model_utils.backends.urls import redact
+from model_utils.engine_config import EngineConfig, add_model_args
 
 log = logging.getLogger("app")
 
 LOOPBACK_NAMES = {"localhost"}
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
+# The engine's options this app takes (the bench's --no-compile / --compiled-rows are not).
+APP_ENGINE_FLAGS = ("models_dir", "log_prompts", "trust_remote_code", "max_queue", "max_batch",
+                    "compile_mode")
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    from model_utils.loading.modes import MODES  # the one table of modes, so the help cannot drift
-
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description="Local chat app for Qwen / Hugging Face causal LMs.")
-    p.add_argument("--model", default="demo",
-                   help="model to load at start: 'demo', a folder path, or a cached hub id")
-    p.add_argument("--mode", default="bf16",
-                   help=f"precision mode: {', '.join(MODES)} (default bf16)")
-    p.add_argument("--placement", default=None,
-                   help="cpu, cuda:N, auto, balanced, balanced_low_0 or sequential "
-                        "(default: auto with a GPU, else cpu)")
+    add_model_args(p, what="model to load at start",
+                   note="; a folder named here may be loaded even outside those")
     p.add_argument("--host", default="127.0.0.1",
                    help="address to bind; anything but loopback needs --auth")
     p.add_argument("--port", type=int, default=7860, help="port to serve on")
@@ -46,31 +43,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="file of logins, one user:password per line (# comments allowed)")
     p.add_argument("--admin", metavar="USER",
                    help="only this logged-in user may load, unload or switch models")
-    p.add_argument("--models-dir", metavar="PATH",
-                   help="folder whose model subfolders are offered in the model list")
     p.add_argument("--log-file", default="server.log",
                    help="rotating log file (default server.log)")
-    p.add_argument("--log-prompts", action="store_true",
-                   help="also write prompts and replies to the log (off by default)")
-    p.add_argument("--trust-remote-code", action="store_true",
-                   help="allow model repos to run their own Python code (CLI only)")
-    p.add_argument("--max-queue", type=int, default=64,
-                   help="most chat requests waiting for a place before new ones are refused")
-    p.add_argument("--max-batch", type=int, default=8,
-                   help="most chat replies decoded together as one batch (1-64)")
     p.add_argument("--allowed-host", action="append", default=[], metavar="NAME",
                    help="without logins, also answer requests for this Host name (besides "
                         "localhost, 127.0.0.1, ::1 and --host); repeat for more")
     p.add_argument("--shutdown-grace", type=float, default=5.0, metavar="SECONDS",
                    help="on SIGTERM/SIGINT, how long open replies may go on before they are "
                         "ended with an error (default 5)")
-    # model_utils.runtime.cuda_graphs.COMPILE_MODES, spelled out: --help must answer without importing torch
-    p.add_argument("--compile-mode", default="default",
-                   choices=("default", "max-autotune-no-cudagraphs"),
-                   help="torch.compile mode of the GPU decode step; the autotuned one loads "
-                        "about a minute slower and decodes one stream ~4 %% faster")
+    EngineConfig.add_cli_args(p, only=APP_ENGINE_FLAGS)
     add_backend_flags(p)
-    return p.parse_args(argv)
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
 
 
 def read_logins(args: argparse.Namespace, parser_error) -> list[tuple[str, str]]:
@@ -163,14 +150,11 @@ def main(argv: list[str] | None = None) -> int:
 
     import ui
     from model_utils import process_tuning
-    from model_utils.engine import Engine
 
     process_tuning.tune_process()  # allocator, GC and warnings: this process serves for long
     try:
-        engine = remote_engine(args) if args.backend else Engine(
-            models_dir=args.models_dir, trust_remote_code=args.trust_remote_code,
-            log_prompts=args.log_prompts, max_batch=args.max_batch,
-            max_queue=args.max_queue, compile_mode=args.compile_mode)
+        engine = remote_engine(args) if args.backend else \
+            EngineConfig.from_args(args).build()
     except ValueError as error:  # --max-batch / --max-queue out of range
         _parser_error(str(error))
     if not args.backend and (args.model.startswith(("/", ".", "~"))

@@ -19,7 +19,6 @@ traceback); 130 interrupted. Library logs, warnings and loading bars are kept of
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import logging
@@ -27,96 +26,21 @@ import os
 import sys
 import warnings
 from dataclasses import replace
-from pathlib import Path
 
-EXIT_REFUSED = 2
+from .cli_args import (
+    EXIT_REFUSED,
+    UsageError,
+    build_parser,
+    read_messages,
+    requested_placement,
+    requested_settings,
+)
+from .engine_config import EngineConfig
+
 EXIT_ERROR = 1
 EXIT_INTERRUPTED = 130
 # After Ctrl-C, how long to wait for the decode worker to finish its step before exiting.
 INTERRUPT_WAIT_S = 30.0
-
-# GenerationSettings fields a flag can set; None means "the model's generation_config default".
-SAMPLING_FLAGS = ("max_new_tokens", "temperature", "top_p", "top_k", "repetition_penalty", "seed")
-
-
-class UsageError(Exception):
-    """Bad input caught by the CLI itself (flags, files); exits 2 with the message."""
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # argparse's own: usage block + message; here one line
-        self.exit(EXIT_REFUSED, f"{self.prog}: error: {message} (see --help)\n")
-
-
-# -- setting up ---------------------------------------------------------------------------------
-def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="python -m model_utils",
-                     description="Headless chat with a local causal LM through the engine.")
-    commands = parser.add_subparsers(dest="command", required=True, metavar="{chat,prompt}")
-
-    def model_flags(p):
-        p.add_argument("--model", default="demo",
-                       help="'demo', a folder under --models-dir, a folder path under an allowed "
-                            "root, or a hub id already in the local HF cache (default: demo)")
-        p.add_argument("--models-dir", help="folder whose model subfolders may be loaded")
-        p.add_argument("--trust-remote-code", action="store_true",
-                       help="run the model's own Python code (off unless given)")
-
-    def conversation_flags(p):
-        given = p.add_mutually_exclusive_group(required=True)
-        given.add_argument("--prompt", help="one user message")
-        given.add_argument("--messages", type=Path,
-                           help="JSON file: a list of {role, content} messages, or an object "
-                                "with a 'messages' list")
-        p.add_argument("--system", help="system prompt (replaces any system message in the list)")
-        p.add_argument("--no-thinking", action="store_true",
-                       help="Qwen3: answer without a reasoning block (enable_thinking=False)")
-        p.add_argument("--context-tokens", type=_positive_int,
-                       help="context window (default: the model's own, capped at 8192)")
-        p.add_argument("--max-new-tokens", type=int,
-                       help="reply length limit (default: the model's generation_config)")
-        p.add_argument("-v", "--verbose", action="store_true",
-                       help="show library logs, warnings and tracebacks on stderr")
-
-    chat = commands.add_parser("chat", help="stream one reply", description=(
-        "Load a model and stream one reply to stdout (reasoning between <think> and </think>)."))
-    model_flags(chat)
-    conversation_flags(chat)
-    chat.add_argument("--mode", default="bf16",
-                      help="precision mode: fp32, bf16, fp16, int4-wo, int8-wo, int8, nf4, "
-                           "nf4-dq, fp4, fp4-dq (default: bf16)")
-    chat.add_argument("--placement",
-                      help="cpu, cuda:N, auto, balanced, balanced_low_0 or sequential "
-                           "(default: auto with a GPU, else cpu)")
-    chat.add_argument("--max-memory", action="append", default=[], metavar="DEVICE=GB",
-                      help="cap for one device, e.g. cuda:0=20 or cpu=64 (repeatable)")
-    chat.add_argument("--offload-folder", help="let weights that fit nowhere go to this folder")
-    chat.add_argument("--compute-dtype", default="bf16", choices=("bf16", "fp16", "fp32"),
-                       help="compute dtype of the 4-bit and weight-only modes (default: bf16)")
-    chat.add_argument("--temperature", type=float, help="0 (or below 1e-5) = greedy")
-    chat.add_argument("--top-p", type=float)
-    chat.add_argument("--top-k", type=int, help="0 = off")
-    chat.add_argument("--repetition-penalty", type=float)
-    chat.add_argument("--seed", type=int, help="0 to 2**63-1")
-    chat.add_argument("--json", action="store_true",
-                      help="print one JSON object at the end instead of streaming text")
-    chat.add_argument("--stats", action="store_true",
-                      help="after the reply, one line of stats on stderr")
-
-    prompt = commands.add_parser("prompt", help="print the prompt text the model would receive",
-                                 description="Print exactly the prompt the chat path renders "
-                                             "(loads the tokenizer only).")
-    model_flags(prompt)
-    conversation_flags(prompt)
-    return parser
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
-    return value
-
 
 def _quiet_libraries(verbose: bool) -> None:
     """Keep stderr for our own one-line messages: no loading bars, library logs or warnings.
@@ -144,68 +68,6 @@ def _quiet_transformers(verbose: bool) -> None:
 
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
-
-
-# -- reading the input --------------------------------------------------------------------------
-def read_messages(args) -> list[dict]:
-    if args.prompt is not None:
-        return [{"role": "user", "content": args.prompt}]
-    path: Path = args.messages
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except OSError as error:
-        raise UsageError(f"cannot read messages file {str(path)!r}: "
-                         f"{error.strerror or error}") from None
-    except UnicodeDecodeError:
-        raise UsageError(f"messages file {str(path)!r} is not UTF-8 text") from None
-    except json.JSONDecodeError as error:
-        raise UsageError(f"messages file {str(path)!r} is not valid JSON: {error.msg} "
-                         f"(line {error.lineno}, column {error.colno})") from None
-    if isinstance(data, dict) and "messages" in data:
-        data = data["messages"]
-    if not isinstance(data, list) or not data:
-        raise UsageError(f"messages file {str(path)!r} must hold a non-empty JSON list of "
-                         "messages, or an object with a 'messages' list")
-    return data
-
-
-def requested_settings(args):
-    """GenerationSettings from the flags, checked as far as possible before any model loads.
-
-    Unset values are the model's defaults and are only known after loading; for the early
-    check they stand in as neutral values. A max_new_tokens longer than the context window
-    leaves is not an error: the engine limits the reply to what fits, with a note on stderr.
-    """
-    from .runtime.generation import GenerationSettings
-
-    settings = GenerationSettings(**{name: getattr(args, name, None) for name in SAMPLING_FLAGS})
-    neutral = {"max_new_tokens": 1, "temperature": 0.0, "top_p": 1.0, "top_k": 0,
-               "repetition_penalty": 1.0}
-    replace(settings, **{k: v for k, v in neutral.items() if getattr(settings, k) is None}
-            ).validate()
-    return settings
-
-
-def requested_placement(args):
-    from .loading.placement import Placement
-
-    caps = {}
-    for item in args.max_memory:
-        device, sep, gb = item.partition("=")
-        try:
-            value = float(gb)
-        except ValueError:
-            value = float("nan")
-        if not sep or not device.strip() or not value > 0 or value == float("inf"):
-            raise UsageError(f"--max-memory {item!r}: expected DEVICE=GB with GB > 0, "
-                             "e.g. cuda:0=20 or cpu=64")
-        caps[device.strip()] = value
-    target = args.placement
-    if not target:
-        import torch
-
-        target = "auto" if torch.cuda.is_available() else "cpu"
-    return Placement(target=target, max_memory_gb=caps, offload_folder=args.offload_folder)
 
 
 # -- the commands -------------------------------------------------------------------------------
@@ -257,10 +119,9 @@ def cmd_chat(args) -> int:
     settings = requested_settings(args)
     placement = requested_placement(args)
     _quiet_transformers(args.verbose)
-    from .engine import Engine
     from .loading.manager import LoadRequest
 
-    engine = Engine(models_dir=args.models_dir, trust_remote_code=args.trust_remote_code)
+    engine = EngineConfig.from_args(args).build()
     request = LoadRequest(model=args.model, mode=args.mode, placement=placement,
                           compute_dtype=args.compute_dtype, context_tokens=args.context_tokens)
     try:
@@ -286,8 +147,8 @@ def _load_and_reply(engine, request, messages, settings, args) -> int:
     # Fill the unset values from the model's generation_config here (rather than inside chat)
     # so that --json can report the settings the reply really used.
     defaults = engine.default_settings()
-    settings = replace(settings, **{name: getattr(defaults, name) for name in SAMPLING_FLAGS
-                                    if getattr(settings, name) is None})
+    settings = replace(settings, **{s.name: getattr(defaults, s.name) for s in settings.SCHEMA
+                                    if getattr(settings, s.name) is None})
     printer = None if args.json else StreamPrinter(sys.stdout)
     final = None
     notice_shown = False
@@ -345,7 +206,6 @@ def cmd_prompt(args) -> int:
 
     from .chat.prompt import prepare_prompt
     from .loading.manager import LoadRequest, ModelManager
-    from .runtime.generation import GenerationSettings
 
     trust = args.trust_remote_code
     try:
@@ -360,8 +220,7 @@ def cmd_prompt(args) -> int:
         generation_config = GenerationConfig.from_model_config(config)
     # The same context window and reply reserve as a loaded model would get.
     context = ModelManager._context_tokens(config, LoadRequest(context_tokens=args.context_tokens))
-    settings = GenerationSettings(max_new_tokens=args.max_new_tokens).resolved(
-        generation_config, context_tokens=context)
+    settings = requested_settings(args).resolved(generation_config, context_tokens=context)
     prepared = prepare_prompt(tokenizer, messages, context_tokens=context,
                               reserve_tokens=settings.max_new_tokens,
                               system_prompt=args.system, thinking=not args.no_thinking)

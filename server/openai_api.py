@@ -145,11 +145,7 @@ class ChatCall:
 
     def __init__(self, body: ChatCompletionRequest, messages: list[dict], system: str | None):
         self.messages, self.system = messages, system
-        self.settings = make_settings({
-            "max_new_tokens": body.max_completion_tokens if body.max_completion_tokens
-            is not None else body.max_tokens,
-            "temperature": body.temperature, "top_p": body.top_p, "top_k": body.top_k,
-            "repetition_penalty": body.repetition_penalty, "seed": body.seed})
+        self.settings = make_settings(body.setting_values())
         thinking = body.enable_thinking
         if thinking is None and body.chat_template_kwargs is not None:
             thinking = body.chat_template_kwargs.enable_thinking

@@ -14,34 +14,24 @@ from collections import defaultdict
 from collections.abc import Iterator
 
 from model_utils.engine import ChatUpdate, Engine
-from model_utils.runtime.generation import GenerationSettings, ReplyStats
+from model_utils.runtime.generation import ReplyStats
+from model_utils.runtime.generation_settings import GenerationSettings, public
 
 from .common import user_error
 from .errors import client_error
 
 log = logging.getLogger("ui")
 
-SETTING_NAMES = ("temperature", "top_p", "top_k", "max_new_tokens", "repetition_penalty", "seed")
-_INTEGER_SETTINGS = {"top_k", "max_new_tokens", "seed"}
+# The settings a page or a request may give, in the panel's order (declared once, with their
+# ranges and defaults, in model_utils/runtime/generation_settings.py).
+SETTING_NAMES = tuple(s.name for s in public())
 
 
 def make_settings(values: dict | None) -> GenerationSettings:
-    """{name: value} -> GenerationSettings; None or a missing key means the model's default.
-
-    Sliders and JSON both deliver 40.0 for 40, and the engine wants ints for counts; a
-    non-integral count is left as is, so the engine's own check names it.
-    """
-    values = dict(values or {})
-    if unknown := sorted(set(values) - set(SETTING_NAMES)):
-        raise user_error(f"unknown setting(s) {', '.join(unknown)}; known: "
-                         f"{', '.join(SETTING_NAMES)}")
-    for name in _INTEGER_SETTINGS:
-        value = values.get(name)
-        if isinstance(value, float) and value.is_integer():
-            values[name] = int(value)
-    if values.get("seed") is not None and values["seed"] == -1:
-        values["seed"] = None  # -1 is the usual "random" seed in UIs
-    return GenerationSettings(**{k: v for k, v in values.items() if v is not None})
+    """{name: value} -> GenerationSettings, checked at the door; None or a missing key means
+    the model's default. An unknown name or a bad value raises InvalidParameter (mapped once,
+    by errors.client_error, to a 400 or a gr.Error naming the setting)."""
+    return GenerationSettings.from_values(values)
 
 
 def stats_line(stats: ReplyStats | None, mode: str) -> str:

@@ -1,7 +1,8 @@
 """What each API request may contain, as pydantic models: the OpenAI chat request and the named
 gradio endpoints' parameters. Types and shapes are checked here, at the door, with messages that
-name the field; the ranges of the generation settings are the engine's (GenerationSettings
-declares them once), and it names the setting too.
+name the field. The generation settings' fields (names, types, ranges, refusals) are built
+from their one declaration (model_utils/runtime/generation_settings.py), so a value out of
+range is refused here too, named as the client sent it (`max_tokens: must be ...`).
 
 Bodies are parsed by `parse_json`, pydantic's Rust parser: it refuses lone UTF-16 surrogates
 ("\\ud800", which no tokenizer can encode), NaN/Infinity, and nesting deeper than 200 levels
@@ -10,10 +11,12 @@ Bodies are parsed by `parse_json`, pydantic's Rust parser: it refuses lone UTF-1
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 import pydantic_core
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, create_model, field_validator
+
+from model_utils.runtime.generation_settings import SETTINGS, Setting, public
 
 from .errors import ClientError
 
@@ -92,26 +95,21 @@ class ChatTemplateKwargs(BaseModel):
     enable_thinking: bool | None = None
 
 
-class ChatCompletionRequest(BaseModel):
+class _ChatCompletionFields(BaseModel):
     # Fields other servers accept and this one does not use (user, logprobs, presence_penalty,
     # ...) are ignored rather than refused, as common clients send some of them by default.
     model_config = ConfigDict(strict=True, extra="ignore")
+    SETTINGS: ClassVar[tuple[Setting, ...]] = SETTINGS  # the schema the fields were built from
 
     model: str | None = None  # the loaded model answers whatever is named
     messages: list[Message] = Field(min_length=1)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    repetition_penalty: float | None = None
-    seed: int | None = None
     n: int | None = None
     stop: Any = None
     enable_thinking: bool | None = None
     chat_template_kwargs: ChatTemplateKwargs | None = None
+    # + one field per generation setting (by its OpenAI names): request_model below
 
     @field_validator("n")
     @classmethod
@@ -135,17 +133,52 @@ class ChatCompletionRequest(BaseModel):
             raise ValueError("a stop string may not be empty")
         return [check_text(v) for v in values]
 
+    def setting_values(self) -> dict[str, Any]:
+        """{setting name: the value given} for GenerationSettings.from_values; a setting given
+        by two names (max_completion_tokens, max_tokens) takes the first one given."""
+        values = {}
+        for setting in public(self.SETTINGS):
+            given = [getattr(self, name) for name in setting.request_names
+                     if getattr(self, name) is not None]
+            values[setting.name] = given[0] if given else None
+        return values
+
+    def field_name(self, setting: str) -> str:
+        """The name the client used for a setting (for messages about it)."""
+        names = next(s.request_names for s in self.SETTINGS if s.name == setting)
+        return next((n for n in names if getattr(self, n) is not None), names[-1])
+
     def max_tokens_field(self) -> str:
         """The name the client used for the reply's length, for messages about it."""
-        return "max_completion_tokens" if self.max_completion_tokens is not None \
-            else "max_tokens"
+        return self.field_name("max_new_tokens")
+
+
+def _setting_field(setting: Setting):
+    def check(value):
+        if (problem := setting.problem(value)) is not None:
+            raise ValueError(problem)
+        return value
+
+    return Annotated[setting.type, AfterValidator(check)] | None, None
+
+
+def request_model(schema: tuple[Setting, ...] = SETTINGS) -> type[_ChatCompletionFields]:
+    """The OpenAI chat request with a field for each public setting, under each of its
+    OpenAI names (a strict int or float, checked against the setting's range)."""
+    fields = {name: _setting_field(s) for s in public(schema) for name in s.request_names}
+    model = create_model("ChatCompletionRequest", __base__=_ChatCompletionFields, **fields)
+    model.SETTINGS = schema
+    return model
+
+
+ChatCompletionRequest = request_model()
 
 
 # -- the named gradio endpoints ---------------------------------------------------------------
 class ChatParams(_Strict):
     message: Text
     history: Any = None  # checked by conversation.validate_history, which names the message
-    settings: dict[str, Any] | None = None  # names and ranges: replies.make_settings, engine
+    settings: dict[str, Any] | None = None  # names and ranges: GenerationSettings.from_values
     system_prompt: Text | None = ""
     thinking: bool = True
 

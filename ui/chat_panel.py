@@ -15,6 +15,7 @@ from pathlib import Path
 import gradio as gr
 
 from model_utils.engine import Engine
+from model_utils.runtime.generation_settings import InvalidParameter
 from server.common import DEMO_NOTICE, reply_concurrency, user_error
 from server.conversation import (
     MAX_IMPORT_BYTES,
@@ -27,9 +28,9 @@ from server.conversation import (
     without_last_reply,
     without_last_turn,
 )
-from server.replies import SETTING_NAMES, StopSignals, make_settings, stats_line, stream
+from server.replies import StopSignals, make_settings, stats_line, stream
 
-from .chat_settings import keep_settings
+from .chat_settings import context_bounded, keep_settings, setting_controls
 
 # Stats line of a reply the page stopped seeing (a reload, a closed tab): the conversation in
 # the browser is saved while the reply streams, and this is what such a turn ends with.
@@ -95,22 +96,17 @@ def _settings_controls(c: dict, engine: Engine) -> None:
         c["thinking"] = gr.Checkbox(label="Thinking (reasoning shown apart from the answer)",
                                     value=True, visible=engine.supports_thinking(),
                                     elem_id="thinking")
-        c["temperature"] = gr.Slider(0, 2, value=0.7, step=0.05, label="temperature (0 = greedy)")
-        c["top_p"] = gr.Slider(0.01, 1, value=1.0, step=0.01, label="top_p")
-        c["top_k"] = gr.Slider(0, 200, value=0, step=1, label="top_k (0 = off)")
-        # Up to the loaded model's context (redrawn on every load and switch): a reply can
-        # never be longer than the window, and the engine fits it to what the prompt leaves.
+        # One widget per setting, from the settings' declarations; the ones ranging up to
+        # the loaded model's context are redrawn on every load and switch.
         context = engine.status().get("context_tokens") or DEFAULT_CONTEXT
-        c["max_new_tokens"] = gr.Slider(1, context, value=min(512, context), step=1,
-                                        label="max_new_tokens", elem_id="max-new-tokens")
-        c["repetition_penalty"] = gr.Slider(0.5, 2, value=1.0, step=0.01,
-                                            label="repetition_penalty (1 = off)")
-        c["seed"] = gr.Number(value=-1, precision=0, label="seed (-1 = random)", minimum=-1)
+        c["setting_controls"] = setting_controls(context)
+        c.update(c["setting_controls"])
 
 
 def _wire(c: dict, engine: Engine, signals: StopSignals, export_dir: Path, demo: gr.Blocks,
           status: gr.State) -> None:
-    settings_inputs = [c["system_prompt"], c["thinking"], *(c[n] for n in SETTING_NAMES)]
+    setting_names = list(c["setting_controls"])
+    settings_inputs = [c["system_prompt"], c["thinking"], *c["setting_controls"].values()]
     controls = [c["send"], c["stop"], c["regenerate"]]
     stream_outputs = [c["chatbot"], c["conversation"], c["message"], c["notice"], *controls]
 
@@ -119,7 +115,10 @@ def _wire(c: dict, engine: Engine, signals: StopSignals, export_dir: Path, demo:
         """Stream one reply after `before` + the user's `message`. Yields (chatbot,
         conversation, message box, notice, Send, Stop, Regenerate). The conversation in the
         browser is written as the reply grows, so a reload keeps the turn as far as it got."""
-        settings = make_settings(values)  # bad values: gr.Error before anything changes
+        try:  # bad values: gr.Error before anything changes
+            settings = make_settings(values)
+        except InvalidParameter as error:
+            raise user_error(str(error)) from error
         try:  # the browser holds the conversation: the same checks as an API history
             before = validate_history(before)
         except ConversationError as error:
@@ -162,25 +161,23 @@ def _wire(c: dict, engine: Engine, signals: StopSignals, export_dir: Path, demo:
         finally:
             signals.finish(session, stop)
 
+    # gr.Request comes before the settings' values: gradio passes it only to a parameter
+    # ahead of *args, at that place among the inputs.
     def respond(message: str, conversation: list[dict], system_prompt: str, thinking: bool,
-                temperature, top_p, top_k, max_new_tokens, repetition_penalty, seed,
-                request: gr.Request):
+                request: gr.Request, *setting_values):
         if not (message or "").strip():  # an empty message sends nothing
             yield (gr.skip(),) * len(stream_outputs)
             return
-        values = dict(zip(SETTING_NAMES, (temperature, top_p, top_k, max_new_tokens,
-                                          repetition_penalty, seed), strict=True))
+        values = dict(zip(setting_names, setting_values, strict=True))
         yield from reply(conversation or [], message, system_prompt, thinking, values,
                          request, restore_box=message)
 
     def regenerate(conversation: list[dict], system_prompt: str, thinking: bool,
-                   temperature, top_p, top_k, max_new_tokens, repetition_penalty, seed,
-                   request: gr.Request):
+                   request: gr.Request, *setting_values):
         before, message = without_last_reply(conversation or [])
         if message is None:
             raise user_error("nothing to regenerate: send a message first")
-        values = dict(zip(SETTING_NAMES, (temperature, top_p, top_k, max_new_tokens,
-                                          repetition_penalty, seed), strict=True))
+        values = dict(zip(setting_names, setting_values, strict=True))
         try:
             yield from reply(before, message, system_prompt, thinking, values, request,
                              restore_box=gr.skip())
@@ -258,20 +255,22 @@ def _wire(c: dict, engine: Engine, signals: StopSignals, export_dir: Path, demo:
     c["import"].upload(import_, [c["import"]],
                        [c["chatbot"], c["conversation"], c["system_prompt"]],
                        api_visibility="private")
-    keep_settings(c, engine, demo, settings_inputs, default_context=DEFAULT_CONTEXT)
+    keep_settings(c, engine, demo, settings_inputs, setting_names,
+                  default_context=DEFAULT_CONTEXT)
+    bounded = [c[name] for name in context_bounded(setting_names)]
 
-    def on_model_change(current: dict, max_new_tokens):
+    def on_model_change(current: dict, *values):
         context = current.get("context_tokens") or DEFAULT_CONTEXT
-        # The value is touched only when it no longer fits: on page load this may run before
+        # A value is touched only when it no longer fits: on page load this may run before
         # the saved settings are put back, and must not overwrite them with the default.
-        slider = gr.update(maximum=context)
-        if max_new_tokens is not None and max_new_tokens > context:
-            slider = gr.update(maximum=context, value=context)
+        sliders = [gr.update(maximum=context, value=context)
+                   if value is not None and value > context else gr.update(maximum=context)
+                   for value in values]
         return (gr.update(visible=bool(current.get("is_demo"))),
-                gr.update(visible=engine.supports_thinking()), slider)
+                gr.update(visible=engine.supports_thinking()), *sliders)
 
-    status.change(on_model_change, [status, c["max_new_tokens"]],
-                  [c["demo_notice"], c["thinking"], c["max_new_tokens"]],
+    status.change(on_model_change, [status, *bounded],
+                  [c["demo_notice"], c["thinking"], *bounded],
                   api_visibility="private", show_progress="hidden")
 
     # A closed tab stops its reply at the next decode step (gradio also closes the generator).

@@ -1,21 +1,52 @@
-"""The chat settings (system prompt, thinking switch, sliders) kept in the browser next to the
-conversation; on page load both are put back (the settings clamped to the loaded model)."""
+"""The chat settings: one widget per generation setting, built from the settings' declarations
+(model_utils/runtime/generation_settings.py), and kept in the browser next to the conversation
+with the system prompt and the thinking switch; on page load both are put back (the settings
+clamped to the loaded model)."""
 
 from __future__ import annotations
 
 import gradio as gr
 
 from model_utils.engine import Engine
+from model_utils.runtime.generation_settings import SETTINGS, Setting, public
 from server.conversation import chatbot_messages
-from server.replies import SETTING_NAMES
 
 
-def keep_settings(c: dict, engine: Engine, demo: gr.Blocks, settings_inputs: list, *,
-                  default_context: int) -> None:
-    """The system prompt, the thinking switch and the sliders, kept in the browser next to
-    the conversation: saved on every change, put back on page load. A page without saved
-    settings starts from the loaded model's recommended ones (its generation_config)."""
-    names = ["system_prompt", "thinking", *SETTING_NAMES]
+def setting_controls(context: int, schema: tuple[Setting, ...] = SETTINGS) -> dict:
+    """{name: widget} for every public setting that has a Control, in the schema's order.
+    Call inside a gr.Blocks context. `context` bounds the widgets whose range is the context
+    window (max_new_tokens: a reply can never be longer than the window)."""
+    controls = {}
+    for setting in public(schema):
+        spec = setting.control
+        if spec is None:
+            continue
+        if spec.number:
+            controls[setting.name] = gr.Number(
+                value=spec.value, precision=0 if setting.type is int else None,
+                label=spec.label, minimum=spec.low, elem_id=spec.elem_id)
+            continue
+        high = context if spec.up_to_context else spec.high
+        controls[setting.name] = gr.Slider(spec.low, high, value=min(spec.value, high),
+                                           step=spec.step, label=spec.label,
+                                           elem_id=spec.elem_id)
+    return controls
+
+
+def context_bounded(names, schema: tuple[Setting, ...] = SETTINGS) -> list[str]:
+    """Which of these settings' widgets range up to the loaded model's context window."""
+    controls = {s.name: s.control for s in schema}
+    return [n for n in names if controls[n] is not None and controls[n].up_to_context]
+
+
+def keep_settings(c: dict, engine: Engine, demo: gr.Blocks, settings_inputs: list,
+                  setting_names: list[str], *, default_context: int) -> None:
+    """The system prompt, the thinking switch and the settings' widgets (`settings_inputs`,
+    the last ones named `setting_names`), kept in the browser next to the conversation: saved
+    on every change, put back on page load. A page without saved settings starts from the
+    loaded model's recommended ones (its generation_config)."""
+    names = ["system_prompt", "thinking", *setting_names]
+    bounded = set(context_bounded(setting_names))
 
     def save(*values):
         return dict(zip(names, values, strict=True))
@@ -25,12 +56,12 @@ def keep_settings(c: dict, engine: Engine, demo: gr.Blocks, settings_inputs: lis
           concurrency_limit=None)
 
     def on_page_load(conversation: list[dict], saved: dict):
-        values = {**_model_defaults(engine), **{k: v for k, v in (saved or {}).items()
-                                                 if k in names and v is not None}}
+        saved = {k: v for k, v in (saved or {}).items() if k in names and v is not None}
+        values = {**_model_defaults(engine, setting_names), **saved}
         context = engine.status().get("context_tokens") or default_context
         updates = []
         for name in names:
-            if name == "max_new_tokens":
+            if name in bounded:
                 value = values.get(name)
                 updates.append(gr.update(maximum=context, **(
                     {"value": min(int(value), context)} if value is not None else {})))
@@ -42,10 +73,10 @@ def keep_settings(c: dict, engine: Engine, demo: gr.Blocks, settings_inputs: lis
               [c["chatbot"], *settings_inputs], api_visibility="private", show_progress="hidden")
 
 
-def _model_defaults(engine: Engine) -> dict:
+def _model_defaults(engine: Engine, names: list[str]) -> dict:
     """The loaded model's recommended settings (its generation_config), or {} without one."""
     try:
         settings = engine.default_settings().as_dict()
     except Exception:  # noqa: BLE001 - no model loaded: keep the sliders as they are
         return {}
-    return {k: v for k, v in settings.items() if k in SETTING_NAMES and v is not None}
+    return {k: v for k, v in settings.items() if k in names and v is not None}

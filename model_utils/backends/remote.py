@@ -283,15 +283,9 @@ class RemoteEngine:
 
 
 def _validated(settings: GenerationSettings, context: int) -> None:
-    """The same checks as the local engine, on the values the user set (InvalidParameter)."""
-    filled = GenerationSettings(
-        **{k: v if v is not None else d for k, v, d in (
-            ("max_new_tokens", settings.max_new_tokens, 1),
-            ("temperature", settings.temperature, 1.0), ("top_p", settings.top_p, 1.0),
-            ("top_k", settings.top_k, 0),
-            ("repetition_penalty", settings.repetition_penalty, 1.0))},
-        seed=settings.seed)
-    filled.validate(context_tokens=context)
+    """The same checks as the local engine, on the values the user set (InvalidParameter);
+    the others are the server's defaults."""
+    settings.check_given()
 
 
 def _options(settings: GenerationSettings) -> dict:

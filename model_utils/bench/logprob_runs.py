@@ -27,8 +27,7 @@ class Yielded(Exception):
 
 def greedy_settings(new_tokens: int) -> GenerationSettings:
     # min_new_tokens: EOS is masked on both sides, so every reply runs its full length.
-    return GenerationSettings(max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                              temperature=0.0, top_p=1.0, top_k=0, repetition_penalty=1.0)
+    return GenerationSettings.greedy(max_new_tokens=new_tokens, min_new_tokens=new_tokens)
 
 
 def engine_greedy(engine: Engine, prompts: list[list[int]], new_tokens: int) -> list[Steps]:

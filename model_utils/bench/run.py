@@ -33,8 +33,8 @@ from pathlib import Path
 import torch
 
 from model_utils.engine import Engine
+from model_utils.engine_config import EngineConfig, add_model_args
 from model_utils.loading.placement import Placement
-from model_utils.runtime.cuda_graphs import COMPILE_MODES
 
 from . import quality
 from .inputs import build_random_model, random_prompts
@@ -47,9 +47,7 @@ __all__ = ["LOADED_LIMITS", "BenchRow", "bench_loaded", "bench_mode", "build_ran
 
 def run(args: argparse.Namespace) -> list[BenchRow]:
     batches = [int(b) for b in args.batch.split(",")]
-    engine = Engine(compile=not args.no_compile, compile_mode=args.compile_mode,
-                    max_batch=args.max_batch or max(batches),
-                    compiled_rows=args.compiled_rows)
+    engine = EngineConfig.from_args(args, max_batch=args.max_batch or max(batches)).build()
     model_name = args.model
     if args.random_from_config:
         device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -91,10 +89,10 @@ def quality_reference(engine: Engine, model_name: str, positions: int):
     return sequences, quality.fp32_reference(path, sequences, device=device)
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m model_utils.bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="demo", help="demo, a model folder or a cached hub id")
+    add_model_args(parser, mode=False, placement_default="cuda:0 with a GPU, else cpu")
     parser.add_argument("--random-from-config", help="config.json of a shape to build with "
                         "random weights (on the GPU when there is one)")
     parser.add_argument("--modes", default="bf16", help="comma-separated modes, e.g. bf16,nf4")
@@ -103,27 +101,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--match-prompts", type=int, default=3,
                         help="prompts on which greedy output is compared with plain generate's")
-    parser.add_argument("--placement", help="default: cuda:0 with a GPU, else cpu")
-    parser.add_argument("--max-batch", type=int, default=None,
-                        help="rows of the engine's batch (default: the largest --batch)")
-    parser.add_argument("--no-compile", action="store_true", help="benchmark the eager path")
+    EngineConfig.add_cli_args(parser, only=("max_batch", "compile", "compiled_rows",
+                                            "compile_mode"),
+                              defaults={"max_batch": (None, "the largest --batch")})
     parser.add_argument("--no-logprobs", action="store_true",
                         help="skip logprobs_close and logit_error_ratio (an fp32 copy of the "
                              "weights is made for the latter)")
     parser.add_argument("--process-warm-up", action=argparse.BooleanOptionalAction,
                         help="run the first mode once, short and untimed, before measuring "
                              "(default: on the CPU only)")
-    parser.add_argument("--compiled-rows", type=int, default=1,
-                        help="batched steps of up to this many rows are torch.compile'd before "
-                             "capture, larger ones capture the plain forward (64: compile all)")
-    parser.add_argument("--compile-mode", default="default",
-                        choices=COMPILE_MODES,
-                        help="torch.compile mode of the fast path's decode step")
     parser.add_argument("--quality-positions", type=int, default=381,
                         help="teacher-forced positions for kl_vs_fp32 / top1_vs_fp32 (0: skip)")
     parser.add_argument("--out", default="results.json", help="JSON file to write")
     parser.add_argument("--chart", help="PNG chart (default: next to --out)")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     try:
         rows = run(args)

@@ -1,4 +1,4 @@
-"""Streaming generation: settings, sampling, the decode loop, and per-reply stats.
+"""Streaming generation: the decode loop and per-reply stats (the settings: generation_settings).
 
 The loop is gpt-fast's pipeline: prefill -> decode_one_token -> ... with a check of the stop
 signal between steps, so Stop takes effect within one decode step. Which cache and which compiled
@@ -7,21 +7,26 @@ step it runs on is the Decoder's business (decoders.py); this module does not ca
 
 from __future__ import annotations
 
-import math
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
-from model_utils.errors import InvalidParameter
+# The settings (fields, ranges, defaults, refusals) are declared once, in generation_settings;
+# they and sample_token are re-exported here, where callers have always found them.
+from .generation_settings import BY_NAME as _SETTING
+from .generation_settings import (  # noqa: F401
+    MAX_SEED,
+    GenerationSettings,
+    InvalidParameter,
+)
 
 if TYPE_CHECKING:
     from .decoders import EagerDecoder
 
-# sample_token: re-exported, where callers have always found it
 from .sampling import (
     is_greedy,
     sample_next,
@@ -29,90 +34,9 @@ from .sampling import (
     suppress,
 )
 
-# The ranges the sampler is known to handle (sampling.py): a value that passes here cannot make
-# it produce NaN probabilities or raise. Wider ones would buy nothing a user could notice.
-MAX_TEMPERATURE = 100.0
-REPETITION_PENALTY_RANGE = (0.01, 10.0)
-MAX_TOP_K = 1_000_000  # more than any vocabulary: "all tokens"
-MAX_SEED = 2**63 - 1  # torch.Generator.manual_seed takes a signed 64-bit integer
-
-
-@dataclass(frozen=True)
-class GenerationSettings:
-    """None means "the model's generation_config default"."""
-
-    max_new_tokens: int | None = None
-    temperature: float | None = None  # 0 (or below GREEDY_TEMPERATURE) = greedy
-    top_p: float | None = None
-    top_k: int | None = None  # 0 = off
-    repetition_penalty: float | None = None
-    seed: int | None = None
-    min_new_tokens: int = 0  # benchmarks: random weights emit EOS at random
-
-    def resolved(self, generation_config, *, context_tokens: int) -> GenerationSettings:
-        """Fill unset values from the model's generation_config, then validate. A temperature
-        below GREEDY_TEMPERATURE comes back as 0 (greedy), which is what it means."""
-        gc = generation_config
-        sampling = bool(getattr(gc, "do_sample", False))
-        defaults = {
-            "max_new_tokens": min(getattr(gc, "max_new_tokens", None) or 512, context_tokens),
-            "temperature": (getattr(gc, "temperature", None) or 1.0) if sampling else 0.0,
-            "top_p": getattr(gc, "top_p", None) or 1.0,
-            "top_k": getattr(gc, "top_k", None) or 0,
-            "repetition_penalty": getattr(gc, "repetition_penalty", None) or 1.0,
-        }
-        filled = replace(self, **{k: v for k, v in defaults.items() if getattr(self, k) is None})
-        filled.validate(context_tokens=context_tokens)
-        if is_greedy(filled) and filled.temperature != 0:
-            filled = replace(filled, temperature=0.0)
-        return filled
-
-    def validate(self, *, context_tokens: int | None = None) -> None:
-        """Refuse, by name, a value the sampler cannot use. A max_new_tokens longer than what
-        the context leaves is not refused: the engine clamps it to what fits (with a notice)
-        once the prompt's length is known; `context_tokens` is kept for the callers' sake."""
-        def number(name, low, high):
-            value = getattr(self, name)
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or \
-                    not math.isfinite(value):
-                raise InvalidParameter(name, f"must be a finite number, got {_shown(value)}")
-            if not low <= value <= high:
-                raise InvalidParameter(name, f"must be >= {low:g} and <= {high:g}, "
-                                       f"got {_shown(value)}")
-
-        def integer(name, low, high=None):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool):
-                raise InvalidParameter(name, f"must be an integer, got {_shown(value)}")
-            if value < low or (high is not None and value > high):
-                bounds = f">= {low} and <= {high}" if high is not None else f">= {low}"
-                if name == "max_new_tokens":
-                    bounds = (f"between {low} and what the context window leaves after the "
-                              "prompt (a longer one is limited to that)")
-                raise InvalidParameter(name, f"must be {bounds}, got {_shown(value)}")
-
-        number("temperature", 0.0, MAX_TEMPERATURE)
-        top_p = self.top_p
-        if not isinstance(top_p, (int, float)) or isinstance(top_p, bool) or \
-                not math.isfinite(top_p):
-            raise InvalidParameter("top_p", f"must be a finite number, got {_shown(top_p)}")
-        if not 0 < top_p <= 1:
-            raise InvalidParameter("top_p", f"must be in (0, 1], got {_shown(top_p)}")
-        number("repetition_penalty", *REPETITION_PENALTY_RANGE)
-        integer("top_k", 0, MAX_TOP_K)
-        integer("max_new_tokens", 1)
-        integer("min_new_tokens", 0)
-        if self.seed is not None:
-            integer("seed", 0, MAX_SEED)
-
-    def as_dict(self) -> dict:
-        return asdict(self)
-
-
-def _shown(value) -> str:
-    """A value as a refusal quotes it: short, whatever was sent (a megabyte string, 2**4000)."""
-    text = repr(value)
-    return text if len(text) <= 40 else f"{text[:24]}... ({len(text)} characters)"
+MAX_TEMPERATURE = _SETTING["temperature"].high
+REPETITION_PENALTY_RANGE = (_SETTING["repetition_penalty"].low, _SETTING["repetition_penalty"].high)
+MAX_TOP_K = _SETTING["top_k"].high
 
 
 # -- streaming text -----------------------------------------------------------------------------

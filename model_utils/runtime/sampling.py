@@ -24,9 +24,11 @@ import torch
 if TYPE_CHECKING:
     from .generation import GenerationSettings
 
-# Below this a temperature is greedy: dividing float32 logits by 2.28e-39 gives inf, and then
-# NaN probabilities. At 1e-5 a logit gap of 0.001 is already e^100 apart, i.e. argmax anyway.
-GREEDY_TEMPERATURE = 1e-5
+# Below GREEDY_TEMPERATURE (declared with the settings) a temperature is greedy: dividing
+# float32 logits by 2.28e-39 gives inf, and then NaN probabilities. At 1e-5 a logit gap of
+# 0.001 is already e^100 apart, i.e. argmax anyway.
+from .generation_settings import GREEDY_TEMPERATURE
+
 FLOAT32_MAX = torch.finfo(torch.float32).max
 LOGPROBS_K = 5  # top-k kept per token for a request that records logprobs
 TopK = torch.return_types.topk  # (values, indices) of torch.topk

@@ -1,0 +1,109 @@
+"""The engine's own options, declared once: EngineConfig, its command-line flags and their help.
+
+app.py, the CLI (`python -m model_utils`) and the benchmark (`python -m model_utils.bench`)
+each take the flags that apply to them from here (`EngineConfig.add_cli_args(parser,
+only=...)`), read them back with `EngineConfig.from_args(args)` and build the engine with
+`config.build()`; the model-choice flags shared by the three (--model, --mode, --placement)
+are `add_model_args`. So the help texts cannot drift apart between the tools.
+
+No torch here: `python app.py --help` and refused flags answer without importing it.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Iterable
+from dataclasses import dataclass, field, fields, replace
+from typing import Any
+
+# torch.compile modes offered for the fast path's decode step (cuda_graphs.COMPILE_MODES is
+# this tuple). The autotuned one benchmarks kernels at load; see the help text below.
+COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")
+
+
+def _flag(help: str, **argparse_kwargs) -> Any:
+    """Field metadata: the flag's help (its default is appended) and argparse's options."""
+    return {"help": help, "argparse": argparse_kwargs}
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """What the engine is built with (the keyword arguments of model_utils.engine.Engine)."""
+
+    models_dir: str | None = field(default=None, metadata=_flag(
+        "folder whose model subfolders are offered in the model list and may be loaded",
+        metavar="PATH"))
+    trust_remote_code: bool = field(default=False, metadata=_flag(
+        "let model repos run their own Python code; command line only, no UI or API can turn "
+        "it on"))
+    log_prompts: bool = field(default=False, metadata=_flag(
+        "also write prompts and replies to the log"))
+    max_batch: int = field(default=8, metadata=_flag(
+        "most chat replies decoded together as one batch, 1-64", metavar="N"))
+    max_queue: int = field(default=64, metadata=_flag(
+        "most chat requests waiting for a place in the batch; one more is refused with "
+        "\"busy, try again shortly\"", metavar="N"))
+    compile: bool = field(default=True, metadata=_flag(
+        "decode on the eager path: no torch.compile, no CUDA graphs", flag="--no-compile"))
+    compile_mode: str = field(default="default", metadata=_flag(
+        "torch.compile mode of the GPU decode step; max-autotune-no-cudagraphs benchmarks "
+        "kernels at load (about a minute slower) and was not reliably faster on an H200 "
+        "(BENCHMARKS.md)", choices=COMPILE_MODES))
+    compiled_rows: int = field(default=1, metadata=_flag(
+        "batched steps of up to this many rows are torch.compile'd before capture, larger "
+        "ones capture the plain forward (64: compile all)", metavar="N"))
+
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser | argparse._ArgumentGroup, *,
+                     only: Iterable[str] | None = None,
+                     defaults: dict[str, tuple[Any, str]] | None = None) -> None:
+        """Add the flags of the fields named in `only` (all by default). `defaults` gives a
+        tool its own default for a field, as (value, how --help shows it)."""
+        names = [f.name for f in fields(cls)] if only is None else list(only)
+        by_name = {f.name: f for f in fields(cls)}
+        for name in names:
+            spec = by_name[name]  # KeyError: not an engine option
+            options = dict(spec.metadata["argparse"])
+            flag = options.pop("flag", "--" + name.replace("_", "-"))
+            value, shown = (defaults or {}).get(name, (spec.default, None))
+            if spec.type in (bool, "bool"):
+                # Off unless given (--trust-remote-code), or on unless turned off (--no-compile).
+                action = "store_false" if flag.startswith("--no-") else "store_true"
+                parser.add_argument(flag, dest=name, action=action, help=spec.metadata["help"])
+                continue
+            kind = int if spec.type in (int, "int") else str
+            shown = shown or ("none" if value is None else str(value))
+            parser.add_argument(flag, dest=name, type=kind, default=value,
+                                help=f"{spec.metadata['help']} (default: {shown})".replace(
+                                    "%", "%%"), **options)
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace, **overrides) -> EngineConfig:
+        """The config from parsed flags; fields the parser did not declare keep their
+        defaults, and `overrides` win over both."""
+        given = {f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)}
+        return replace(cls(**given), **overrides)
+
+    def build(self, **extra):
+        """The engine this config describes (imports torch). `extra`: other Engine keyword
+        arguments (cache_dir, busy_timeout_s)."""
+        from .engine import Engine
+
+        return Engine(**vars(self), **extra)
+
+
+def add_model_args(parser: argparse.ArgumentParser, *, what: str = "model to load",
+                   note: str = "", mode: bool = True,
+                   placement_default: str = "auto with a GPU, else cpu") -> None:
+    """--model, --mode and --placement, with one help text for every tool."""
+    from .loading.modes import MODES  # the one table of modes (no torch), so the help cannot drift
+
+    parser.add_argument("--model", default="demo", help=(
+        f"{what}: 'demo', a folder under --models-dir or another allowed folder, or a hub id "
+        f"already in the local Hugging Face cache (default: demo){note}"))
+    if mode:
+        parser.add_argument("--mode", default="bf16",
+                            help=f"precision mode: {', '.join(MODES)} (default: bf16)")
+    parser.add_argument("--placement", default=None, help=(
+        f"cpu, cuda:N, auto, balanced, balanced_low_0 or sequential (default: "
+        f"{placement_default})"))
