@@ -187,14 +187,66 @@ def test_seeded_sampling_repeats(load_demo):
 
 
 # -- detokenizing a stream ----------------------------------------------------------------------
-def test_incremental_detokenizer_never_splits_a_character(demo_tokenizer):
-    text = "naïve café — 東京 😀 done"
-    ids = demo_tokenizer(text, add_special_tokens=False)["input_ids"]
-    assert len(ids) > len(text.split())  # bytes of the rare characters are separate tokens
-    detok = IncrementalDetokenizer(demo_tokenizer)
+# Emoji, CJK and accents whose UTF-8 bytes are separate byte-level tokens in the demo vocabulary
+# (checked below), with the chat markers, which skip_special_tokens leaves out.
+SPANNING = "naïve café — 東京 😀 done <|im_end|>こんにちは ✨🎉<|im_start|> 👩‍💻 end"
+
+
+def _ids(tokenizer, text=SPANNING) -> list[int]:
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def _slow_route(tokenizer):
+    """The demo tokenizer made to take the window route: a tokenizer whose decode cleans up
+    spaces does more than DecodeStream does (BPE ignores the clean-up, so the text is the same)."""
+    tokenizer.clean_up_tokenization_spaces = True
+    return tokenizer
+
+
+@pytest.mark.parametrize("route", ["DecodeStream", "window"])
+def test_joined_deltas_are_the_decode_of_the_whole_reply(demo_tokenizer, route):
+    tokenizer = demo_tokenizer if route == "DecodeStream" else _slow_route(demo_tokenizer)
+    ids = _ids(tokenizer)
+    chars = [c for c in SPANNING if ord(c) > 0x7F]
+    assert len(ids) > len(SPANNING.split()) + len(chars)  # rare characters span tokens
+    detok = IncrementalDetokenizer(tokenizer)
+    assert (detok._stream is not None) == (route == "DecodeStream")
     pieces = [detok.push(token) for token in ids]
-    assert "".join(pieces) == text
-    assert not any("\ufffd" in piece for piece in pieces)
+    assert "".join(pieces) + detok.flush() == tokenizer.decode(ids, skip_special_tokens=True)
+    assert not any("\ufffd" in piece for piece in pieces)  # never half a character
+    assert "<|im_end|>" not in "".join(pieces)
+    # A piece per completed character: the tokens of one emoji add nothing until its last.
+    done = next(i for i in range(len(ids)) if "😀" in tokenizer.decode(ids[:i + 1]))
+    assert pieces[done].endswith("😀") and pieces[done - 1] == pieces[done - 2] == ""
+
+
+@pytest.mark.parametrize("route", ["DecodeStream", "window"])
+def test_a_reply_cut_inside_a_character_ends_as_decode_ends_it(demo_tokenizer, route):
+    tokenizer = demo_tokenizer if route == "DecodeStream" else _slow_route(demo_tokenizer)
+    ids = _ids(tokenizer, "ok 😀")
+    for cut in range(1, len(ids) + 1):  # max_new_tokens reached after each token in turn
+        detok = IncrementalDetokenizer(tokenizer)
+        text = "".join(detok.push(token) for token in ids[:cut])
+        assert text + detok.flush() == tokenizer.decode(ids[:cut], skip_special_tokens=True)
+        assert detok.flush() == ""  # flushed once
+
+
+def test_the_window_route_decodes_a_bounded_window_per_token(demo_tokenizer):
+    """The work per token does not grow with the reply: over a reply of some 3000 tokens, no
+    step decodes more than a few tokens' worth (the window: the new tokens and the last
+    piece's as context), and the total is linear in the reply."""
+    tokenizer = _slow_route(demo_tokenizer)
+    ids = _ids(tokenizer, SPANNING * 40)
+    assert len(ids) > 2500
+    detok = IncrementalDetokenizer(tokenizer)
+    per_step = []
+    for token in ids:
+        before = detok.decoded_tokens
+        detok.push(token)
+        per_step.append(detok.decoded_tokens - before)
+    assert max(per_step) <= 16  # a character is at most 4 byte tokens (ZWJ joins are apart)
+    assert max(per_step[-100:]) <= max(per_step[:100])
+    assert sum(per_step) <= 8 * len(ids)
 
 
 # -- the static-cache decoder (the CUDA fast path's, here uncompiled on the CPU) --------------
