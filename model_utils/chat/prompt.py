@@ -11,7 +11,8 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass
 
-THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+# split_reasoning: re-exported, where callers have always found it
+from .reasoning import THINK_CLOSE, THINK_OPEN, split_reasoning  # noqa: F401
 
 
 class ChatInputError(ValueError):
@@ -262,18 +263,3 @@ def _find_cut(tokenizer, turns: list[dict], budget: int, encode) -> int:
         else:
             lo = mid
     return cuts[hi]
-
-
-def split_reasoning(text: str) -> tuple[str, str]:
-    """Decoded reply -> (reasoning, answer). Works on partial text while streaming.
-
-    Qwen3 writes "<think>\\n...\\n</think>\\n\\n" before the answer when thinking is on. Until
-    </think> arrives, everything after <think> is reasoning.
-    """
-    stripped = text.lstrip()
-    if THINK_CLOSE in text:
-        before, after = text.split(THINK_CLOSE, 1)
-        return before.split(THINK_OPEN, 1)[-1].strip("\n"), after.lstrip("\n")
-    if stripped.startswith(THINK_OPEN):
-        return stripped[len(THINK_OPEN):].lstrip("\n"), ""
-    return "", text
