@@ -271,3 +271,74 @@ def test_static_cache_decoder_equals_plain_generate_token_for_token(load_demo):
                                     eos_ids=set(loaded.model.generation_config.eos_token_id)))
         assert tokens == reference[0, len(ids):].tolist(), prompt
     assert len(caches._caches) == 1  # one bucket served every reply
+
+
+# -- the engine's stream ------------------------------------------------------------------------
+def _joined(updates) -> tuple[str, str]:
+    """The reasoning and answer a consumer of the deltas alone ends up with."""
+    reasoning, answer = "", ""
+    for update in updates:
+        if update.resplit:
+            reasoning, answer = "", ""
+        reasoning += update.reasoning_delta
+        answer += update.answer_delta
+    return reasoning, answer
+
+
+def _reference_text(loaded, messages, max_new_tokens: int) -> str:
+    """The greedy reply's text computed the plain way: decode_tokens, then one decode."""
+    from model_utils.chat.prompt import prepare_prompt
+
+    prompt = prepare_prompt(loaded.tokenizer, messages, context_tokens=loaded.context_tokens,
+                            reserve_tokens=max_new_tokens, thinking=True)
+    tokens = list(decode_tokens(EagerDecoder(loaded.model), prompt.input_ids,
+                                _resolved(loaded, temperature=0.0,
+                                          max_new_tokens=max_new_tokens),
+                                eos_ids=eos_ids(loaded)))
+    return loaded.tokenizer.decode(tokens, skip_special_tokens=True)
+
+
+@pytest.mark.parametrize("question", ["Which mode should I pick?", "What is nf4?"])
+def test_the_engine_streams_deltas_of_its_reply(load_demo, question):
+    """engine.chat yields what each token added; joined, the deltas are the split of the
+    decode of the reply's tokens (computed here the plain way), and each update's full text
+    is the deltas so far."""
+    from model_utils.chat.reasoning import split_reasoning
+
+    engine = load_demo("fp32")
+    messages = [{"role": "user", "content": question}]
+    updates = list(engine.chat(messages, GenerationSettings(temperature=0.0, max_new_tokens=80),
+                               thinking=True))
+    assert updates[-1].done and not any(u.done for u in updates[:-1])
+    assert all(u.reasoning_delta or u.answer_delta for u in updates[:-1])
+    for i in (0, len(updates) // 2, len(updates) - 1):
+        assert (updates[i].reasoning, updates[i].answer) == _joined(updates[:i + 1])
+    whole = _reference_text(engine.manager.loaded, messages, 80)
+    assert _joined(updates) == split_reasoning(whole)
+    assert question != "Which mode should I pick?" or updates[-1].reasoning  # it reasons
+
+
+def test_a_reply_after_a_prompt_that_opened_the_block_streams_as_reasoning(load_demo):
+    """A template that ends the prompt with "<think>\n" (Qwen3's thinking-only models): the
+    engine splits the reply as reasoning from its first token, where a splitter that did not
+    know would have shown it as the answer until </think> (and then split it again)."""
+    from model_utils.chat.reasoning import ReasoningSplitter, split_reasoning
+
+    engine = load_demo("fp32")
+    loaded = engine.manager.loaded
+    messages = [{"role": "user", "content": "Which mode should I pick?"}]
+    template = loaded.tokenizer.chat_template
+    loaded.tokenizer.chat_template = \
+        template + "{%- if add_generation_prompt %}<think>\n{%- endif %}"
+    try:
+        updates = list(engine.chat(messages, GenerationSettings(temperature=0.0,
+                                                                max_new_tokens=80)))
+        whole = _reference_text(loaded, messages, 80)
+    finally:
+        loaded.tokenizer.chat_template = template
+    assert "<think>" not in whole and "</think>" in whole  # the prompt opened the block
+    assert updates[0].reasoning_delta and not updates[0].answer_delta
+    assert not any(u.resplit for u in updates)
+    assert _joined(updates) == split_reasoning(whole) == split_reasoning("<think>" + whole)
+    unaware = ReasoningSplitter()
+    assert unaware.feed(whole[:20]).answer  # what the prompt's tag changes
