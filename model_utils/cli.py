@@ -402,8 +402,9 @@ def _is_refusal(error: BaseException) -> bool:
     if isinstance(error, UsageError):
         return True
     package = __package__ or "model_utils"
-    names = {"chat": ("ChatInputError",), "generation": ("InvalidParameter",),
-             "manager": ("LoadError", "ModelBusy"), "registry": ("ModelNotFound",)}
+    names = {"chat.prompt": ("ChatInputError",), "runtime.generation": ("InvalidParameter",),
+             "loading.manager": ("LoadError", "ModelBusy"),
+             "loading.registry": ("ModelNotFound",)}
     classes = tuple(getattr(sys.modules[f"{package}.{module}"], name)
                     for module, module_names in names.items() for name in module_names
                     if f"{package}.{module}" in sys.modules)
