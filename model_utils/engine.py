@@ -10,7 +10,7 @@ import logging
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -21,9 +21,9 @@ from .chat.reasoning import (
     ReasoningDelta,
     ReasoningSplitter,
     ReplyText,
-    TextSoFar,
     prompt_opens_thinking,
 )
+from .chat.updates import ChatUpdate
 from .loading.manager import LoadedModel, LoadRequest, ModelBusy, ModelManager, Progress
 from .loading.placement import FitEstimate
 from .loading.registry import ModelRegistry
@@ -45,42 +45,6 @@ log = logging.getLogger(__name__)
 
 class ShuttingDown(ModelBusy):
     """The server is closing: no new reply starts, and open ones may be ended early."""
-
-
-@dataclass
-class ChatUpdate:
-    """One step of a streamed reply: the text it added (reasoning_delta, answer_delta) and, for
-    a reader that shows the whole message, the text so far (reasoning, answer: joined from the
-    pieces when first read, never re-decoded). `resplit`: the answer so far was reasoning after
-    all (a </think> in a reply that had not opened the block): reasoning_delta is then the
-    whole reasoning and answer_delta the start of a new answer (ReasoningDelta)."""
-
-    reasoning_delta: str = ""
-    answer_delta: str = ""
-    done: bool = False
-    stats: ReplyStats | None = None
-    notice: str = ""
-    resplit: bool = False
-    text: TextSoFar = field(default=EMPTY_TEXT, repr=False)
-
-    @classmethod
-    def of(cls, delta: ReasoningDelta, text: TextSoFar, **fields) -> ChatUpdate:
-        return cls(delta.reasoning, delta.answer, resplit=delta.resplit, text=text, **fields)
-
-    @property
-    def reasoning(self) -> str:
-        return self.text.reasoning
-
-    @property
-    def answer(self) -> str:
-        return self.text.answer
-
-    def followed_by(self, later: ChatUpdate) -> ChatUpdate:
-        """This update and a later one as one (a consumer that skipped this one)."""
-        delta = ReasoningDelta(self.reasoning_delta, self.answer_delta, self.resplit).then(
-            ReasoningDelta(later.reasoning_delta, later.answer_delta, later.resplit))
-        return replace(later, reasoning_delta=delta.reasoning, answer_delta=delta.answer,
-                       resplit=delta.resplit)
 
 
 def eos_ids(loaded: LoadedModel) -> set[int]:

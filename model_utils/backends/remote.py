@@ -17,7 +17,7 @@ from dataclasses import replace
 
 from model_utils.chat.prompt import ChatInputError, normalize_messages
 from model_utils.chat.reasoning import EMPTY_TEXT, ReplyText, SeparatedReasoning
-from model_utils.engine import ChatUpdate
+from model_utils.chat.updates import ChatUpdate
 from model_utils.loading.manager import LoadError
 from model_utils.memory import MemoryHistory, MemorySnapshot
 from model_utils.runtime.generation import GenerationSettings, ReplyStats
