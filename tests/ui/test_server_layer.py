@@ -86,6 +86,28 @@ def test_paced_updates_carry_the_deltas_of_the_ones_they_skip(monkeypatch, piece
         split_reasoning("".join(pieces))
 
 
+@pytest.mark.parametrize("pieces, stop, expected", [
+    (["<think>\nHm", "m.\n</think>", "\n\nHello ", "wor", "ld. END", " more"], ["END"],
+     ("Hmm.", "Hello world. ", True)),
+    (["abc", " d</thi", "nk>\n", "ghi E", "N"], ["END"], ("abc d", "ghi EN", False)),
+])
+def test_the_openai_reply_follows_deltas_with_stop_strings_and_a_resplit(pieces, stop, expected):
+    """Reply (the /v1 endpoint's view of a stream): the answer cut at the stop string from
+    pieces, the deltas it would send add up to what it holds, a late </think> starts the
+    answer again (what was sent as content stays sent: the rest follows as reasoning)."""
+    from server.openai_api import ChatCall, Reply
+
+    call = ChatCall.parse({"messages": [{"role": "user", "content": "hi"}], "stop": stop})
+    reply, sent = Reply(call), {"reasoning": "", "content": ""}
+    for update in _updates(pieces):
+        reply.follow(update)
+        sent["reasoning"] += reply.new_reasoning
+        sent["content"] = ("" if update.resplit else sent["content"]) + reply.new_answer
+    assert (reply.reasoning, reply.answer, reply.hit_stop) == expected
+    assert (sent["reasoning"], sent["content"]) == expected[:2]
+    assert call.stop.is_set() == expected[2]  # a stop string frees the reply's place
+
+
 def test_guests_see_paths_relative_to_the_models_folder():
     message = ("'/etc/x' is outside the allowed model folders (/root/.cache/qwen-chat, "
                "/srv/models); folder /srv/models/qwen/7b has no config.json.")
