@@ -210,7 +210,7 @@ def requested_placement(args):
 
 # -- the commands -------------------------------------------------------------------------------
 class StreamPrinter:
-    """Writes each update's new text as it arrives: <think>\nreasoning\n</think>\n\nanswer.
+    """Writes each update's new text as it arrives: <think>\\nreasoning\\n</think>\\n\\nanswer.
 
     Trailing newlines of the reasoning are held back while it is open: split_reasoning strips
     them once </think> arrives, and text already printed cannot be taken back.

@@ -21,6 +21,7 @@ from model_utils.chat.reasoning import (
     THINK_OPEN,
     ReasoningSplitter,
     ReplyText,
+    SeparatedReasoning,
     prompt_opens_thinking,
 )
 from model_utils.runtime.generation import GenerationSettings, IncrementalDetokenizer
@@ -328,6 +329,26 @@ def test_a_close_tag_after_untagged_text_resplits_once():
     assert joined == split_reasoning("".join(pieces)) == ("abc def", "ghi jkl</think>x")
     assert [d.resplit for d in deltas] == [False, False, True, False, False]
     assert deltas[2].reasoning == "abc def" and deltas[2].answer == "ghi"
+
+
+@pytest.mark.parametrize("events", [
+    [("\n", ""), ("Think", ""), ("ing.\n\n", ""), ("", "\n\nHel"), ("", "lo.\n")],
+    [("", "<think>\nHm"), ("", "m.\n</think>\n\n"), ("", "Hi.")],  # left in the content
+    [("", "Plain "), ("", "answer")],
+])
+def test_a_servers_separate_reasoning_is_trimmed_as_the_split_trims(events):
+    """vLLM's reasoning_content beside content: the reasoning without its surrounding
+    newlines, the answer without leading ones; a server that leaves <think> in the content
+    is split as the engine's own replies are."""
+    split, text = SeparatedReasoning(), ReplyText()
+    for reasoning, content in events:
+        joined = text.add(split.feed(reasoning, content))
+    joined = text.add(split.finish())
+    reasoning = "".join(r for r, _ in events)
+    content = "".join(c for _, c in events)
+    expected = (reasoning.strip("\n"), content.lstrip("\n")) if reasoning \
+        else split_reasoning(content)
+    assert (joined.reasoning, joined.answer) == expected
 
 
 def test_streamed_split_equals_the_whole_split_for_any_cuts():
