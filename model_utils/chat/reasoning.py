@@ -9,7 +9,7 @@ split_reasoning of the whole text (of THINK_OPEN + the text when the prompt open
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
@@ -108,6 +108,7 @@ class ReasoningSplitter:
     def __init__(self, *, opened: bool = False):
         self._state = self._REASONING if opened else self._START
         self._held = ""  # undecided text: an opening tag's start, or a closing tag's
+        self._blank: list[str] = []  # whitespace before the first text (split_reasoning lstrips)
         self._reasoning = _Trimmed(hold_end=True)
         self._answer = _Trimmed(hold_end=False)
         self._untagged: list[str] = []  # the answer shown without a tag (for a late </think>)
@@ -119,13 +120,17 @@ class ReasoningSplitter:
         self.scanned = len(text) + len(self._tail)
         if self._state == self._START:
             stripped = text.lstrip()
+            if len(stripped) < len(text):  # kept apart: looked at once, however long
+                self._blank.append(text[:len(text) - len(stripped)])
             if stripped.startswith(THINK_OPEN):
                 self._state, text = self._REASONING, stripped[len(THINK_OPEN):]
             elif THINK_OPEN.startswith(stripped):  # blank so far, or "<thi": wait and see
-                self._held = text
+                self._held = stripped
                 return ReasoningDelta()
             else:
                 self._state = self._UNTAGGED
+                return self._first_untagged(stripped)
+            self._blank = []
         if self._state == self._REASONING:
             return self._in_reasoning(text)
         if self._state == self._UNTAGGED:
@@ -139,7 +144,8 @@ class ReasoningSplitter:
             if not self._reasoning.started:
                 return ReasoningDelta(reasoning=self._reasoning.add(held))
             return ReasoningDelta(reasoning=self._reasoning.flush() + held)
-        return ReasoningDelta(answer=held)
+        blank, self._blank = "".join(self._blank), []
+        return ReasoningDelta(answer=blank + held)
 
     def _in_reasoning(self, text: str) -> ReasoningDelta:
         at = text.find(THINK_CLOSE)
@@ -153,6 +159,16 @@ class ReasoningSplitter:
         self._state = self._ANSWER
         return ReasoningDelta(reasoning=reasoning,
                               answer=self._answer.add(text[at + len(THINK_CLOSE):]))
+
+    def _first_untagged(self, text: str) -> ReasoningDelta:
+        """The reply's first text, not a tag: the answer, after the blank before it (which
+        holds no tag, so it is not searched again)."""
+        blank, self._blank = "".join(self._blank), []
+        self._untagged.append(blank)
+        delta = self._in_untagged(text)
+        if self._state == self._ANSWER:  # a </think> in it: split whole (nothing was shown)
+            return replace(delta, resplit=False)
+        return ReasoningDelta(answer=blank + delta.answer)
 
     def _in_untagged(self, text: str) -> ReasoningDelta:
         if THINK_CLOSE not in self._tail + text:

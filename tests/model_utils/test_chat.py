@@ -369,13 +369,17 @@ def test_the_splitter_looks_only_at_the_new_piece():
     """Per piece the splitter examines the piece and the few characters it held back (a
     tag's beginning), however long the reply already is: a 20 000-piece reply costs each
     piece the same."""
-    pieces = ["<think>", "\n"] + ["so we reason\n"] * 10_000 + ["</think>", "\n\n"] + \
-        ["and answer. "] * 10_000
+    pieces = ["\n"] * 5_000 + ["<th", "ink>", "\n"] + ["so we reason\n"] * 10_000 + \
+        ["</think>", "\n\n"] + ["and answer. "] * 10_000
     splitter, scanned = ReasoningSplitter(), []
     for piece in pieces:
         splitter.feed(piece)
         scanned.append(splitter.scanned - len(piece))
     assert max(scanned) <= len(THINK_CLOSE)
+    splitter = ReasoningSplitter()  # no tags: each piece is searched with a tag's length
+    for piece in [" "] * 5_000 + ["plain answer, "] * 10_000:
+        splitter.feed(piece)
+        assert splitter.scanned - len(piece) <= len(THINK_CLOSE)
 
 
 def _trim_by_dropping_one_at_a_time(tokenizer, messages, *, context_tokens, reserve_tokens):
