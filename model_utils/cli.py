@@ -71,40 +71,52 @@ def _quiet_transformers(verbose: bool) -> None:
 
 
 # -- the commands -------------------------------------------------------------------------------
-def _display(reasoning: str, answer: str, done: bool) -> str:
-    """What the terminal shows for a reply so far: <think>\\nreasoning\\n</think>\\n\\nanswer.
+class StreamPrinter:
+    """Writes each update's new text as it arrives: <think>\\nreasoning\\n</think>\\n\\nanswer.
 
     Trailing newlines of the reasoning are held back while it is open: split_reasoning strips
     them once </think> arrives, and text already printed cannot be taken back.
     """
-    if not reasoning:
-        return answer
-    closed = bool(answer) or done
-    text = "<think>\n" + reasoning.rstrip("\n")
-    return text + ("\n</think>\n\n" + answer if closed else "")
-
-
-class StreamPrinter:
-    """Writes only what is new in each update, so the reply appears as it is generated."""
 
     def __init__(self, out):
         self.out = out
-        self.shown = ""
+        self.part = ""  # "" (nothing yet), "reasoning" or "answer"
+        self.newlines = 0  # held at the reasoning's end
+        self.wrote = False
+        self.line_open = False  # the last character written was not a newline
 
-    def update(self, reasoning: str, answer: str, done: bool = False) -> None:
-        text = _display(reasoning, answer, done)
-        if text.startswith(self.shown):
-            new = text[len(self.shown):]
-        else:
-            # A </think> after answer text re-splits what was already printed; go on from
-            # where the two versions part (the --json result always has the final split).
-            new = "\n" + text[len(os.path.commonprefix([self.shown, text])):]
-        if done and (self.shown + new) and not (self.shown + new).endswith("\n"):
-            new += "\n"  # end the last line, when there is one
-        if new:
-            self.out.write(new)
+    def update(self, reasoning: str = "", answer: str = "", done: bool = False, *,
+               resplit: bool = False) -> None:
+        new = []
+        if resplit and self.wrote:
+            # The answer printed so far was reasoning after all (a stray </think>): go on on
+            # a new line with the split as it is now (the --json result has it too).
+            new.append("\n")
+            self.part, self.newlines = "", 0
+        if reasoning:
+            if not self.part:
+                new.append("<think>\n")
+                self.part = "reasoning"
+            body = reasoning.rstrip("\n")
+            if body:
+                new.append("\n" * self.newlines + body)
+                self.newlines = len(reasoning) - len(body)
+            else:
+                self.newlines += len(reasoning)
+        if answer or (done and self.part == "reasoning"):
+            if self.part == "reasoning":
+                new.append("\n</think>\n\n")
+                self.newlines = 0
+            self.part = "answer"
+            new.append(answer)
+        text = "".join(new)
+        if done and (not text.endswith("\n") if text else self.line_open):
+            text += "\n"  # end the last line, when there is one
+        if text:
+            self.out.write(text)
             self.out.flush()
-            self.shown = text
+            self.wrote = True
+            self.line_open = not text.endswith("\n")
 
 
 def cmd_chat(args) -> int:
@@ -158,7 +170,8 @@ def _load_and_reply(engine, request, messages, settings, args) -> int:
             print(f"note: {update.notice}", file=sys.stderr, flush=True)
             notice_shown = True
         if printer:
-            printer.update(update.reasoning, update.answer, update.done)
+            printer.update(update.reasoning_delta, update.answer_delta, update.done,
+                           resplit=update.resplit)
         final = update
     if final is None or final.stats is None:  # chat ends early only when stopped
         raise RuntimeError("the reply ended without a result")

@@ -10,12 +10,20 @@ import logging
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
-from .chat.prompt import prepare_prompt, render_prompt, split_reasoning, supports_thinking
+from .chat.prompt import prepare_prompt, render_prompt, supports_thinking
+from .chat.reasoning import (
+    EMPTY_TEXT,
+    ReasoningDelta,
+    ReasoningSplitter,
+    ReplyText,
+    prompt_opens_thinking,
+)
+from .chat.updates import ChatUpdate
 from .errors import ShuttingDown
 from .loading.manager import LoadedModel, LoadRequest, ModelManager, Progress
 from .loading.placement import FitEstimate
@@ -37,13 +45,6 @@ from .runtime.worker import DecodeWorker
 log = logging.getLogger(__name__)
 
 
-@dataclass
-class ChatUpdate:
-    reasoning: str
-    answer: str
-    done: bool = False
-    stats: ReplyStats | None = None
-    notice: str = ""
 
 
 def eos_ids(loaded: LoadedModel) -> set[int]:
@@ -301,18 +302,26 @@ class Engine:
             if self.log_prompts:
                 log.info("prompt: %r", prompt.text)
             stats = ReplyStats()
-            text = ""
             tokens = self._tokens(loaded, prompt.input_ids, settings, stop, stats)
+            # Each token's text is decoded once and split once (as a delta): the work per
+            # token does not grow with the reply.
             detok = IncrementalDetokenizer(loaded.tokenizer)
+            splitter = ReasoningSplitter(opened=prompt_opens_thinking(prompt.text))
+            reply = ReplyText()
+            text = EMPTY_TEXT
             try:
                 for token in tokens:
                     piece = detok.push(token)
-                    if piece:
-                        text += piece
-                        reasoning, answer = split_reasoning(text)
-                        yield ChatUpdate(reasoning, answer, notice=prompt.notice)
+                    delta = splitter.feed(piece) if piece else None
+                    if delta:
+                        text = reply.add(delta)
+                        yield ChatUpdate.of(delta, text, notice=prompt.notice)
                 if self._ending is not None and stats.stopped:
                     raise ShuttingDown(self._ending)
+                rest = detok.flush()  # a character the reply's last tokens left unfinished
+                last = (splitter.feed(rest) if rest else ReasoningDelta()).then(
+                    splitter.finish())
+                text = reply.add(last)
             finally:
                 # Runs on normal end, on error and when the consumer goes away (closed tab):
                 # whatever happened, the reply is logged and the decode slot is free again.
@@ -322,9 +331,9 @@ class Engine:
                          stats.decode_path, stats.prompt_tokens, stats.new_tokens,
                          stats.ttft_ms, stats.tok_s, stats.finish_reason or "abandoned")
                 if self.log_prompts:
-                    log.info("reply text: %r", text)
-            reasoning, answer = split_reasoning(text)
-            yield ChatUpdate(reasoning, answer, done=True, stats=stats, notice=prompt.notice)
+                    log.info("reply text: reasoning %r, answer %r", text.reasoning,
+                             text.answer)
+            yield ChatUpdate.of(last, text, done=True, stats=stats, notice=prompt.notice)
 
     def _tokens(self, loaded: LoadedModel, input_ids: list[int], settings: GenerationSettings,
                 stop: threading.Event, stats: ReplyStats) -> Iterator[int]:

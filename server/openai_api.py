@@ -41,7 +41,7 @@ from .errors import ClientError, client_error, hide_paths, models_dir_of
 from .guards import REALM, login_user
 from .replies import make_settings, paced
 from .request_models import ChatCompletionRequest, parse_json
-from .stop_strings import StopStrings
+from .stop_strings import StopFollower, StopStrings
 
 log = logging.getLogger("ui")
 
@@ -176,22 +176,47 @@ class ChatCall:
 
 # -- the reply ----------------------------------------------------------------------------------
 class Reply:
-    """Follows the engine's updates, cutting the answer at the first stop string."""
+    """Follows the engine's deltas: the reasoning and the answer so far (appended, never
+    re-split), the answer cut at the first stop string, and what the last update added to
+    each (new_reasoning, new_answer: the stream's deltas)."""
 
     def __init__(self, call: ChatCall):
         self.call = call
-        self.answer, self.reasoning, self.hit_stop = "", "", False
+        self.stops = StopFollower(call.stops)
+        self._reasoning: list[str] = []
+        self._answer: list[str] = []
+        self.new_reasoning = self.new_answer = ""
+
+    @property
+    def hit_stop(self) -> bool:
+        return self.stops.hit
+
+    @property
+    def reasoning(self) -> str:
+        return "".join(self._reasoning)
+
+    @property
+    def answer(self) -> str:
+        return "".join(self._answer)
 
     def follow(self, update: ChatUpdate) -> None:
-        self.reasoning = update.reasoning
+        if update.resplit:  # the answer so far was reasoning: it starts again
+            self._reasoning, self._answer = [], []
+            self.stops.restart()
+        self.new_reasoning = update.reasoning_delta
         if self.hit_stop:
-            return  # the engine is ending the reply; what it adds is past the stop string
-        answer, self.hit_stop = self.call.stops.cut(update.answer)
-        if self.hit_stop:
-            self.call.stop.set()  # frees the reply's place within a decode step
-        elif not update.done and self.call.stops:
-            answer = self.call.stops.safe_prefix(answer)
-        self.answer = answer
+            # The engine is ending the reply; what it adds is past the stop string.
+            self.new_answer = ""
+        else:
+            self.new_answer = self.stops.feed(update.answer_delta)
+            if self.hit_stop:
+                self.call.stop.set()  # frees the reply's place within a decode step
+            elif update.done:
+                self.new_answer += self.stops.finish()
+        if self.new_reasoning:
+            self._reasoning.append(self.new_reasoning)
+        if self.new_answer:
+            self._answer.append(self.new_answer)
 
     def finish_reason(self, update: ChatUpdate) -> str:
         return "stop" if self.hit_stop else _FINISH.get(update.stats.finish_reason, "stop")
@@ -237,7 +262,6 @@ async def stream_events(call: ChatCall, model: str, first: ChatUpdate,
                       "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]})
 
     reply = Reply(call)
-    sent = {"reasoning": "", "answer": ""}
     paced_updates = paced(_prepend(first, updates))
     try:
         yield chunk({"role": "assistant", "content": ""})
@@ -247,11 +271,10 @@ async def stream_events(call: ChatCall, model: str, first: ChatUpdate,
                 break
             reply.follow(update)
             delta = {}
-            for field, key in (("reasoning", "reasoning_content"), ("answer", "content")):
-                text = getattr(reply, field)
-                if text.startswith(sent[field]) and len(text) > len(sent[field]):
-                    delta[key] = text[len(sent[field]):]
-                    sent[field] = text
+            if reply.new_reasoning:
+                delta["reasoning_content"] = reply.new_reasoning
+            if reply.new_answer:
+                delta["content"] = reply.new_answer
             if delta:
                 yield chunk(delta)
             if update.done and update.stats.finish_reason == "error":

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 if TYPE_CHECKING:  # the types only: importing them would import torch
-    from model_utils.engine import ChatUpdate
+    from model_utils.chat.updates import ChatUpdate
     from model_utils.loading.manager import LoadRequest, Progress
     from model_utils.loading.placement import FitEstimate
     from model_utils.memory import MemorySnapshot

@@ -15,8 +15,9 @@ import time
 from collections.abc import Iterator
 from dataclasses import replace
 
-from model_utils.chat.prompt import ChatInputError, normalize_messages, split_reasoning
-from model_utils.engine import ChatUpdate
+from model_utils.chat.prompt import ChatInputError, normalize_messages
+from model_utils.chat.reasoning import EMPTY_TEXT, ReplyText, SeparatedReasoning
+from model_utils.chat.updates import ChatUpdate
 from model_utils.loading.manager import LoadError
 from model_utils.memory import MemoryHistory, MemorySnapshot
 from model_utils.runtime.generation import GenerationSettings, ReplyStats
@@ -185,7 +186,7 @@ class RemoteEngine:
         start = time.perf_counter()
         deadline = time.monotonic() + self.config.reply_timeout_s
         notice = self._refused_notice(options)
-        reasoning, content, parsed_reasoning = "", "", False
+        split, reply, text = SeparatedReasoning(), ReplyText(), EMPTY_TEXT
         first_at = last_at = None
         pieces, finish, usage = 0, "", None
         chunks = self._chunks(model, wire, options, thinking, stop, deadline)
@@ -200,12 +201,9 @@ class RemoteEngine:
                     # vLLM and SGLang send Qwen3's thinking as reasoning_content (newer vLLM
                     # as reasoning); a server that does not parse it leaves <think> in content.
                     more = delta.get("reasoning_content") or delta.get("reasoning") or ""
-                    text = delta.get("content") or ""
-                    parsed_reasoning |= bool(more)
-                    reasoning += more
-                    content += text
+                    piece = delta.get("content") or ""
                     finish = choice.get("finish_reason") or finish
-                    if more or text:
+                    if more or piece:
                         last_at = time.perf_counter()
                         if first_at is None:
                             first_at = last_at
@@ -213,8 +211,10 @@ class RemoteEngine:
                             if not self.monitor.health.ok:  # back before the check saw it
                                 self.monitor.record(ok=True)
                         pieces += 1
-                        yield ChatUpdate(*_split(reasoning, content, parsed_reasoning),
-                                         notice=notice)
+                        added = split.feed(more, piece)
+                        if added:
+                            text = reply.add(added)
+                            yield ChatUpdate.of(added, text, notice=notice)
         except BackendError as error:
             if first_at is None:
                 raise  # nothing shown yet: the caller answers with the error itself
@@ -237,10 +237,11 @@ class RemoteEngine:
         if first_at is not None and last_at > first_at:
             stats.tok_s = max(stats.new_tokens - 1, 1) / (last_at - first_at)
         stats.total_s = time.perf_counter() - start
+        last = split.finish()
+        text = reply.add(last)
         if self.log_prompts:
-            log.info("reply text: %r", content)
-        yield ChatUpdate(*_split(reasoning, content, parsed_reasoning), done=True,
-                         stats=stats, notice=notice)
+            log.info("reply text: reasoning %r, answer %r", text.reasoning, text.answer)
+        yield ChatUpdate.of(last, text, done=True, stats=stats, notice=notice)
 
     def _chunks(self, model, wire, options, thinking, stop, deadline):
         """The server's events. A 400 naming extensions it was sent is retried once without
@@ -297,12 +298,6 @@ def _options(settings: GenerationSettings) -> dict:
     if settings.repetition_penalty not in (None, 1.0):
         out["repetition_penalty"] = settings.repetition_penalty
     return {k: v for k, v in out.items() if v is not None}
-
-
-def _split(reasoning: str, content: str, parsed: bool) -> tuple[str, str]:
-    if parsed:
-        return reasoning.strip("\n"), content.lstrip("\n")
-    return split_reasoning(content)
 
 
 def _join(*notices: str) -> str:

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 
 from model_utils.errors import ChatInputError
 
-THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+# split_reasoning: re-exported, where callers have always found it
+from .reasoning import THINK_CLOSE, THINK_OPEN, split_reasoning  # noqa: F401
 
 # Bounds on what is rendered and tokenized at all, checked before either (a request over them
 # is refused, whatever path it came by): the UI keeps at most 2000 turns of history, plus the
@@ -259,18 +260,3 @@ def _find_cut(tokenizer, turns: list[dict], budget: int, encode) -> int:
         else:
             lo = mid
     return cuts[hi]
-
-
-def split_reasoning(text: str) -> tuple[str, str]:
-    """Decoded reply -> (reasoning, answer). Works on partial text while streaming.
-
-    Qwen3 writes "<think>\\n...\\n</think>\\n\\n" before the answer when thinking is on. Until
-    </think> arrives, everything after <think> is reasoning.
-    """
-    stripped = text.lstrip()
-    if THINK_CLOSE in text:
-        before, after = text.split(THINK_CLOSE, 1)
-        return before.split(THINK_OPEN, 1)[-1].strip("\n"), after.lstrip("\n")
-    if stripped.startswith(THINK_OPEN):
-        return stripped[len(THINK_OPEN):].lstrip("\n"), ""
-    return "", text

@@ -13,7 +13,9 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
+import tokenizers
 import torch
+from tokenizers.decoders import DecodeStream
 
 # The settings (fields, ranges, defaults, refusals) are declared once, in generation_settings;
 # they and sample_token are re-exported here, where callers have always found them.
@@ -41,23 +43,61 @@ MAX_TOP_K = _SETTING["top_k"].high
 
 # -- streaming text -----------------------------------------------------------------------------
 class IncrementalDetokenizer:
-    """Token ids in, new text out, without splitting a multi-byte character.
+    """Token ids in, new text out (a delta per token, often ""), never splitting a multi-byte
+    character; skipped special tokens add nothing. Joined, the pieces (with flush()'s) are
+    tokenizer.decode(ids, skip_special_tokens=True).
 
-    Decodes a short window (from the last emitted boundary) rather than the whole reply each
-    step, so a long reply costs O(n) and not O(n^2).
+    A fast tokenizer runs tokenizers' DecodeStream on its Rust backend. Others (a slow
+    tokenizer, or one whose decode cleans up spaces, which DecodeStream does not do) decode a
+    short window: the tokens since the last piece plus the ones before it, for context (a
+    sentencepiece tokenizer drops the leading space of a window's first token, so the new text
+    is the window's decode minus its context's). Either way a step costs the window, not the
+    reply: `decoded_tokens` counts the token ids the window decodes handled (the test's probe).
     """
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
         self.ids: list[int] = []
-        self._prefix = 0
+        self._prefix = 0  # the window: ids[_prefix:_read] is context, ids[_read:] is new
         self._read = 0
+        self.decoded_tokens = 0
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        self._stream = None
+        if isinstance(backend, tokenizers.Tokenizer) and \
+                not getattr(tokenizer, "clean_up_tokenization_spaces", False):
+            self._backend = backend
+            self._stream = DecodeStream(skip_special_tokens=True)
 
     def push(self, token_id: int) -> str:
         self.ids.append(token_id)
+        if self._stream is not None:
+            try:
+                piece = self._stream.step(self._backend, token_id)
+            except Exception:  # noqa: BLE001 - its prefix check failed: go on by window
+                self._stream = None
+                return self._window()
+            if piece is not None:
+                self._prefix, self._read = self._read, len(self.ids)
+            return piece or ""
+        return self._window()
+
+    def flush(self) -> str:
+        """What the last tokens decode to when they never completed a character (a reply cut
+        mid-emoji ends in U+FFFD, as tokenizer.decode of the whole reply does)."""
+        if self._read == len(self.ids):
+            return ""
+        before, now = self._decode_window()
+        self._prefix = self._read = len(self.ids)
+        return now[len(before):]
+
+    def _decode_window(self) -> tuple[str, str]:
         decode = self.tokenizer.decode
-        before = decode(self.ids[self._prefix:self._read], skip_special_tokens=True)
-        now = decode(self.ids[self._prefix:], skip_special_tokens=True)
+        self.decoded_tokens += (self._read - self._prefix) + (len(self.ids) - self._prefix)
+        return (decode(self.ids[self._prefix:self._read], skip_special_tokens=True),
+                decode(self.ids[self._prefix:], skip_special_tokens=True))
+
+    def _window(self) -> str:
+        before, now = self._decode_window()
         if len(now) > len(before) and not now.endswith("\ufffd"):
             self._prefix, self._read = self._read, len(self.ids)
             return now[len(before):]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import random
 
 import jinja2
 import pytest
@@ -14,6 +15,14 @@ from model_utils.chat.prompt import (
     prepare_prompt,
     render_prompt,
     split_reasoning,
+)
+from model_utils.chat.reasoning import (
+    THINK_CLOSE,
+    THINK_OPEN,
+    ReasoningSplitter,
+    ReplyText,
+    SeparatedReasoning,
+    prompt_opens_thinking,
 )
 from model_utils.runtime.generation import GenerationSettings, IncrementalDetokenizer
 
@@ -220,29 +229,157 @@ def test_split_reasoning(text, expected):
     assert split_reasoning(text) == expected
 
 
+def _split_stream(pieces: list[str], *, opened: bool = False):
+    """Feed `pieces` to a ReasoningSplitter: (the deltas, (reasoning, answer) joined)."""
+    splitter, text = ReasoningSplitter(opened=opened), ReplyText()
+    deltas = [splitter.feed(piece) for piece in pieces] + [splitter.finish()]
+    for delta in deltas:
+        joined = text.add(delta)
+    return deltas, (joined.reasoning, joined.answer)
+
+
+def _pieces(text: str, cuts: list[int]) -> list[str]:
+    bounds = [0, *cuts, len(text)]
+    return [text[a:b] for a, b in zip(bounds, bounds[1:], strict=False)]
+
+
 def test_split_reasoning_while_streaming_token_by_token(demo_tokenizer):
-    """Fed a reply one token at a time (as the engine does), the split only ever grows."""
+    """Fed a reply one token at a time (as the engine does), the split comes as deltas: the
+    reasoning's, then the answer's, and joined they are the split of the whole text."""
     reply = "<think>\nFirst, we consider the question.\nThen we answer it.\n</think>\n\n" \
             "Paris is the capital of France."
     ids = demo_tokenizer(reply, add_special_tokens=False)["input_ids"]
     assert demo_tokenizer.convert_tokens_to_ids("</think>") in ids  # one token, as in Qwen3
     detok = IncrementalDetokenizer(demo_tokenizer)
-    text, seen = "", []
-    for token in ids:
-        text += detok.push(token)
-        seen.append(split_reasoning(text))
-    assert text == reply
-    final_reasoning, final_answer = seen[-1]
-    assert (final_reasoning, final_answer) == (
+    pieces = [detok.push(token) for token in ids]
+    assert "".join(pieces) == reply
+    deltas, joined = _split_stream(pieces)
+    assert joined == split_reasoning(reply) == (
         "First, we consider the question.\nThen we answer it.", "Paris is the capital of France.")
-    for reasoning, answer in seen:
-        # Partial reasoning is the final one so far (up to newlines held at its end) ...
-        assert final_reasoning.startswith(reasoning.rstrip("\n"))
-        # ... and the answer is empty until </think>, then grows.
-        assert final_answer.startswith(answer)
-    first_answer = next(i for i, (_, answer) in enumerate(seen) if answer)
-    assert all(not answer for _, answer in seen[:first_answer])
-    assert all(r == final_reasoning for r, _ in seen[first_answer:])
+    first_answer = next(i for i, d in enumerate(deltas) if d.answer)
+    assert all(not d.answer for d in deltas[:first_answer])
+    assert all(not d.reasoning and not d.resplit for d in deltas[first_answer:])
+
+
+@pytest.mark.parametrize("pieces", [
+    ["<thi", "nk>\nStep", " one\n</th", "ink>\n\nFour"],  # both tags split over pieces
+    ["<", "t", "h", "i", "n", "k", ">", "\n", "x", "\n", "\n", "<", "/", "think", ">", "\n",
+     "y"],
+    ["\n  <think>", "\n\nA\n\nB\n\n", "\n</think>", "\n", "\n", "C\n"],
+    ["<think>\nA </thinking> is not the tag</", "think>B"],  # a near-tag is text
+], ids=["tags-split", "one-char-pieces", "newlines-around", "near-tag"])
+def test_streamed_split_of_a_reply_that_opens_with_the_think_block(pieces):
+    whole = "".join(pieces)
+    deltas, joined = _split_stream(pieces)
+    assert joined == split_reasoning(whole)
+    assert joined[0] and joined[1]
+    assert not any(d.resplit for d in deltas)
+    # Nothing of a tag is ever shown, nor the newlines the split drops.
+    assert not any("<" in d.answer or "think>" in d.reasoning for d in deltas)
+
+
+@pytest.mark.parametrize("pieces", [
+    ["Plain", " answer", " with\n\nlines\n"],
+    ["  a < b", " and <thin", "g>"],  # starts like a tag, is not one
+    ["<thi"],  # the reply ended there
+    ["\n", " "],
+    [],
+], ids=["plain", "not-a-tag", "cut-in-tag", "blank", "empty"])
+def test_streamed_split_of_a_reply_without_tags_is_all_answer(pieces):
+    whole = "".join(pieces)
+    deltas, joined = _split_stream(pieces)
+    assert joined == split_reasoning(whole) == ("", whole)
+    assert not any(d.reasoning for d in deltas)
+
+
+@pytest.mark.parametrize("pieces", [
+    ["First I check", " the units.\n", "</think>\n\n", "It is 4 m."],
+    ["\nStep one", "\n</thi", "nk>", "\n", "\nDone"],
+    ["Still thinking", " when it ended\n"],  # cut off before </think>
+], ids=["closed", "tag-split", "unclosed"])
+def test_streamed_split_when_the_template_opened_the_block(pieces):
+    """Qwen3's thinking models' templates end the prompt with "<think>\n": the reply is the
+    reasoning from its first token, and only </think> shows."""
+    whole = "".join(pieces)
+    deltas, joined = _split_stream(pieces, opened=True)
+    assert joined == split_reasoning(THINK_OPEN + whole)
+    if THINK_CLOSE in whole:
+        assert joined == split_reasoning(whole)  # the same as without the opening tag
+    else:
+        assert joined == (whole.lstrip("\n"), "")
+    assert not any(d.resplit for d in deltas)
+
+
+def test_whether_the_prompt_opened_the_block(demo_tokenizer):
+    messages = [{"role": "user", "content": "What does <think> mean?"}]
+    assert not prompt_opens_thinking(render_prompt(demo_tokenizer, messages))
+    off = render_prompt(demo_tokenizer, messages, thinking=False)
+    assert off.rstrip().endswith(THINK_CLOSE) and not prompt_opens_thinking(off)
+    # A template that writes the opening tag itself (as Qwen3's thinking-only models' do).
+    demo_tokenizer.chat_template += "{%- if add_generation_prompt %}<think>\n{%- endif %}"
+    assert prompt_opens_thinking(render_prompt(demo_tokenizer, messages))
+
+
+def test_a_close_tag_after_untagged_text_resplits_once():
+    """</think> after text that was shown as the answer (a template that opened the block
+    where the split could not see it, a remote server's): split_reasoning reads the text
+    before it as reasoning, and so does the stream, with one delta that says so."""
+    pieces = ["abc", " def\n</thi", "nk>\n\nghi", " jkl</think>x"]
+    deltas, joined = _split_stream(pieces)
+    assert joined == split_reasoning("".join(pieces)) == ("abc def", "ghi jkl</think>x")
+    assert [d.resplit for d in deltas] == [False, False, True, False, False]
+    assert deltas[2].reasoning == "abc def" and deltas[2].answer == "ghi"
+
+
+@pytest.mark.parametrize("events", [
+    [("\n", ""), ("Think", ""), ("ing.\n\n", ""), ("", "\n\nHel"), ("", "lo.\n")],
+    [("", "<think>\nHm"), ("", "m.\n</think>\n\n"), ("", "Hi.")],  # left in the content
+    [("", "Plain "), ("", "answer")],
+])
+def test_a_servers_separate_reasoning_is_trimmed_as_the_split_trims(events):
+    """vLLM's reasoning_content beside content: the reasoning without its surrounding
+    newlines, the answer without leading ones; a server that leaves <think> in the content
+    is split as the engine's own replies are."""
+    split, text = SeparatedReasoning(), ReplyText()
+    for reasoning, content in events:
+        joined = text.add(split.feed(reasoning, content))
+    joined = text.add(split.finish())
+    reasoning = "".join(r for r, _ in events)
+    content = "".join(c for _, c in events)
+    expected = (reasoning.strip("\n"), content.lstrip("\n")) if reasoning \
+        else split_reasoning(content)
+    assert (joined.reasoning, joined.answer) == expected
+
+
+def test_streamed_split_equals_the_whole_split_for_any_cuts():
+    """Random replies made of tags, parts of tags, newlines and words, cut anywhere."""
+    rng = random.Random(15)
+    atoms = ["<think>", "</think>", "\n", "\n\n", " ", "a", "bc", "<", "</", "think", ">"]
+    for _ in range(3000):
+        whole = "".join(rng.choice(atoms) for _ in range(rng.randint(0, 9)))
+        cuts = sorted(rng.sample(range(1, len(whole)), min(rng.randint(0, 6),
+                                                            max(len(whole) - 1, 0))))
+        opened = rng.random() < 0.3
+        _, joined = _split_stream(_pieces(whole, cuts), opened=opened)
+        assert joined == split_reasoning((THINK_OPEN if opened else "") + whole), \
+            (whole, cuts, opened)
+
+
+def test_the_splitter_looks_only_at_the_new_piece():
+    """Per piece the splitter examines the piece and the few characters it held back (a
+    tag's beginning), however long the reply already is: a 20 000-piece reply costs each
+    piece the same."""
+    pieces = ["\n"] * 5_000 + ["<th", "ink>", "\n"] + ["so we reason\n"] * 10_000 + \
+        ["</think>", "\n\n"] + ["and answer. "] * 10_000
+    splitter, scanned = ReasoningSplitter(), []
+    for piece in pieces:
+        splitter.feed(piece)
+        scanned.append(splitter.scanned - len(piece))
+    assert max(scanned) <= len(THINK_CLOSE)
+    splitter = ReasoningSplitter()  # no tags: each piece is searched with a tag's length
+    for piece in [" "] * 5_000 + ["plain answer, "] * 10_000:
+        splitter.feed(piece)
+        assert splitter.scanned - len(piece) <= len(THINK_CLOSE)
 
 
 def _trim_by_dropping_one_at_a_time(tokenizer, messages, *, context_tokens, reserve_tokens):

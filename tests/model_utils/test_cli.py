@@ -16,7 +16,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from model_utils.chat.prompt import render_prompt, split_reasoning
+from model_utils.chat.prompt import render_prompt
+from model_utils.chat.reasoning import ReasoningSplitter
 from model_utils.cli import StreamPrinter
 
 from .helpers import REPO_ROOT
@@ -237,12 +238,18 @@ class _Out:
 
 
 def _stream(texts: list[str]) -> str:
-    """What StreamPrinter writes for a reply whose text grows through `texts`."""
+    """What StreamPrinter writes for a reply whose text grows through `texts` (each the one
+    before plus a piece), split as the engine splits it."""
     out = _Out()
     printer = StreamPrinter(out)
+    splitter, before = ReasoningSplitter(), ""
     for text in texts:
-        printer.update(*split_reasoning(text))
-    printer.update(*split_reasoning(texts[-1]), done=True)
+        assert text.startswith(before)
+        delta = splitter.feed(text[len(before):])
+        printer.update(delta.reasoning, delta.answer, resplit=delta.resplit)
+        before = text
+    last = splitter.finish()
+    printer.update(last.reasoning, last.answer, done=True, resplit=last.resplit)
     return "".join(out.writes)
 
 

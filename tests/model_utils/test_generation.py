@@ -187,11 +187,134 @@ def test_seeded_sampling_repeats(load_demo):
 
 
 # -- detokenizing a stream ----------------------------------------------------------------------
-def test_incremental_detokenizer_never_splits_a_character(demo_tokenizer):
-    text = "naïve café — 東京 😀 done"
-    ids = demo_tokenizer(text, add_special_tokens=False)["input_ids"]
-    assert len(ids) > len(text.split())  # bytes of the rare characters are separate tokens
-    detok = IncrementalDetokenizer(demo_tokenizer)
+# Emoji, CJK and accents whose UTF-8 bytes are separate byte-level tokens in the demo vocabulary
+# (checked below), with the chat markers, which skip_special_tokens leaves out.
+SPANNING = "naïve café — 東京 😀 done <|im_end|>こんにちは ✨🎉<|im_start|> 👩‍💻 end"
+
+
+def _ids(tokenizer, text=SPANNING) -> list[int]:
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def _slow_route(tokenizer):
+    """The demo tokenizer made to take the window route: a tokenizer whose decode cleans up
+    spaces does more than DecodeStream does (BPE ignores the clean-up, so the text is the same)."""
+    tokenizer.clean_up_tokenization_spaces = True
+    return tokenizer
+
+
+@pytest.mark.parametrize("route", ["DecodeStream", "window"])
+def test_joined_deltas_are_the_decode_of_the_whole_reply(demo_tokenizer, route):
+    tokenizer = demo_tokenizer if route == "DecodeStream" else _slow_route(demo_tokenizer)
+    ids = _ids(tokenizer)
+    chars = [c for c in SPANNING if ord(c) > 0x7F]
+    assert len(ids) > len(SPANNING.split()) + len(chars)  # rare characters span tokens
+    detok = IncrementalDetokenizer(tokenizer)
+    assert (detok._stream is not None) == (route == "DecodeStream")
     pieces = [detok.push(token) for token in ids]
-    assert "".join(pieces) == text
-    assert not any("\ufffd" in piece for piece in pieces)
+    assert "".join(pieces) + detok.flush() == tokenizer.decode(ids, skip_special_tokens=True)
+    assert not any("\ufffd" in piece for piece in pieces)  # never half a character
+    assert "<|im_end|>" not in "".join(pieces)
+    # A piece per completed character: the tokens of one emoji add nothing until its last.
+    done = next(i for i in range(len(ids)) if "😀" in tokenizer.decode(ids[:i + 1]))
+    assert pieces[done].endswith("😀") and pieces[done - 1] == pieces[done - 2] == ""
+
+
+@pytest.mark.parametrize("route", ["DecodeStream", "window"])
+def test_a_reply_cut_inside_a_character_ends_as_decode_ends_it(demo_tokenizer, route):
+    tokenizer = demo_tokenizer if route == "DecodeStream" else _slow_route(demo_tokenizer)
+    ids = _ids(tokenizer, "ok 😀")
+    for cut in range(1, len(ids) + 1):  # max_new_tokens reached after each token in turn
+        detok = IncrementalDetokenizer(tokenizer)
+        text = "".join(detok.push(token) for token in ids[:cut])
+        assert text + detok.flush() == tokenizer.decode(ids[:cut], skip_special_tokens=True)
+        assert detok.flush() == ""  # flushed once
+
+
+def test_the_window_route_decodes_a_bounded_window_per_token(demo_tokenizer):
+    """The work per token does not grow with the reply: over a reply of some 3000 tokens, no
+    step decodes more than a few tokens' worth (the window: the new tokens and the last
+    piece's as context), and the total is linear in the reply."""
+    tokenizer = _slow_route(demo_tokenizer)
+    ids = _ids(tokenizer, SPANNING * 40)
+    assert len(ids) > 2500
+    detok = IncrementalDetokenizer(tokenizer)
+    per_step = []
+    for token in ids:
+        before = detok.decoded_tokens
+        detok.push(token)
+        per_step.append(detok.decoded_tokens - before)
+    assert max(per_step) <= 16  # a character is at most 4 byte tokens (ZWJ joins are apart)
+    assert max(per_step[-100:]) <= max(per_step[:100])
+    assert sum(per_step) <= 8 * len(ids)
+
+
+# -- the engine's stream ------------------------------------------------------------------------
+def _joined(updates) -> tuple[str, str]:
+    """The reasoning and answer a consumer of the deltas alone ends up with."""
+    reasoning, answer = "", ""
+    for update in updates:
+        if update.resplit:
+            reasoning, answer = "", ""
+        reasoning += update.reasoning_delta
+        answer += update.answer_delta
+    return reasoning, answer
+
+
+def _reference_text(loaded, messages, max_new_tokens: int) -> str:
+    """The greedy reply's text computed the plain way: decode_tokens, then one decode."""
+    from model_utils.chat.prompt import prepare_prompt
+
+    prompt = prepare_prompt(loaded.tokenizer, messages, context_tokens=loaded.context_tokens,
+                            reserve_tokens=max_new_tokens, thinking=True)
+    tokens = list(decode_tokens(EagerDecoder(loaded.model), prompt.input_ids,
+                                _resolved(loaded, temperature=0.0,
+                                          max_new_tokens=max_new_tokens),
+                                eos_ids=eos_ids(loaded)))
+    return loaded.tokenizer.decode(tokens, skip_special_tokens=True)
+
+
+@pytest.mark.parametrize("question", ["Which mode should I pick?", "What is nf4?"])
+def test_the_engine_streams_deltas_of_its_reply(load_demo, question):
+    """engine.chat yields what each token added; joined, the deltas are the split of the
+    decode of the reply's tokens (computed here the plain way), and each update's full text
+    is the deltas so far."""
+    from model_utils.chat.reasoning import split_reasoning
+
+    engine = load_demo("fp32")
+    messages = [{"role": "user", "content": question}]
+    updates = list(engine.chat(messages, GenerationSettings(temperature=0.0, max_new_tokens=80),
+                               thinking=True))
+    assert updates[-1].done and not any(u.done for u in updates[:-1])
+    assert all(u.reasoning_delta or u.answer_delta for u in updates[:-1])
+    for i in (0, len(updates) // 2, len(updates) - 1):
+        assert (updates[i].reasoning, updates[i].answer) == _joined(updates[:i + 1])
+    whole = _reference_text(engine.manager.loaded, messages, 80)
+    assert _joined(updates) == split_reasoning(whole)
+    assert question != "Which mode should I pick?" or updates[-1].reasoning  # it reasons
+
+
+def test_a_reply_after_a_prompt_that_opened_the_block_streams_as_reasoning(load_demo):
+    """A template that ends the prompt with "<think>\n" (Qwen3's thinking-only models): the
+    engine splits the reply as reasoning from its first token, where a splitter that did not
+    know would have shown it as the answer until </think> (and then split it again)."""
+    from model_utils.chat.reasoning import ReasoningSplitter, split_reasoning
+
+    engine = load_demo("fp32")
+    loaded = engine.manager.loaded
+    messages = [{"role": "user", "content": "Which mode should I pick?"}]
+    template = loaded.tokenizer.chat_template
+    loaded.tokenizer.chat_template = \
+        template + "{%- if add_generation_prompt %}<think>\n{%- endif %}"
+    try:
+        updates = list(engine.chat(messages, GenerationSettings(temperature=0.0,
+                                                                max_new_tokens=80)))
+        whole = _reference_text(loaded, messages, 80)
+    finally:
+        loaded.tokenizer.chat_template = template
+    assert "<think>" not in whole and "</think>" in whole  # the prompt opened the block
+    assert updates[0].reasoning_delta and not updates[0].answer_delta
+    assert not any(u.resplit for u in updates)
+    assert _joined(updates) == split_reasoning(whole) == split_reasoning("<think>" + whole)
+    unaware = ReasoningSplitter()
+    assert unaware.feed(whole[:20]).answer  # what the prompt's tag changes

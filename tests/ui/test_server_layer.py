@@ -7,11 +7,14 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
+from model_utils.chat.reasoning import ReasoningSplitter, ReplyText, split_reasoning
+from model_utils.engine import ChatUpdate
 from model_utils.loading.manager import LoadError, ModelBusy
 from model_utils.runtime.generation import InvalidParameter
+from server import replies
 from server.errors import SERVER_FAILED, client_error, hide_paths, status_for
 from server.request_models import ChatCompletionRequest, parse_json
-from server.stop_strings import StopStrings
+from server.stop_strings import StopFollower, StopStrings
 
 MODELS = Path("/srv/models")
 
@@ -32,6 +35,77 @@ def test_the_reply_is_cut_before_the_first_stop_string():
 ])
 def test_what_may_start_a_stop_string_is_held_back(text, sent):
     assert StopStrings(["END", "\n\n"]).safe_prefix(text) == sent
+
+
+@pytest.mark.parametrize("pieces", [
+    ["one\n", "\ntwo END"],           # "\n\n" split over two pieces
+    ["one E", "N", "D two"],            # "END" over three
+    ["a E", "Nx E", "ND"],              # a false start, then the real one
+    ["no stop", " here\n"],             # none: the held "\n" is released at the end
+    ["EN", "", "D"],
+])
+def test_stop_strings_followed_piece_by_piece_cut_where_the_whole_text_is_cut(pieces):
+    stops = StopStrings(["END", "\n\n"])
+    follower = StopFollower(stops)
+    sent = "".join(follower.feed(piece) for piece in pieces) + follower.finish()
+    assert (sent, follower.hit) == stops.cut("".join(pieces))
+
+
+def test_a_stop_follower_searches_only_the_new_piece():
+    follower = StopFollower(StopStrings(["\n\nUser:", "###"]))
+    for _ in range(20_000):
+        follower.feed("a long reply goes on\n")
+        assert follower.scanned <= len("a long reply goes on\n") + len("\n\nUser:")
+    assert not follower.hit and follower.feed("\nUser: hi") == "" and follower.hit
+
+
+def _updates(pieces: list[str]) -> list[ChatUpdate]:
+    splitter, text, out = ReasoningSplitter(), ReplyText(), []
+    for piece in pieces:
+        delta = splitter.feed(piece)
+        out.append(ChatUpdate.of(delta, text.add(delta)))
+    delta = splitter.finish()
+    out.append(ChatUpdate.of(delta, text.add(delta), done=True))
+    return out
+
+
+@pytest.mark.parametrize("pieces", [
+    ["<think>\n", "Hm", "m.\n", "</think>", "\n\n", "Hi", " there."],
+    ["abc", " def", "</think>", "ghi"],  # a resplit among the skipped updates
+])
+def test_paced_updates_carry_the_deltas_of_the_ones_they_skip(monkeypatch, pieces):
+    monkeypatch.setattr(replies, "UPDATE_INTERVAL_S", 3600.0)  # only the first and the last
+    sent = list(replies.paced(iter(_updates(pieces))))
+    assert len(sent) == 2 and sent[-1].done
+    reasoning = answer = ""
+    for update in sent:
+        if update.resplit:
+            reasoning = answer = ""
+        reasoning, answer = reasoning + update.reasoning_delta, answer + update.answer_delta
+    assert (reasoning, answer) == (sent[-1].reasoning, sent[-1].answer) == \
+        split_reasoning("".join(pieces))
+
+
+@pytest.mark.parametrize("pieces, stop, expected", [
+    (["<think>\nHm", "m.\n</think>", "\n\nHello ", "wor", "ld. END", " more"], ["END"],
+     ("Hmm.", "Hello world. ", True)),
+    (["abc", " d</thi", "nk>\n", "ghi E", "N"], ["END"], ("abc d", "ghi EN", False)),
+])
+def test_the_openai_reply_follows_deltas_with_stop_strings_and_a_resplit(pieces, stop, expected):
+    """Reply (the /v1 endpoint's view of a stream): the answer cut at the stop string from
+    pieces, the deltas it would send add up to what it holds, a late </think> starts the
+    answer again (what was sent as content stays sent: the rest follows as reasoning)."""
+    from server.openai_api import ChatCall, Reply
+
+    call = ChatCall.parse({"messages": [{"role": "user", "content": "hi"}], "stop": stop})
+    reply, sent = Reply(call), {"reasoning": "", "content": ""}
+    for update in _updates(pieces):
+        reply.follow(update)
+        sent["reasoning"] += reply.new_reasoning
+        sent["content"] = ("" if update.resplit else sent["content"]) + reply.new_answer
+    assert (reply.reasoning, reply.answer, reply.hit_stop) == expected
+    assert (sent["reasoning"], sent["content"]) == expected[:2]
+    assert call.stop.is_set() == expected[2]  # a stop string frees the reply's place
 
 
 def test_guests_see_paths_relative_to_the_models_folder():
