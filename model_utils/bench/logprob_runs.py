@@ -50,7 +50,7 @@ def engine_greedy(engine: Engine, prompts: list[list[int]], new_tokens: int) -> 
 def plain_greedy(model, prompts: list[list[int]], new_tokens: int,
                  should_yield: Callable[[], bool] | None = None) -> list[Steps] | None:
     """Plain model.generate, greedy, on equal-length prompts at once (no padding), with the raw
-    logits of every step; None when it stopped early because `should_yield()` (bench_gate)."""
+    logits of every step; None when it stopped early because `should_yield()` (gate.py)."""
     from .gate import stopping_when
 
     criteria, criterion = stopping_when(should_yield or (lambda: False))

@@ -7,7 +7,7 @@ whichever mode was measured first (on the CPU fp32 at 4 concurrent requests read
 generate first and 0.95x when measured again in the same process).
 
 `run_peer(fn)` runs fn(should_yield) where the caller wants plain generate to run (the decode
-worker when the model is shared with users, see bench_gate) and returns None when it gave way.
+worker when the model is shared with users, see gate.py) and returns None when it gave way.
 """
 
 from __future__ import annotations
@@ -170,7 +170,7 @@ def _generate(model, ids, new_tokens: int, should_yield, **extra):
 def peer_generate(model, prompts: list[list[int]], new_tokens: int,
                   should_yield=lambda: False) -> tuple[list, float, float] | None:
     """Plain model.generate on a batch: (tokens, ttft_ms, per-stream decode tok/s); None when
-    it gave way to a reply (see bench_gate)."""
+    it gave way to a reply (see gate.py)."""
     ids = torch.tensor(prompts, device=input_device(model))
     with torch.inference_mode():
         # Warm-up (cuBLAS handles, allocator), then one token alone for the time to first token.

@@ -1,6 +1,6 @@
 """One benchmark per mode (the command line: load through the engine, measure, unload, load the
 peer the plain way) and on the loaded model (the UI panel: nothing reloaded, and replies go
-first, see bench_gate)."""
+first, see gate.py)."""
 
 from __future__ import annotations
 
@@ -151,7 +151,7 @@ def bench_loaded(engine: Engine, *, prompt_tokens: int = 32, new_tokens: int = 6
 
     The peer is plain model.generate on the very same model object, so nothing is reloaded.
     Replies come first: every call that holds the decode worker waits for a quiet engine and
-    gives way between its steps to a reply that arrives (bench_gate.Gate)."""
+    gives way between its steps to a reply that arrives (gate.Gate)."""
     batches = sorted(set(batches))
     gate = gate or Gate(engine)
 

@@ -15,9 +15,9 @@ against an fp32 copy of the same weights, engine over plain; see logprob_check.p
 shape with random weights (speed does not depend on the values), so real sizes can be measured
 without downloading anything.
 
-The pieces: bench_inputs (prompts, random checkpoints), bench_measure (timing), bench_logprobs
-(the correctness columns), bench_modes (one mode; the loaded model for the UI), bench_gate
-(replies before the benchmark), bench_report (table, summary, chart).
+The pieces (model_utils/bench/): inputs (prompts, random checkpoints), measure (timing), logprobs
+(the correctness columns), per_mode (one mode; the loaded model for the UI), gate (replies
+before the benchmark), report (table, summary, chart).
 """
 
 from __future__ import annotations
