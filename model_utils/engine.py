@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -28,18 +27,16 @@ from .errors import ShuttingDown
 from .loading.manager import LoadedModel, LoadRequest, ModelManager, Progress
 from .loading.placement import FitEstimate
 from .loading.registry import ModelRegistry
-from .memory import GB, MemoryHistory, MemorySnapshot, torch_cuda_gb
-from .runtime import attention, cuda_graphs, kv_cache, prefill
+from .memory import GB, MemoryHistory, MemorySnapshot
 from .runtime.decoders import EagerDecoder
-from .runtime.fused_qkv import fuse_qkv
 from .runtime.generation import (
     GenerationSettings,
     IncrementalDetokenizer,
     ReplyStats,
     decode_tokens,
 )
-from .runtime.runner import BatchRunner, EagerStep
-from .runtime.scheduler import Scheduler, check_limits
+from .runtime.preparation import DecodePreparation
+from .runtime.scheduler import check_limits
 from .runtime.worker import DecodeWorker
 
 log = logging.getLogger(__name__)
@@ -82,6 +79,7 @@ class Engine:
         check_limits(max_batch, max_queue)
         # Every forward pass (warm-up and replies) runs on this one thread.
         self.worker = DecodeWorker()
+        self._prepare_decoding = DecodePreparation(self)
         self.manager.on_loaded = self._prepare_decoding
         self.manager.on_unloaded = self._forget_compiled
         # Shutting down (stop_admitting, end_replies): the stop events of open replies.
@@ -101,89 +99,6 @@ class Engine:
     def _status_changed(self) -> None:
         with self._version_lock:
             self._status_version += 1
-
-    def _prepare_decoding(self, loaded: LoadedModel, progress: Progress) -> None:
-        self._record_memory(loaded, "weights")
-        attention.use_packed_decode(loaded.model)
-        batches, why_not = kv_cache.support(loaded.model)
-        if not batches:
-            # Replies take turns on the single-stream eager decoder (decoders.EagerDecoder).
-            log.warning("%s: replies are not batched (%s)", loaded.display_name, why_not)
-            loaded.decode_path_reason = f"eager path; replies take turns ({why_not})"
-            return
-        step, path = EagerStep(loaded.model), "eager"
-        applies, why = cuda_graphs.support(loaded)
-        if not self.compile:
-            why = "eager path: compilation turned off (--no-compile)"
-        elif applies:
-            fused = fuse_qkv(loaded.model)  # before compiling: the step traces the fused forward
-            step = cuda_graphs.GraphedBatchStep(loaded.model, self.compile_mode,
-                                                compiled_rows=self.compiled_rows)
-            path = "static-cache+cuda-graphs (batched)"
-            why = "compiled path: batched static KV cache + CUDA graphs" + \
-                  (", one q/k/v matmul per layer" if fused else "")
-        loaded.decode_path, loaded.decode_path_reason = path, \
-            f"{why}; up to {self.max_batch} concurrent replies decoded together"
-        runner = BatchRunner(loaded.model, context_tokens=loaded.context_tokens,
-                             max_batch=self.max_batch, step_fn=step)
-        loaded.batcher = Scheduler(runner, post=self.worker.post,
-                                   context_tokens=loaded.context_tokens,
-                                   max_batch=self.max_batch, max_queue=self.max_queue,
-                                   path_name=path)
-        if path != "eager":
-            self._warm_up(loaded, progress)
-
-    def _warm_up(self, loaded: LoadedModel, progress: Progress) -> None:
-        """Compile and capture the decode step now, for one reply and for every batch size up
-        to max_batch, so that no user waits for it: a shape first met while serving stalls
-        every reply decoding (capturing 32 rows took 1.3 s on the H200, run F)."""
-        runner = loaded.batcher.runner
-        progress(0.6, "compiling the batched decode step (one reply)")
-        start = time.perf_counter()
-        self.worker.call(runner.warm_up)
-        failed = getattr(runner.step_fn, "failed", None)
-        if failed:  # the one-row step did not capture: replies run uncaptured
-            loaded.decode_path = "eager"
-            loaded.decode_path_reason = f"eager path: compiling failed ({failed})"
-            return
-        if self.max_batch > 1:
-            progress(0.9, f"capturing the decode step for 2-{self.max_batch} replies at once")
-            self.worker.call(lambda: runner.warm_up(range(2, self.max_batch + 1)))
-            if getattr(runner.step_fn, "failed", None):  # those shapes decode uncaptured
-                log.warning("some batch sizes run uncaptured: %s", runner.step_fn.failed)
-        self._record_memory(loaded, "decode graphs")
-        applies, why_not = prefill.support(loaded.model)
-        if applies:
-            progress(0.95, "capturing the prefill of short prompts")
-            capture = runner.step_fn.capture  # the decode steps' pool and warm-up stream
-            self.worker.call(lambda: runner.use_padded_prefill(capture))
-            padded = runner.padded_prefill
-            if padded:
-                note = (f"; prompts up to {padded.buckets[-1]} tokens prefilled by CUDA graphs, "
-                        f"up to {max(rows for rows, _ in padded.shapes)} at once")
-                if padded.uncaptured:
-                    shapes = ", ".join(f"{r}x{n}" for r, n in padded.uncaptured)
-                    note += f" (prompts x tokens {shapes} failed to capture: eager)"
-                loaded.decode_path_reason += note
-            self._record_memory(loaded, "prefill graphs")
-        else:
-            log.info("prompts are prefilled eagerly (%s)", why_not)
-        log.info("batched step ready for %s in %.1f s", loaded.display_name,
-                 time.perf_counter() - start)
-        # The warm-up's eager forwards left blocks in the allocator's cache: give them back,
-        # so that the memory panels show what serving holds (graph pools stay reserved).
-        torch.cuda.empty_cache()
-        self._record_memory(loaded, "ready")
-
-    @staticmethod
-    def _record_memory(loaded: LoadedModel, stage: str) -> None:
-        """Note CUDA memory after a step of the load (status, server.log): what the weights,
-        the caches and the captured graphs each cost."""
-        memory = torch_cuda_gb()
-        if memory:
-            loaded.memory_stages[stage] = memory
-            log.info("memory after %s: %s", stage,
-                     ", ".join(f"{k} {v}" for k, v in memory.items()))
 
     def _forget_compiled(self) -> None:
         self._status_changed()  # the model is gone (mid-switch too): pages may say so

@@ -18,8 +18,6 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -28,8 +26,10 @@ from model_utils.memory import GB
 
 from .. import process_tuning
 from . import preflight
-from .load_stages import Stage, StageClock
+from .adapter import apply_adapter
+from .load_stages import StageClock
 from .load_stages import summary as stage_summary
+from .loaded_model import LoadedModel, LoadRequest, UnloadReport  # noqa: F401 (re-exported)
 from .memory_accounting import (  # re-exported: app.py and the tests import them from here
     _release_freed_memory,
     leftover_after,
@@ -37,11 +37,10 @@ from .memory_accounting import (  # re-exported: app.py and the tests import the
     stored_bytes,
     summarize_device_map,
 )
-from .modes import Mode, get_mode, quantization_config, torch_dtype
+from .modes import get_mode, quantization_config, torch_dtype
 from .modes import unavailable_reason as mode_unavailable
 from .placement import (
     FitEstimate,
-    Placement,
     check_placement,
     device_map_kwargs,
     estimate_fit,
@@ -51,64 +50,9 @@ from .placement import unavailable_reason as placement_unavailable
 from .registry import ModelRegistry, ModelSource
 from .weight_only import load_quantized
 
-if TYPE_CHECKING:
-    from transformers import PreTrainedTokenizerBase
-
-    from model_utils.runtime.scheduler import Scheduler
-
 log = logging.getLogger(__name__)
 
-Progress = Callable[[float, str], None]
-
-
-@dataclass(frozen=True)
-class LoadRequest:
-    model: str = "demo"
-    mode: str = "bf16"
-    placement: Placement = field(default_factory=Placement)
-    compute_dtype: str = "bf16"  # 4-bit modes only
-    context_tokens: int | None = None  # default: the model's own, capped at 8192
-
-
-@dataclass
-class LoadedModel:
-    source: ModelSource
-    request: LoadRequest
-    mode: Mode
-    model: torch.nn.Module
-    tokenizer: PreTrainedTokenizerBase
-    context_tokens: int
-    load_s: float
-    footprint_gb: float
-    device_map: dict[str, dict]  # device -> {"layers": "0-13", "gb": 7.1}
-    estimate: FitEstimate
-    from_pretrained_kwargs: dict
-    decode_path: str = "eager"
-    decode_path_reason: str = ""
-    batcher: Scheduler | None = None  # when replies are batched (the decode runtime)
-    # CUDA memory after each step of getting ready to decode (memory.torch_cuda_gb), in order
-    memory_stages: dict[str, dict] = field(default_factory=dict)
-    # memory_counters() just before this model was loaded: what an unload should come back to
-    memory_before_load: dict[str, float] = field(default_factory=dict)
-    # Each stage of getting ready (reading weights, quantizing, compiling, capturing) and the
-    # whole of it, from the request to the first reply it can serve.
-    stages: list[Stage] = field(default_factory=list)
-    ready_s: float = 0.0
-
-    @property
-    def display_name(self) -> str:
-        return self.source.label
-
-
-@dataclass(frozen=True)
-class UnloadReport:
-    model: str
-    before: dict[str, float]
-    after: dict[str, float]
-    # Per counter (GB), never negative: what is still held over the memory before the load
-    # (only counters over LEFTOVER_FLOOR_GB), and what the unload gave back.
-    leftover: dict[str, float]
-    freed: dict[str, float] = field(default_factory=dict)
+Progress = Callable[[float, str], None]  # (fraction done, what is happening)
 
 
 class ModelManager:
@@ -354,39 +298,7 @@ class ModelManager:
     # -- status -------------------------------------------------------------------------------
     def status(self) -> dict:
         loaded = self._loaded
-        if loaded is None:
-            return {"loaded": False}
-        return {
-            "loaded": True,
-            "model": loaded.display_name,
-            "path": str(loaded.source.path),
-            "is_demo": loaded.source.is_demo,
-            "mode": loaded.mode.name,
-            "placement": loaded.request.placement.describe(),
-            "device_map": loaded.device_map,
-            "load_s": round(loaded.load_s, 3),
-            "ready_s": round(loaded.ready_s, 2),
-            "load_stages": [stage.as_dict() for stage in loaded.stages],
-            "footprint_gb": round(loaded.footprint_gb, 4),
-            "context_tokens": loaded.context_tokens,
-            "decode_path": loaded.decode_path,
-            "decode_path_reason": loaded.decode_path_reason,
-            "estimate": loaded.estimate.message(),
-            **({"adapter": loaded.source.adapter.name,
-                "adapter_merged": not loaded.mode.is_quantized} if loaded.source.adapter else {}),
-        }
-
-
-def apply_adapter(model: torch.nn.Module, folder, *, merge: bool) -> torch.nn.Module:
-    """The base model with a peft adapter applied. Merged into the weights where the mode
-    allows (fp32/bf16/fp16: the result is a plain model, so the fast decode path applies as to
-    any other); on bitsandbytes weights it stays a separate LoRA branch beside each quantized
-    layer (merging would round the sum to 4 or 8 bits). Either way the transformers model
-    itself is returned, not peft's wrapper, so the engine sees the same classes as ever."""
-    from peft import PeftModel
-
-    wrapped = PeftModel.from_pretrained(model, folder, is_trainable=False)
-    return wrapped.merge_and_unload() if merge else wrapped.get_base_model()
+        return loaded.status() if loaded is not None else {"loaded": False}
 
 
 def _fmt(counters: dict[str, float]) -> str:

@@ -132,7 +132,7 @@ class GraphedBatchStep:
         self.compiled = compile_forward(model, inductor_mode)
         self.compiled_rows = compiled_rows
         self._graphs: dict[tuple[int, int, int], Captured | None] = {}
-        self.capture = GraphCapture()  # shared with the prefill graphs (engine._warm_up)
+        self.capture = GraphCapture()  # shared with the prefill graphs (runtime/preparation.py)
         self.failed: str | None = None
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
 

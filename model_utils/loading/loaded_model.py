@@ -1,0 +1,93 @@
+"""What a load asks for (LoadRequest), what it gives (LoadedModel) and what an unload reports
+(UnloadReport): the records the manager, the engine and the status share."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from .load_stages import Stage
+from .modes import Mode
+from .placement import FitEstimate, Placement
+from .registry import ModelSource
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from model_utils.runtime.scheduler import Scheduler
+
+
+@dataclass(frozen=True)
+class LoadRequest:
+    model: str = "demo"
+    mode: str = "bf16"
+    placement: Placement = field(default_factory=Placement)
+    compute_dtype: str = "bf16"  # 4-bit modes only
+    context_tokens: int | None = None  # default: the model's own, capped at 8192
+
+
+@dataclass
+class LoadedModel:
+    source: ModelSource
+    request: LoadRequest
+    mode: Mode
+    model: torch.nn.Module
+    tokenizer: PreTrainedTokenizerBase
+    context_tokens: int
+    load_s: float
+    footprint_gb: float
+    device_map: dict[str, dict]  # device -> {"layers": "0-13", "gb": 7.1}
+    estimate: FitEstimate
+    from_pretrained_kwargs: dict
+    decode_path: str = "eager"
+    decode_path_reason: str = ""
+    batcher: Scheduler | None = None  # when replies are batched (the decode runtime)
+    # CUDA memory after each step of getting ready to decode (memory.torch_cuda_gb), in order
+    memory_stages: dict[str, dict] = field(default_factory=dict)
+    # memory_counters() just before this model was loaded: what an unload should come back to
+    memory_before_load: dict[str, float] = field(default_factory=dict)
+    # Each stage of getting ready (reading weights, quantizing, compiling, capturing) and the
+    # whole of it, from the request to the first reply it can serve.
+    stages: list[Stage] = field(default_factory=list)
+    ready_s: float = 0.0
+
+    @property
+    def display_name(self) -> str:
+        return self.source.label
+
+    def status(self) -> dict:
+        """What is loaded, as the status endpoint, the page and the log show it."""
+        return {
+            "loaded": True,
+            "model": self.display_name,
+            "path": str(self.source.path),
+            "is_demo": self.source.is_demo,
+            "mode": self.mode.name,
+            "placement": self.request.placement.describe(),
+            "device_map": self.device_map,
+            "load_s": round(self.load_s, 3),
+            "ready_s": round(self.ready_s, 2),
+            "load_stages": [stage.as_dict() for stage in self.stages],
+            "footprint_gb": round(self.footprint_gb, 4),
+            "context_tokens": self.context_tokens,
+            "decode_path": self.decode_path,
+            "decode_path_reason": self.decode_path_reason,
+            "estimate": self.estimate.message(),
+            **({"adapter": self.source.adapter.name,
+                "adapter_merged": not self.mode.is_quantized} if self.source.adapter else {}),
+        }
+
+
+@dataclass(frozen=True)
+class UnloadReport:
+    model: str
+    before: dict[str, float]
+    after: dict[str, float]
+    # Per counter (GB), never negative: what is still held over the memory before the load
+    # (only counters over LEFTOVER_FLOOR_GB), and what the unload gave back.
+    leftover: dict[str, float]
+    freed: dict[str, float] = field(default_factory=dict)
+
+
