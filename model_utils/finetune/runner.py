@@ -54,6 +54,7 @@ class TrainRequest:
     grad_accum: int = 1
     max_len: int = 1024
     lora_r: int = 16
+    packing: bool = False  # examples packed into rows of max_len tokens (finetune --packing)
 
     def check(self) -> None:
         if not _NAME.match(self.name or ""):
@@ -132,6 +133,8 @@ class TrainingRunner:
                 ["--epochs", str(request.epochs or 3.0)]
             if request.lr:
                 argv += ["--lr", str(request.lr)]
+            if request.packing:
+                argv.append("--packing")
             if ckpt.has_checkpoint(out):
                 argv.append("--resume")
             log.info("training: %s", " ".join(argv))

@@ -38,9 +38,10 @@ def app(start_app, models_dir):
 
 
 def start_args(models_dir, name="qa-adapter"):
-    # model, upload, data path, name, method, epochs, steps, lr, batch, accum, max len, rank
+    # model, upload, data path, name, method, epochs, steps, lr, batch, accum, max len, rank,
+    # packing
     return ["demo", None, str(models_dir / "qa.jsonl"), name, "lora", 3, 60, 5e-3, 4, 1,
-            256, 16]
+            256, 16, False]
 
 
 def test_a_guest_cannot_train(app, models_dir):
