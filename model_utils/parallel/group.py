@@ -1,0 +1,168 @@
+"""The engine's side of the tensor-parallel workers: start N processes, talk to them, stop them.
+
+The engine's own process is not a rank: it holds the tokenizer and the prompts, and stays out
+of the collectives, so a worker that dies can never leave it blocked in one. It watches every
+worker's process sentinel while it waits for rank 0's tokens; when one is gone it stops the
+others and says so (WorkerLost), and the next load starts a fresh group.
+
+Workers are never left behind: stop() terminates and then kills them; an atexit hook does the
+same at interpreter exit; a SIGTERM to the engine's process runs stop() before the default
+action (where nobody else installed a handler); and each worker leaves by itself when its parent
+process is gone (worker._exit_with_parent), which covers a SIGKILL of the engine too.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import shutil
+import signal
+import tempfile
+import threading
+import weakref
+from multiprocessing import connection, get_context
+
+from ..errors import LoadError, WorkerLost
+
+STOP_WAIT_S = 5.0
+_groups: weakref.WeakSet = weakref.WeakSet()
+
+
+def _stop_all() -> None:
+    for group in list(_groups):
+        group.stop()
+
+
+def _on_sigterm(signum, frame) -> None:
+    _stop_all()
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)
+
+
+def _install_handlers() -> None:
+    atexit.register(_stop_all)
+    # Only where the process kept the default action (the CLI); the app has its own graceful
+    # shutdown, which unloads the model and so stops the workers through stop().
+    if threading.current_thread() is threading.main_thread() and \
+            signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, _on_sigterm)
+
+
+class WorkerGroup:
+    """N worker processes holding one model between them (worker.run_worker)."""
+
+    def __init__(self, world_size: int, *, path: str, dtype_name: str,
+                 trust_remote_code: bool = False, load_timeout_s: float = 600.0):
+        from .worker import run_worker
+
+        context = get_context("spawn")  # no fork: the engine's process has threads and torch
+        self.world_size = world_size
+        self._dir = tempfile.mkdtemp(prefix="qwen-chat-tp-")
+        self.stop_event = context.Event()
+        self.processes, self.conns = [], []
+        self._lock = threading.Lock()  # one reply at a time on the group
+        threads = max(1, (os.cpu_count() or 1) // world_size)
+        if not _groups:
+            _install_handlers()
+        _groups.add(self)
+        try:
+            for rank in range(world_size):
+                ours, theirs = context.Pipe()
+                process = context.Process(
+                    target=run_worker, name=f"tp-worker-{rank}", daemon=True,
+                    args=(rank, world_size, os.path.join(self._dir, "init"), theirs,
+                          self.stop_event, os.getpid(), path, dtype_name, trust_remote_code,
+                          threads))
+                process.start()
+                theirs.close()
+                self.processes.append(process)
+                self.conns.append(ours)
+            self.shards = [self._ready(rank, load_timeout_s) for rank in range(world_size)]
+        except BaseException:
+            self.stop()
+            raise
+
+    def _ready(self, rank: int, timeout_s: float) -> dict:
+        kind, payload = self._receive(rank, timeout_s, during="loading the model")
+        if kind == "error":
+            raise LoadError(f"tensor-parallel worker {rank} could not load the model: {payload}")
+        return payload
+
+    def _lost(self, during: str) -> WorkerLost:
+        gone = [f"{p.name} (exit code {p.exitcode})" for p in self.processes
+                if not p.is_alive()]
+        self.stop()
+        what = ", ".join(gone) or "a worker"
+        return WorkerLost(f"{what} stopped while {during}; the model is unloaded, load it again")
+
+    def _receive(self, rank: int, timeout_s: float | None, *, during: str):
+        """The next message from `rank`, or WorkerLost as soon as any worker has died."""
+        conn = self.conns[rank]
+        sentinels = [p.sentinel for p in self.processes]
+        ready = connection.wait([conn, *sentinels], timeout_s)
+        if conn in ready:
+            try:
+                return conn.recv()
+            except (EOFError, OSError):
+                pass
+        elif not ready:
+            self.stop()
+            raise WorkerLost(f"tensor-parallel workers did not answer within {timeout_s:.0f} s "
+                             f"while {during}; they were stopped")
+        raise self._lost(during)
+
+    def alive(self) -> bool:
+        return bool(self.processes) and all(p.is_alive() for p in self.processes)
+
+    def generate(self, input_ids: list[int], settings, eos_ids: set[int], stop: threading.Event,
+                 reply_timeout_s: float = 600.0):
+        """Yield the reply's token ids, then return rank 0's stats dict."""
+        with self._lock:
+            if not self.alive():
+                raise self._lost("idle")
+            self.stop_event.clear()
+            message = ("generate", list(input_ids), settings, set(eos_ids))
+            for conn in self.conns:
+                conn.send(message)
+            finished = False
+            try:
+                while True:
+                    if stop.is_set():
+                        self.stop_event.set()
+                    kind, payload = self._receive(0, reply_timeout_s, during="replying")
+                    if kind == "done":
+                        finished = True
+                        return payload
+                    yield payload
+            finally:
+                if not finished and self.alive():
+                    # The consumer left mid-reply: end it on the workers and drain the rest,
+                    # so the pipe holds nothing of this reply when the next one starts.
+                    self.stop_event.set()
+                    try:
+                        while self._receive(0, reply_timeout_s, during="stopping")[0] != "done":
+                            pass
+                    except WorkerLost:
+                        pass
+
+    def stop(self) -> None:
+        """Stop every worker (politely, then by force) and free the group's files."""
+        for conn in self.conns:
+            try:
+                conn.send(("exit",))
+            except (OSError, ValueError):
+                pass
+        for process in self.processes:
+            process.join(STOP_WAIT_S if process.is_alive() else 0)
+        for process in self.processes:
+            if process.is_alive():
+                process.terminate()
+                process.join(STOP_WAIT_S)
+            if process.is_alive():
+                process.kill()
+                process.join()
+        for conn in self.conns:
+            conn.close()
+        self.processes, self.conns = [], []
+        shutil.rmtree(self._dir, ignore_errors=True)
+        _groups.discard(self)

@@ -1,0 +1,140 @@
+"""One tensor-parallel worker process: join the group, load and shard the model, decode.
+
+Started by group.WorkerGroup (spawn), never by the user. Every rank runs the same decode loop
+(runtime.generation.decode_tokens on an EagerDecoder) on its shard; the all_reduces inside the
+forward keep them in step, and every rank samples the same token from the same logits with the
+same seed. Only rank 0 sends the tokens back to the engine's process.
+
+Messages on the pipe from the engine: ("generate", input_ids, settings, eos_ids) and
+("exit",). To the engine: ("ready", info), ("error", message), ("token", id), ("done", stats).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+PARENT_POLL_S = 0.5
+
+
+def _exit_with_parent(parent_pid: int) -> None:
+    """Leave at once when the engine's process is gone (killed, crashed), even while this
+    process is blocked in a collective: no worker outlives its engine."""
+    def watch():
+        while os.getppid() == parent_pid:
+            time.sleep(PARENT_POLL_S)
+        os._exit(3)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
+class SyncedStop:
+    """The engine's stop signal as rank 0 sees it, shared by every rank at each check.
+
+    decode_tokens checks its stop signal at fixed points of every step; each check here is a
+    broadcast from rank 0, so all ranks stop at the same step (a rank that ran one forward more
+    than the others would wait in its all_reduce forever).
+    """
+
+    def __init__(self, event, rank: int, device):
+        import torch
+
+        self.event, self.rank = event, rank
+        self.flag = torch.zeros(1, dtype=torch.int32, device=device)
+
+    def is_set(self) -> bool:
+        import torch.distributed as dist
+
+        self.flag.fill_(1 if self.rank == 0 and self.event.is_set() else 0)
+        dist.broadcast(self.flag, src=0)
+        return bool(self.flag.item())
+
+    def set(self) -> None:  # decode_tokens never sets it; here for the Event interface
+        self.event.set()
+
+
+def _setup(rank: int, world_size: int, init_file: str, threads: int):
+    import torch
+    import torch.distributed as dist
+
+    if torch.cuda.is_available():
+        # Untested here (no GPU): one GPU per rank, NCCL between them.
+        device = torch.device("cuda", rank)
+        torch.cuda.set_device(device)
+        backend = "nccl"
+    else:
+        device = torch.device("cpu")
+        backend = "gloo"
+        torch.set_num_threads(threads)
+    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank,
+                            world_size=world_size)
+    return device
+
+
+def _load(path: str, dtype_name: str, trust_remote_code: bool, rank: int, world_size: int,
+          device):
+    from transformers import AutoModelForCausalLM
+
+    from ..loading.modes import torch_dtype
+    from .sharding import shard_model
+
+    # Each rank reads the whole checkpoint on the CPU and keeps its slices; a GPU build would
+    # then move its shard to its device (the full model passes through host memory once per
+    # rank, which a 14B model in bf16 can afford on the GPU hosts).
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype(dtype_name),
+                                                 use_safetensors=True,
+                                                 trust_remote_code=trust_remote_code)
+    model.eval()
+    shard_model(model, rank, world_size)
+    model.to(device)
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    return model, params
+
+
+def run_worker(rank: int, world_size: int, init_file: str, conn, stop_event, parent_pid: int,
+               path: str, dtype_name: str, trust_remote_code: bool, threads: int) -> None:
+    _exit_with_parent(parent_pid)
+    import signal
+
+    # Ctrl-C in a terminal reaches the whole process group: the engine decides what happens
+    # (it stops the workers), a worker must not die on its own in the middle of a collective.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    import warnings
+
+    warnings.simplefilter("ignore")
+    try:
+        device = _setup(rank, world_size, init_file, threads)
+        model, shard_bytes = _load(path, dtype_name, trust_remote_code, rank, world_size, device)
+    except Exception as error:  # noqa: BLE001 - reported to the engine as one line
+        conn.send(("error", " ".join(str(error).split()) or type(error).__name__))
+        return
+    conn.send(("ready", {"rank": rank, "shard_bytes": shard_bytes, "device": str(device)}))
+    _serve(model, rank, conn, stop_event, device)
+
+
+def _serve(model, rank: int, conn, stop_event, device) -> None:
+    import torch.distributed as dist
+
+    from ..runtime.decoders import EagerDecoder
+    from ..runtime.generation import ReplyStats, decode_tokens
+
+    while True:
+        try:
+            message = conn.recv()
+        except EOFError:  # the engine closed the pipe: it is going away
+            break
+        if message[0] == "exit":
+            break
+        _, input_ids, settings, eos_ids = message
+        stats = ReplyStats()
+        stop = SyncedStop(stop_event, rank, device)
+        for token in decode_tokens(EagerDecoder(model), input_ids, settings, eos_ids=eos_ids,
+                                   stop=stop, stats=stats):
+            if rank == 0:
+                conn.send(("token", token))
+        if rank == 0:
+            conn.send(("done", stats.as_dict()))
+    dist.destroy_process_group()
