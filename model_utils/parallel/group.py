@@ -132,7 +132,8 @@ class WorkerGroup:
                     kind, payload = self._receive(0, reply_timeout_s, during="replying")
                     if kind == "done":
                         finished = True
-                        return payload
+                        self._check_agreement(payload["digest"], reply_timeout_s)
+                        return payload["stats"]
                     yield payload
             finally:
                 if not finished and self.alive():
@@ -140,10 +141,23 @@ class WorkerGroup:
                     # so the pipe holds nothing of this reply when the next one starts.
                     self.stop_event.set()
                     try:
-                        while self._receive(0, reply_timeout_s, during="stopping")[0] != "done":
-                            pass
+                        while True:
+                            kind, payload = self._receive(0, reply_timeout_s, during="stopping")
+                            if kind == "done":
+                                self._check_agreement(payload["digest"], reply_timeout_s)
+                                break
                     except WorkerLost:
                         pass
+
+    def _check_agreement(self, digest: str, timeout_s: float) -> None:
+        """Every rank must have sampled rank 0's tokens; a rank that did not has decoded on
+        another sequence's KV cache, and the group cannot be trusted any more."""
+        for rank in range(1, self.world_size):
+            kind, payload = self._receive(rank, timeout_s, during="finishing the reply")
+            if kind != "done" or payload["digest"] != digest:
+                self.stop()
+                raise WorkerLost(f"tensor-parallel worker {rank} sampled other tokens than "
+                                 "worker 0; the workers were stopped, load the model again")
 
     def stop(self) -> None:
         """Stop every worker (politely, then by force) and free the group's files."""

@@ -6,11 +6,13 @@ forward keep them in step, and every rank samples the same token from the same l
 same seed. Only rank 0 sends the tokens back to the engine's process.
 
 Messages on the pipe from the engine: ("generate", input_ids, settings, eos_ids) and
-("exit",). To the engine: ("ready", info), ("error", message), ("token", id), ("done", stats).
+("exit",). To the engine: ("ready", info), ("error", message), ("token", id) (rank 0
+only), ("done", {stats, digest}) (every rank: a digest of the tokens it sampled).
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import threading
 import time
@@ -115,6 +117,10 @@ def run_worker(rank: int, world_size: int, init_file: str, conn, stop_event, par
     _serve(model, rank, conn, stop_event, device)
 
 
+def _digest(tokens: list[int]) -> str:
+    return hashlib.sha256(",".join(map(str, tokens)).encode()).hexdigest()
+
+
 def _serve(model, rank: int, conn, stop_event, device) -> None:
     import torch.distributed as dist
 
@@ -131,10 +137,12 @@ def _serve(model, rank: int, conn, stop_event, device) -> None:
         _, input_ids, settings, eos_ids = message
         stats = ReplyStats()
         stop = SyncedStop(stop_event, rank, device)
+        tokens = []
         for token in decode_tokens(EagerDecoder(model), input_ids, settings, eos_ids=eos_ids,
                                    stop=stop, stats=stats):
+            tokens.append(token)
             if rank == 0:
                 conn.send(("token", token))
-        if rank == 0:
-            conn.send(("done", stats.as_dict()))
+        # Every rank says what it sampled, so that the engine can check they agreed.
+        conn.send(("done", {"stats": stats.as_dict(), "digest": _digest(tokens)}))
     dist.destroy_process_group()
