@@ -6,8 +6,8 @@ worker's process sentinel while it waits for rank 0's tokens; when one is gone i
 others and says so (WorkerLost), and the next load starts a fresh group.
 
 Workers are never left behind: stop() terminates and then kills them; an atexit hook does the
-same at interpreter exit; a SIGTERM to the engine's process runs stop() before the default
-action (where nobody else installed a handler); and each worker leaves by itself when its parent
+same at interpreter exit; a SIGTERM to the engine's process runs stop() and exits with status 143
+(where nobody else installed a handler); and each worker leaves by itself when its parent
 process is gone (worker._exit_with_parent), which covers a SIGKILL of the engine too.
 """
 
@@ -19,12 +19,15 @@ import shutil
 import signal
 import tempfile
 import threading
+import time
 import weakref
 from multiprocessing import connection, get_context
 
 from ..errors import LoadError, WorkerLost
 
 STOP_WAIT_S = 5.0
+# How long a failed rank's peers get to show that one of them died first.
+FAILED_PEER_WAIT_S = 2.0
 _groups: weakref.WeakSet = weakref.WeakSet()
 
 
@@ -35,8 +38,9 @@ def _stop_all() -> None:
 
 def _on_sigterm(signum, frame) -> None:
     _stop_all()
-    signal.signal(signum, signal.SIG_DFL)
-    os.kill(os.getpid(), signum)
+    # Exit the way a shell reports a SIGTERM (143), through the interpreter's own shutdown, so
+    # that multiprocessing's resources are released rather than reported as leaked.
+    raise SystemExit(128 + signum)
 
 
 def _install_handlers() -> None:
@@ -88,12 +92,32 @@ class WorkerGroup:
             raise LoadError(f"tensor-parallel worker {rank} could not load the model: {payload}")
         return payload
 
-    def _lost(self, during: str) -> WorkerLost:
-        gone = [f"{p.name} (exit code {p.exitcode})" for p in self.processes
-                if not p.is_alive()]
+    def _dead(self) -> list:
+        """Workers that have exited. Their sentinel is ready as soon as their files are closed,
+        a moment before waitpid can reap them (is_alive() still says True then)."""
+        dead = [p for p in self.processes if connection.wait([p.sentinel], 0)]
+        for process in dead:
+            process.join(STOP_WAIT_S)  # reaped: exitcode is known
+        return dead
+
+    def _lost(self, during: str, dead: list | None = None) -> WorkerLost:
+        gone = [f"{p.name} (exit code {p.exitcode})" for p in
+                (self._dead() if dead is None else dead)]
         self.stop()
         what = ", ".join(gone) or "a worker"
-        return WorkerLost(f"{what} stopped while {during}; the model is unloaded, load it again")
+        then = ("the load did not happen" if during.startswith("loading")
+                else "the model is unloaded, load it again")
+        return WorkerLost(f"{what} stopped while {during}; {then}")
+
+    def _failed(self, message: str) -> WorkerLost:
+        """Rank 0's decode failed: most often in a collective, because another worker died
+        (then that one is named), else for its own reason."""
+        connection.wait([p.sentinel for p in self.processes[1:]], FAILED_PEER_WAIT_S)
+        if dead := [p for p in self._dead() if p is not self.processes[0]]:
+            return self._lost("replying", dead)  # rank 0's own exit follows from theirs
+        self.stop()
+        return WorkerLost(f"tensor-parallel worker 0 failed while replying ({message}); the "
+                          "workers were stopped, load the model again")
 
     def _receive(self, rank: int, timeout_s: float | None, *, during: str):
         """The next message from `rank`, or WorkerLost as soon as any worker has died."""
@@ -112,7 +136,7 @@ class WorkerGroup:
         raise self._lost(during)
 
     def alive(self) -> bool:
-        return bool(self.processes) and all(p.is_alive() for p in self.processes)
+        return bool(self.processes) and not self._dead()
 
     def generate(self, input_ids: list[int], settings, eos_ids: set[int], stop: threading.Event,
                  reply_timeout_s: float = 600.0):
@@ -130,6 +154,8 @@ class WorkerGroup:
                     if stop.is_set():
                         self.stop_event.set()
                     kind, payload = self._receive(0, reply_timeout_s, during="replying")
+                    if kind == "error":
+                        raise self._failed(payload)
                     if kind == "done":
                         finished = True
                         self._check_agreement(payload["digest"], reply_timeout_s)
@@ -146,6 +172,9 @@ class WorkerGroup:
                             if kind == "done":
                                 self._check_agreement(payload["digest"], reply_timeout_s)
                                 break
+                            if kind == "error":
+                                self.stop()
+                                break
                     except WorkerLost:
                         pass
 
@@ -161,13 +190,15 @@ class WorkerGroup:
 
     def stop(self) -> None:
         """Stop every worker (politely, then by force) and free the group's files."""
+        self.stop_event.set()  # a reply in progress ends at its next step
         for conn in self.conns:
             try:
                 conn.send(("exit",))
             except (OSError, ValueError):
                 pass
+        deadline = time.monotonic() + STOP_WAIT_S
         for process in self.processes:
-            process.join(STOP_WAIT_S if process.is_alive() else 0)
+            process.join(max(0.0, deadline - time.monotonic()))
         for process in self.processes:
             if process.is_alive():
                 process.terminate()

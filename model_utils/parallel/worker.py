@@ -12,8 +12,10 @@ only), ("done", {stats, digest}) (every rank: a digest of the tokens it sampled)
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
+import sys
 import threading
 import time
 
@@ -102,19 +104,50 @@ def run_worker(rank: int, world_size: int, init_file: str, conn, stop_event, par
     # Ctrl-C in a terminal reaches the whole process group: the engine decides what happens
     # (it stops the workers), a worker must not die on its own in the middle of a collective.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     import warnings
 
     warnings.simplefilter("ignore")
+    from transformers.utils import logging as hf_logging
+
+    # Loading bars and notices from N processes would only repeat the engine's own output.
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    code = 1
+    try:
+        code = _run(rank, world_size, init_file, conn, stop_event, path, dtype_name,
+                    trust_remote_code, threads)
+    finally:
+        # Leave without the interpreter's shutdown: C++ destructors of torch's and gloo's
+        # threads at that point sometimes abort ("terminate called without an active
+        # exception") on the user's terminal, which shares this process's stderr.
+        with contextlib.suppress(OSError, ValueError):
+            conn.close()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def _one_line(error: BaseException) -> str:
+    return " ".join(str(error).split())[:300] or type(error).__name__
+
+
+def _run(rank, world_size, init_file, conn, stop_event, path, dtype_name, trust_remote_code,
+         threads) -> int:
     try:
         device = _setup(rank, world_size, init_file, threads)
         model, shard_bytes = _load(path, dtype_name, trust_remote_code, rank, world_size, device)
     except Exception as error:  # noqa: BLE001 - reported to the engine as one line
-        conn.send(("error", " ".join(str(error).split()) or type(error).__name__))
-        return
+        conn.send(("error", _one_line(error)))
+        return 1
     conn.send(("ready", {"rank": rank, "shard_bytes": shard_bytes, "device": str(device)}))
-    _serve(model, rank, conn, stop_event, device)
+    try:
+        _serve(model, rank, conn, stop_event, device)
+    except Exception as error:  # noqa: BLE001 - a peer that died fails the next collective
+        # Said once, by the engine, in one line; this process's stderr is the user's terminal.
+        with contextlib.suppress(OSError, ValueError):
+            conn.send(("error", _one_line(error)))
+        return 1
+    return 0
 
 
 def _digest(tokens: list[int]) -> str:
