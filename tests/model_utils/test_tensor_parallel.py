@@ -22,7 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 import psutil
 import pytest
 
-from model_utils.errors import WorkerLost
+from model_utils.errors import LoadError, WorkerLost
 from model_utils.parallel.engine import TensorParallelEngine
 from model_utils.runtime.generation import GenerationSettings
 
@@ -160,3 +160,22 @@ def test_engine_survives_a_lost_worker_and_loads_again(demo_path):
         engine.unload()
         assert not any(psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie"
                        for pid in pids)
+
+
+def test_engine_config_tp_picks_the_engine():
+    from model_utils.engine_config import EngineConfig
+    from model_utils.errors import InvalidParameter
+
+    engine = EngineConfig(tp=2).build()  # no model yet: no worker is started
+    assert isinstance(engine, TensorParallelEngine) and engine.group is None
+    with pytest.raises(InvalidParameter, match="tp"):
+        EngineConfig(tp=0).build()
+
+
+def test_tp_refuses_what_it_cannot_split():
+    engine = TensorParallelEngine(3)  # the demo model has 4 heads and 2 key/value heads
+    with pytest.raises(LoadError, match="do not split evenly over 3"):
+        engine.load(cpu_request("fp32"))
+    with pytest.raises(LoadError, match="nf4 is not split"):
+        TensorParallelEngine(2).load(cpu_request("nf4"))
+    assert engine.group is None
