@@ -158,7 +158,7 @@ class WorkerGroup:
                         raise self._failed(payload)
                     if kind == "done":
                         finished = True
-                        self._check_agreement(payload["digest"], reply_timeout_s)
+                        self._check_agreement(payload["digest"])
                         return payload["stats"]
                     yield payload
             finally:
@@ -170,7 +170,7 @@ class WorkerGroup:
                         while True:
                             kind, payload = self._receive(0, reply_timeout_s, during="stopping")
                             if kind == "done":
-                                self._check_agreement(payload["digest"], reply_timeout_s)
+                                self._check_agreement(payload["digest"])
                                 break
                             if kind == "error":
                                 self.stop()
@@ -178,11 +178,16 @@ class WorkerGroup:
                     except WorkerLost:
                         pass
 
-    def _check_agreement(self, digest: str, timeout_s: float) -> None:
+    def _check_agreement(self, digest: str) -> None:
         """Every rank must have sampled rank 0's tokens; a rank that did not has decoded on
         another sequence's KV cache, and the group cannot be trusted any more."""
+        from .worker import COLLECTIVE_TIMEOUT_S
+
         for rank in range(1, self.world_size):
-            kind, payload = self._receive(rank, timeout_s, during="finishing the reply")
+            # In step with rank 0, a rank is done a moment after it; out of step, it fails
+            # its next collective after COLLECTIVE_TIMEOUT_S and says so.
+            kind, payload = self._receive(rank, COLLECTIVE_TIMEOUT_S + 30,
+                                          during="finishing the reply")
             if kind != "done" or payload["digest"] != digest:
                 self.stop()
                 raise WorkerLost(f"tensor-parallel worker {rank} sampled other tokens than "

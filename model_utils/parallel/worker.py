@@ -13,6 +13,7 @@ only), ("done", {stats, digest}) (every rank: a digest of the tokens it sampled)
 from __future__ import annotations
 
 import contextlib
+import datetime
 import hashlib
 import os
 import sys
@@ -20,6 +21,7 @@ import threading
 import time
 
 PARENT_POLL_S = 0.5
+COLLECTIVE_TIMEOUT_S = 60.0
 
 
 def _exit_with_parent(parent_pid: int) -> None:
@@ -71,8 +73,11 @@ def _setup(rank: int, world_size: int, init_file: str, threads: int):
         device = torch.device("cpu")
         backend = "gloo"
         torch.set_num_threads(threads)
+    # A collective that waits this long means the ranks fell out of step (one stopped at EOS
+    # while another goes on): it fails, and the engine reports it instead of waiting forever.
     dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank,
-                            world_size=world_size)
+                            world_size=world_size,
+                            timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
     return device
 
 

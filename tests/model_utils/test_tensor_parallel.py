@@ -179,3 +179,21 @@ def test_tp_refuses_what_it_cannot_split():
     with pytest.raises(LoadError, match="nf4 is not split"):
         TensorParallelEngine(2).load(cpu_request("nf4"))
     assert engine.group is None
+
+
+def test_engine_tp2_greedy_equals_the_single_process_engine(load_demo):
+    single = load_demo("fp32")
+    split = TensorParallelEngine(2)
+    conversations = [HELLO, [{"role": "user", "content": "How do I switch the mode?"}],
+                     [{"role": "user", "content": "What do the memory cards show?"}]]
+    greedy = GenerationSettings(temperature=0.0, max_new_tokens=40)
+    try:
+        split.load(cpu_request("fp32"))
+        for messages in conversations:
+            for thinking in (True, False):
+                one = single.generate_text(messages, greedy, thinking=thinking)
+                two = split.generate_text(messages, greedy, thinking=thinking)
+                assert (two.reasoning, two.answer) == (one.reasoning, one.answer), messages
+                assert two.stats.new_tokens == one.stats.new_tokens > 0
+    finally:
+        split.unload()
