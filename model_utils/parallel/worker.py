@@ -16,6 +16,7 @@ import contextlib
 import datetime
 import hashlib
 import os
+import re
 import sys
 import threading
 import time
@@ -133,7 +134,9 @@ def run_worker(rank: int, world_size: int, init_file: str, conn, stop_event, par
 
 
 def _one_line(error: BaseException) -> str:
-    return " ".join(str(error).split())[:300] or type(error).__name__
+    # Without the C++ source location gloo and NCCL put first ("[/path/x.cc:129] Timed out").
+    text = re.sub(r"\[[^\]]*\.(?:cc|cpp|h|hpp):\d+\]\s*", "", str(error))
+    return " ".join(text.split())[:300] or type(error).__name__
 
 
 def _run(rank, world_size, init_file, conn, stop_event, path, dtype_name, trust_remote_code,
