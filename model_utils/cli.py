@@ -152,6 +152,10 @@ def cmd_chat(args) -> int:
             waiter.start()
             waiter.join(INTERRUPT_WAIT_S)
         raise
+    finally:
+        close = getattr(engine, "close", None)  # --tp: stop the worker processes now
+        if close is not None:
+            close()
 
 
 def _load_and_reply(engine, request, messages, settings, args) -> int:

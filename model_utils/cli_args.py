@@ -56,6 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--offload-folder", help="let weights that fit nowhere go to this folder")
     chat.add_argument("--compute-dtype", default="bf16", choices=("bf16", "fp16", "fp32"),
                       help="compute dtype of the 4-bit and weight-only modes (default: bf16)")
+    EngineConfig.add_cli_args(chat, only=("tp",))
     add_setting_flags(chat.add_argument_group("sampling"))
     chat.add_argument("--json", action="store_true",
                       help="print one JSON object at the end instead of streaming text")

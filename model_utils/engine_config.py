@@ -52,6 +52,10 @@ class EngineConfig:
     compiled_rows: int = field(default=1, metadata=_flag(
         "batched steps of up to this many rows are torch.compile'd before capture, larger "
         "ones capture the plain forward (64: compile all)", metavar="N"))
+    tp: int = field(default=1, metadata=_flag(
+        "split the model over N worker processes that the engine starts itself (tensor "
+        "parallelism: attention heads and MLP columns; gloo on the CPU, NCCL with one GPU per "
+        "worker); fp32/bf16/fp16 only, one reply at a time on the eager path", metavar="N"))
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser | argparse._ArgumentGroup, *,
@@ -86,10 +90,20 @@ class EngineConfig:
 
     def build(self, **extra):
         """The engine this config describes (imports torch). `extra`: other Engine keyword
-        arguments (cache_dir, busy_timeout_s)."""
+        arguments (cache_dir, busy_timeout_s). With tp > 1, the tensor-parallel engine."""
+        options = dict(vars(self))
+        tp = options.pop("tp")
+        if tp < 1:
+            from .errors import InvalidParameter
+
+            raise InvalidParameter("tp", f"must be 1 or more worker processes, got {tp}")
+        if tp > 1:
+            from .parallel.engine import TensorParallelEngine
+
+            return TensorParallelEngine(tp, **options, **extra)
         from .engine import Engine
 
-        return Engine(**vars(self), **extra)
+        return Engine(**options, **extra)
 
 
 def add_model_args(parser: argparse.ArgumentParser, *, what: str = "model to load",

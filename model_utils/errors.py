@@ -40,3 +40,8 @@ class InvalidParameter(ValueError):
     def __init__(self, name: str, message: str):
         super().__init__(f"{name}: {message}")
         self.name = name
+
+
+class WorkerLost(RuntimeError):
+    """A tensor-parallel worker process died (killed, crashed, out of memory): the reply it
+    was part of ends with this, the model is unloaded, and a new load starts fresh workers."""

@@ -1,0 +1,206 @@
+"""TensorParallelEngine: the Engine's load / chat / status surface over N worker processes.
+
+The prompt side is the single-process engine's own code (chat/prompt.py, the settings schema,
+the detokenizer, the reasoning split); only where the tokens come from differs: a WorkerGroup
+whose ranks each hold 1/N of the model. One reply at a time, on the eager decode path (no
+batching, no compile, no CUDA graphs yet).
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import replace
+
+from ..chat.prompt import prepare_prompt, render_prompt, supports_thinking
+from ..chat.reasoning import (
+    EMPTY_TEXT,
+    ReasoningDelta,
+    ReasoningSplitter,
+    ReplyText,
+    prompt_opens_thinking,
+)
+from ..chat.updates import ChatUpdate
+from ..errors import LoadError
+from ..loading import preflight
+from ..loading.modes import get_mode
+from ..loading.registry import ModelRegistry
+from ..runtime.generation import GenerationSettings, IncrementalDetokenizer, ReplyStats
+from ..runtime.sampling import is_greedy
+from .group import WorkerGroup
+
+log = logging.getLogger(__name__)
+
+# Modes whose weights are plain Linear layers the split can cut (quantized layers are not).
+TP_MODES = ("fp32", "bf16", "fp16")
+
+
+class TensorParallelEngine:
+    def __init__(self, tp: int, *, models_dir=None, cache_dir=None,
+                 trust_remote_code: bool = False, log_prompts: bool = False, **_ignored):
+        if tp < 2:
+            raise ValueError("tensor parallelism needs at least 2 workers")
+        self.tp = tp
+        self.registry = ModelRegistry(models_dir, cache_dir=cache_dir)
+        self.trust_remote_code = trust_remote_code
+        self.log_prompts = log_prompts
+        self.group: WorkerGroup | None = None
+        self.loaded: dict | None = None  # tokenizer, generation_config, status ...
+        self._lock = threading.Lock()
+
+    # -- models -------------------------------------------------------------------------------
+    def load(self, request, progress=None) -> dict:
+        from transformers import AutoTokenizer, GenerationConfig
+
+        mode = get_mode(request.mode)
+        if mode.name not in TP_MODES:
+            raise LoadError(f"--tp {self.tp} runs {', '.join(TP_MODES)}; {mode.name} is not "
+                            "split across workers yet")
+        target = request.placement.target if request.placement else "cpu"
+        if target not in ("cpu", "auto"):
+            raise LoadError(f"--tp {self.tp} places the model itself (one GPU per worker, or "
+                            f"the CPU); --placement {target} does not apply")
+        source = self.registry.resolve(request.model)
+        if source.adapter is not None:
+            raise LoadError(f"--tp {self.tp} does not load adapters yet")
+        preflight.require_safetensors(source)
+        config = preflight.read_config(source, trust_remote_code=self.trust_remote_code)
+        preflight.check_context(config, request.context_tokens)
+        from .sharding import check_divisible
+
+        check_divisible(config, self.tp)
+        import torch
+
+        if torch.cuda.is_available() and torch.cuda.device_count() < self.tp:
+            raise LoadError(f"--tp {self.tp} needs {self.tp} GPUs, one per worker; "
+                            f"{torch.cuda.device_count()} found")
+        with self._lock:
+            self.unload()
+            start = time.perf_counter()
+            tokenizer = AutoTokenizer.from_pretrained(
+                source.path, trust_remote_code=self.trust_remote_code)
+            try:
+                generation_config = GenerationConfig.from_pretrained(source.path)
+            except OSError:
+                generation_config = GenerationConfig.from_model_config(config)
+            self.group = WorkerGroup(self.tp, path=str(source.path),
+                                     dtype_name=mode.weight_dtype,
+                                     trust_remote_code=self.trust_remote_code)
+            load_s = time.perf_counter() - start
+            devices = [shard["device"] for shard in self.group.shards]
+            self.loaded = {
+                "tokenizer": tokenizer, "generation_config": generation_config,
+                "context_tokens": preflight.context_tokens(config, request.context_tokens),
+                "label": source.label, "path": str(source.path), "is_demo": source.is_demo,
+                "mode": mode.name, "load_s": load_s,
+                "shard_gb": [round(s["shard_bytes"] / 1e9, 4) for s in self.group.shards],
+                "placement": f"tensor parallel over {self.tp} workers ({', '.join(devices)})",
+            }
+        log.info("loaded %s mode=%s over %d tensor-parallel workers in %.2f s",
+                 source.label, mode.name, self.tp, load_s)
+        return self.status()
+
+    def unload(self) -> dict:
+        group, self.group, self.loaded = self.group, None, None
+        if group is not None:
+            group.stop()
+        return self.status()
+
+    close = unload
+
+    def status(self) -> dict:
+        if self.loaded is None:
+            return {"loaded": False, "tp": self.tp}
+        info = self.loaded
+        return {"loaded": True, "model": info["label"], "path": info["path"],
+                "is_demo": info["is_demo"], "mode": info["mode"],
+                "placement": info["placement"], "tp": self.tp,
+                "shard_gb": info["shard_gb"], "load_s": round(info["load_s"], 3),
+                "context_tokens": info["context_tokens"],
+                "decode_path": f"tensor-parallel eager ({self.tp} workers)"}
+
+    def _require(self) -> dict:
+        if self.loaded is None or self.group is None:
+            raise LoadError("no model is loaded")
+        return self.loaded
+
+    # -- chat ---------------------------------------------------------------------------------
+    def supports_thinking(self) -> bool:
+        return self.loaded is not None and supports_thinking(self.loaded["tokenizer"])
+
+    def default_settings(self) -> GenerationSettings:
+        info = self._require()
+        return GenerationSettings().resolved(info["generation_config"],
+                                             context_tokens=info["context_tokens"])
+
+    def render_prompt(self, messages, *, system_prompt=None, thinking=True) -> str:
+        return render_prompt(self._require()["tokenizer"], messages,
+                             system_prompt=system_prompt, thinking=thinking)
+
+    def _eos_ids(self, info: dict) -> set[int]:
+        ids = info["generation_config"].eos_token_id
+        ids = {i for i in (ids if isinstance(ids, list) else [ids]) if i is not None}
+        if info["tokenizer"].eos_token_id is not None:
+            ids.add(info["tokenizer"].eos_token_id)
+        return ids
+
+    def chat(self, messages: list[dict], settings: GenerationSettings | None = None, *,
+             system_prompt: str | None = None, thinking: bool = True,
+             stop: threading.Event | None = None) -> Iterator[ChatUpdate]:
+        """Stream one reply, as Engine.chat does. A worker that dies ends it with WorkerLost
+        and unloads the model (the others are stopped too)."""
+        stop = stop or threading.Event()
+        info = self._require()
+        settings = (settings or GenerationSettings()).resolved(
+            info["generation_config"], context_tokens=info["context_tokens"])
+        if settings.seed is None and not is_greedy(settings):
+            # Every rank samples for itself: one seed for all of them keeps them in step.
+            settings = replace(settings, seed=random.getrandbits(63))
+        prompt = prepare_prompt(info["tokenizer"], messages,
+                                context_tokens=info["context_tokens"],
+                                reserve_tokens=settings.max_new_tokens,
+                                system_prompt=system_prompt, thinking=thinking)
+        if prompt.reply_clamped:
+            settings = replace(settings, max_new_tokens=prompt.max_new_tokens,
+                               min_new_tokens=min(settings.min_new_tokens,
+                                                  prompt.max_new_tokens))
+        if self.log_prompts:
+            log.info("prompt: %r", prompt.text)
+        stats = ReplyStats()
+        detok = IncrementalDetokenizer(info["tokenizer"])
+        splitter = ReasoningSplitter(opened=prompt_opens_thinking(prompt.text))
+        reply, text = ReplyText(), EMPTY_TEXT
+        tokens = self._tokens(prompt.input_ids, settings, self._eos_ids(info), stop, stats)
+        try:
+            for token in tokens:
+                piece = detok.push(token)
+                delta = splitter.feed(piece) if piece else None
+                if delta:
+                    text = reply.add(delta)
+                    yield ChatUpdate.of(delta, text, notice=prompt.notice)
+        except Exception:
+            if self.group is not None and not self.group.alive():
+                self.unload()  # the group is gone: say so in status, start afresh on load
+            raise
+        finally:
+            stop.set()
+            tokens.close()
+        rest = detok.flush()
+        last = (splitter.feed(rest) if rest else ReasoningDelta()).then(splitter.finish())
+        text = reply.add(last)
+        yield ChatUpdate.of(last, text, done=True, stats=stats, notice=prompt.notice)
+
+    def _tokens(self, input_ids, settings, eos_ids, stop, stats) -> Iterator[int]:
+        result = yield from self.group.generate(input_ids, settings, eos_ids, stop)
+        for name, value in result.items():
+            setattr(stats, name, value)
+        stats.decode_path = f"tensor-parallel eager ({self.tp} workers)"
+
+    def generate_text(self, messages, settings=None, **kwargs) -> ChatUpdate:
+        final = None
+        for final in self.chat(messages, settings, **kwargs):
+            pass
+        return final
