@@ -9,19 +9,12 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Iterator
-from dataclasses import replace
 from pathlib import Path
 
 import torch
 
-from .chat.prompt import prepare_prompt, render_prompt, supports_thinking
-from .chat.reasoning import (
-    EMPTY_TEXT,
-    ReasoningDelta,
-    ReasoningSplitter,
-    ReplyText,
-    prompt_opens_thinking,
-)
+from .chat.prompt import render_prompt, supports_thinking
+from .chat.reply_stream import prepare_reply, reply_updates
 from .chat.updates import ChatUpdate
 from .errors import ShuttingDown
 from .loading.manager import LoadedModel, LoadRequest, ModelManager, Progress
@@ -31,7 +24,6 @@ from .memory import GB, MemoryHistory, MemorySnapshot
 from .runtime.decoders import EagerDecoder
 from .runtime.generation import (
     GenerationSettings,
-    IncrementalDetokenizer,
     ReplyStats,
     decode_tokens,
 )
@@ -206,37 +198,23 @@ class Engine:
         with self.manager.use() as loaded:
             settings = (settings or GenerationSettings()).resolved(
                 loaded.model.generation_config, context_tokens=loaded.context_tokens)
-            prompt = prepare_prompt(loaded.tokenizer, messages,
-                                    context_tokens=loaded.context_tokens,
-                                    reserve_tokens=settings.max_new_tokens,
-                                    system_prompt=system_prompt, thinking=thinking)
-            if prompt.reply_clamped:  # a longer reply than the context leaves: what fits
-                settings = replace(settings, max_new_tokens=prompt.max_new_tokens,
-                                   min_new_tokens=min(settings.min_new_tokens,
-                                                      prompt.max_new_tokens))
+            prompt, settings = prepare_reply(loaded.tokenizer, messages, settings,
+                                             context_tokens=loaded.context_tokens,
+                                             system_prompt=system_prompt, thinking=thinking)
             if self.log_prompts:
                 log.info("prompt: %r", prompt.text)
             stats = ReplyStats()
             tokens = self._tokens(loaded, prompt.input_ids, settings, stop, stats)
-            # Each token's text is decoded once and split once (as a delta): the work per
-            # token does not grow with the reply.
-            detok = IncrementalDetokenizer(loaded.tokenizer)
-            splitter = ReasoningSplitter(opened=prompt_opens_thinking(prompt.text))
-            reply = ReplyText()
-            text = EMPTY_TEXT
-            try:
-                for token in tokens:
-                    piece = detok.push(token)
-                    delta = splitter.feed(piece) if piece else None
-                    if delta:
-                        text = reply.add(delta)
-                        yield ChatUpdate.of(delta, text, notice=prompt.notice)
+
+            def before_end():
                 if self._ending is not None and stats.stopped:
                     raise ShuttingDown(self._ending)
-                rest = detok.flush()  # a character the reply's last tokens left unfinished
-                last = (splitter.feed(rest) if rest else ReasoningDelta()).then(
-                    splitter.finish())
-                text = reply.add(last)
+
+            update = None
+            try:
+                for update in reply_updates(tokens, loaded.tokenizer, prompt, stats,
+                                            before_end=before_end):
+                    yield update
             finally:
                 # Runs on normal end, on error and when the consumer goes away (closed tab):
                 # whatever happened, the reply is logged and the decode slot is free again.
@@ -245,10 +223,9 @@ class Engine:
                          "%.1f tok/s, finish=%s", loaded.display_name, loaded.mode.name,
                          stats.decode_path, stats.prompt_tokens, stats.new_tokens,
                          stats.ttft_ms, stats.tok_s, stats.finish_reason or "abandoned")
-                if self.log_prompts:
-                    log.info("reply text: reasoning %r, answer %r", text.reasoning,
-                             text.answer)
-            yield ChatUpdate.of(last, text, done=True, stats=stats, notice=prompt.notice)
+                if self.log_prompts and update is not None:
+                    log.info("reply text: reasoning %r, answer %r", update.reasoning,
+                             update.answer)
 
     def _tokens(self, loaded: LoadedModel, input_ids: list[int], settings: GenerationSettings,
                 stop: threading.Event, stats: ReplyStats) -> Iterator[int]:

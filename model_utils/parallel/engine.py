@@ -15,20 +15,14 @@ import time
 from collections.abc import Iterator
 from dataclasses import replace
 
-from ..chat.prompt import prepare_prompt, render_prompt, supports_thinking
-from ..chat.reasoning import (
-    EMPTY_TEXT,
-    ReasoningDelta,
-    ReasoningSplitter,
-    ReplyText,
-    prompt_opens_thinking,
-)
+from ..chat.prompt import render_prompt, supports_thinking
+from ..chat.reply_stream import prepare_reply, reply_updates
 from ..chat.updates import ChatUpdate
 from ..errors import LoadError
 from ..loading import preflight
 from ..loading.modes import get_mode
 from ..loading.registry import ModelRegistry
-from ..runtime.generation import GenerationSettings, IncrementalDetokenizer, ReplyStats
+from ..runtime.generation import GenerationSettings, ReplyStats
 from ..runtime.sampling import is_greedy
 from .group import WorkerGroup
 
@@ -159,28 +153,15 @@ class TensorParallelEngine:
         if settings.seed is None and not is_greedy(settings):
             # Every rank samples for itself: one seed for all of them keeps them in step.
             settings = replace(settings, seed=random.getrandbits(63))
-        prompt = prepare_prompt(info["tokenizer"], messages,
-                                context_tokens=info["context_tokens"],
-                                reserve_tokens=settings.max_new_tokens,
-                                system_prompt=system_prompt, thinking=thinking)
-        if prompt.reply_clamped:
-            settings = replace(settings, max_new_tokens=prompt.max_new_tokens,
-                               min_new_tokens=min(settings.min_new_tokens,
-                                                  prompt.max_new_tokens))
+        prompt, settings = prepare_reply(info["tokenizer"], messages, settings,
+                                         context_tokens=info["context_tokens"],
+                                         system_prompt=system_prompt, thinking=thinking)
         if self.log_prompts:
             log.info("prompt: %r", prompt.text)
         stats = ReplyStats()
-        detok = IncrementalDetokenizer(info["tokenizer"])
-        splitter = ReasoningSplitter(opened=prompt_opens_thinking(prompt.text))
-        reply, text = ReplyText(), EMPTY_TEXT
         tokens = self._tokens(prompt.input_ids, settings, self._eos_ids(info), stop, stats)
         try:
-            for token in tokens:
-                piece = detok.push(token)
-                delta = splitter.feed(piece) if piece else None
-                if delta:
-                    text = reply.add(delta)
-                    yield ChatUpdate.of(delta, text, notice=prompt.notice)
+            yield from reply_updates(tokens, info["tokenizer"], prompt, stats)
         except Exception:
             if self.group is not None and not self.group.alive():
                 self.unload()  # the group is gone: say so in status, start afresh on load
@@ -188,10 +169,6 @@ class TensorParallelEngine:
         finally:
             stop.set()
             tokens.close()
-        rest = detok.flush()
-        last = (splitter.feed(rest) if rest else ReasoningDelta()).then(splitter.finish())
-        text = reply.add(last)
-        yield ChatUpdate.of(last, text, done=True, stats=stats, notice=prompt.notice)
 
     def _tokens(self, input_ids, settings, eos_ids, stop, stats) -> Iterator[int]:
         result = yield from self.group.generate(input_ids, settings, eos_ids, stop)

@@ -1,0 +1,55 @@
+"""A reply's tokens as ChatUpdates, shared by every engine that decodes itself (the local one
+and the tensor-parallel one): the prompt prepared for the settings, then each token decoded
+once and split once into reasoning and answer, so the work per token does not grow with the
+reply."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import replace
+
+from model_utils.runtime.generation import GenerationSettings, IncrementalDetokenizer, ReplyStats
+
+from .prompt import PreparedPrompt, prepare_prompt
+from .reasoning import (
+    EMPTY_TEXT,
+    ReasoningDelta,
+    ReasoningSplitter,
+    ReplyText,
+    prompt_opens_thinking,
+)
+from .updates import ChatUpdate
+
+
+def prepare_reply(tokenizer, messages: list[dict], settings: GenerationSettings, *,
+                  context_tokens: int, system_prompt: str | None,
+                  thinking: bool) -> tuple[PreparedPrompt, GenerationSettings]:
+    """The prompt, and the settings with max_new_tokens cut to what the context leaves (the
+    prompt's notice says so) when a longer reply was asked for."""
+    prompt = prepare_prompt(tokenizer, messages, context_tokens=context_tokens,
+                            reserve_tokens=settings.max_new_tokens,
+                            system_prompt=system_prompt, thinking=thinking)
+    if prompt.reply_clamped:
+        settings = replace(settings, max_new_tokens=prompt.max_new_tokens,
+                           min_new_tokens=min(settings.min_new_tokens, prompt.max_new_tokens))
+    return prompt, settings
+
+
+def reply_updates(tokens: Iterable[int], tokenizer, prompt: PreparedPrompt, stats: ReplyStats,
+                  *, before_end: Callable[[], None] = lambda: None) -> Iterator[ChatUpdate]:
+    """One update per token that adds text, then the last one (done, with the stats).
+    `before_end` runs when the tokens have run out, before the last update (a shutting-down
+    engine raises there)."""
+    detok = IncrementalDetokenizer(tokenizer)
+    splitter = ReasoningSplitter(opened=prompt_opens_thinking(prompt.text))
+    reply, text = ReplyText(), EMPTY_TEXT
+    for token in tokens:
+        piece = detok.push(token)
+        delta = splitter.feed(piece) if piece else None
+        if delta:
+            text = reply.add(delta)
+            yield ChatUpdate.of(delta, text, notice=prompt.notice)
+    before_end()
+    rest = detok.flush()  # a character the reply's last tokens left unfinished
+    last = (splitter.feed(rest) if rest else ReasoningDelta()).then(splitter.finish())
+    yield ChatUpdate.of(last, reply.add(last), done=True, stats=stats, notice=prompt.notice)
