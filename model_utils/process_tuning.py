@@ -31,10 +31,6 @@ def tune_process() -> None:
     _tuned = True
 
 
-def tuned() -> bool:
-    return _tuned
-
-
 def model_loaded() -> None:
     """Called by the manager after each load: freeze what is alive now, if tuned."""
     if _tuned:
