@@ -106,6 +106,11 @@ class StopSignals:
                 if not events:
                     del self._events[session or ""]
 
+    def running(self, session: str | None) -> bool:
+        """Whether a reply of this session is streaming now."""
+        with self._lock:
+            return bool(self._events.get(session or ""))
+
     def stop(self, session: str | None) -> int:
         with self._lock:
             events = list(self._events.get(session or "", ()))

@@ -66,8 +66,9 @@ def build_chat_panel(engine: Engine, *, demo: gr.Blocks, status: gr.State) -> di
                                       placeholder="Say something to the model.")
             c["notice"] = gr.Markdown("", elem_id="chat-notice")
             with gr.Row():
+                # Opened by the page load, once the saved conversation and settings are back.
                 c["message"] = gr.Textbox(show_label=False, scale=8, elem_id="message",
-                                          placeholder="Type a message; Enter sends it")
+                                          placeholder="Loading…", interactive=False)
                 c["send"] = gr.Button("Send", variant="primary", scale=1, elem_id="send")
             with gr.Row():
                 c["stop"] = gr.Button("Stop", elem_id="stop", size="sm", interactive=False)
@@ -141,11 +142,14 @@ def _wire(c: dict, engine: Engine, signals: StopSignals, export_dir: Path, demo:
                 for update in stream(engine, engine_messages(turns), settings,
                                      system_prompt=system_prompt, thinking=thinking, stop=stop):
                     pending = {"content": update.answer, "reasoning": update.reasoning}
-                    keep = gr.skip()
+                    keep, controls_now = gr.skip(), (gr.skip(),) * 3
                     if time.monotonic() - last_save >= SAVE_INTERVAL_S:
+                        # The buttons are said again with each save: an update of another
+                        # event that reached the page late cannot leave Stop disabled.
                         keep, last_save = saved(pending), time.monotonic()
+                        controls_now = buttons(generating=True)
                     yield (chatbot_messages(turns, pending), keep, gr.skip(), update.notice,
-                           *(gr.skip(),) * 3)
+                           *controls_now)
             except gr.Error:
                 # Nothing is lost: the conversation as it was, the message back in the box.
                 yield chatbot_messages(before), before, restore_box, "", *(gr.skip(),) * 3
@@ -187,10 +191,14 @@ def _wire(c: dict, engine: Engine, signals: StopSignals, export_dir: Path, demo:
                    *(gr.skip(),) * 3)
             raise
 
-    def idle():
-        """After a reply, whatever its end: the buttons back, and the chatbot and message box
-        out of gradio's "error" state (a failed event leaves a red badge on its outputs until
-        another event writes them; the error itself was shown as a toast)."""
+    def after_failure(request: gr.Request):
+        """After a failed reply: the buttons back, and the chatbot and message box out of
+        gradio's "error" state (a failed event leaves a red badge on its outputs until another
+        event writes them; the error itself was shown as a toast). A reply that ends well
+        restores the buttons in its own last update: a separate event after it would race the
+        next message, and could disable the Stop button of a reply already streaming."""
+        if signals.running(getattr(request, "session_hash", None)):
+            return gr.skip(), gr.skip(), *(gr.skip(),) * 3
         return gr.skip(), gr.skip(), *buttons(generating=False)
 
     reply_events = []
@@ -206,10 +214,8 @@ def _wire(c: dict, engine: Engine, signals: StopSignals, export_dir: Path, demo:
         api_visibility="private", show_progress="minimal", trigger_mode="once")
     for event in (sent, regenerated):
         reply_events.append(event)
-        # .success and .failure both: gradio's frontend runs a .then only after a success.
-        for after in (event.success, event.failure):
-            after(idle, None, [c["chatbot"], c["message"], *controls], concurrency_limit=None,
-                  api_visibility="private", show_progress="hidden")
+        event.failure(after_failure, None, [c["chatbot"], c["message"], *controls],
+                      concurrency_limit=None, api_visibility="private", show_progress="hidden")
 
     def stop_reply(request: gr.Request) -> None:
         # Graceful: the engine ends the reply at the next decode step and the partial answer

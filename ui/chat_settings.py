@@ -5,11 +5,16 @@ clamped to the loaded model)."""
 
 from __future__ import annotations
 
+import logging
+
 import gradio as gr
 
 from model_utils.engine import Engine
 from model_utils.runtime.generation_settings import SETTINGS, Setting, public
-from server.conversation import chatbot_messages
+from server.conversation import ConversationError, chatbot_messages, validate_history
+
+MESSAGE_PLACEHOLDER = "Type a message; Enter sends it"
+log = logging.getLogger("ui")
 
 
 def setting_controls(context: int, schema: tuple[Setting, ...] = SETTINGS) -> dict:
@@ -56,6 +61,11 @@ def keep_settings(c: dict, engine: Engine, demo: gr.Blocks, settings_inputs: lis
           concurrency_limit=None)
 
     def on_page_load(conversation: list[dict], saved: dict):
+        try:  # what the browser kept is the user's to edit: a broken copy starts afresh
+            conversation = validate_history(conversation or [])
+        except ConversationError as error:
+            log.warning("page load: the saved conversation is not usable (%s)", error)
+            conversation = []
         saved = {k: v for k, v in (saved or {}).items() if k in names and v is not None}
         values = {**_model_defaults(engine, setting_names), **saved}
         context = engine.status().get("context_tokens") or default_context
@@ -67,10 +77,14 @@ def keep_settings(c: dict, engine: Engine, demo: gr.Blocks, settings_inputs: lis
                     {"value": min(int(value), context)} if value is not None else {})))
             else:
                 updates.append(values[name] if name in values else gr.skip())
-        return [chatbot_messages(conversation or []), *updates]
+        # The message box opens only now: a message typed or a setting changed before the
+        # saved ones are put back would be overwritten by them.
+        ready = gr.update(interactive=True, placeholder=MESSAGE_PLACEHOLDER)
+        return [chatbot_messages(conversation), ready, *updates]
 
     demo.load(on_page_load, [c["conversation"], c["saved_settings"]],
-              [c["chatbot"], *settings_inputs], api_visibility="private", show_progress="hidden")
+              [c["chatbot"], c["message"], *settings_inputs], api_visibility="private",
+              show_progress="hidden")
 
 
 def _model_defaults(engine: Engine, names: list[str]) -> dict:

@@ -20,3 +20,27 @@ def open_browser() -> Iterator:
             yield browser
         finally:
             browser.close()
+
+
+def wait_until_ready(page) -> None:
+    """The chat page is ready once its message box opens: the page load has put the saved
+    conversation and settings back (a setting changed earlier would be overwritten)."""
+    page.locator("#message textarea:not([disabled])").wait_for()
+
+
+# True once a slider's range input holds the value typed into its number box (a gr.Number has
+# no range input: true at once).
+_SLIDER_HOLDS = """([label, value]) => {
+    const range = document.querySelector(`input[aria-label="range slider for ${label}"]`);
+    return !range || Number(range.value) === Number(value);
+}"""
+
+
+def set_number(page, label: str, value) -> None:
+    """Types `value` into a setting's number box. Returns once the slider holds it: the
+    number box hands its value to the slider on Enter, and a message sent before that would
+    go out with the old one (seen under load)."""
+    box = page.locator(f'input[aria-label^="number input for {label}"]')
+    box.fill(str(value))
+    box.press("Enter")
+    page.wait_for_function(_SLIDER_HOLDS, arg=[label, value])

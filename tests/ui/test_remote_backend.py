@@ -207,7 +207,7 @@ def test_the_page_in_front_of_a_server(front, backend, artifacts):
     """A browser on the front: a reply streams from the backend with its stats line, and the
     Model, Memory and Benchmark tabs describe the server, not a local model. (Stop on the
     page: test_remote_faults, against a server whose reply lasts as long as the test needs.)"""
-    from .browser import open_browser
+    from .browser import open_browser, set_number
 
     with open_browser() as browser:
         page = browser.new_page(viewport={"width": 1400, "height": 1000})
@@ -219,9 +219,7 @@ def test_the_page_in_front_of_a_server(front, backend, artifacts):
         page.locator("#headline").get_by_text("remote").wait_for()
         assert backend.url in page.locator("#headline").inner_text()
         for label, value in (("max_new_tokens", "48"), ("temperature", "0")):
-            box = page.locator(f'input[aria-label^="number input for {label}"]')
-            box.fill(value)
-            box.press("Enter")
+            set_number(page, label, value)
         page.locator("#message textarea").fill("Write a very long story.")
         page.locator("#message textarea").press("Enter")
         stats = page.locator("#chatbot sub", has_text="48 out")

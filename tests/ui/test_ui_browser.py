@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from .browser import open_browser
+from .browser import open_browser, set_number, wait_until_ready
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
@@ -24,14 +24,9 @@ def page(app):
         page = browser.new_page(viewport={"width": 1400, "height": 1000})
         page.set_default_timeout(30000)
         page.goto(app.url)
-        page.locator("#message textarea").wait_for()
+        wait_until_ready(page)
         yield page
 
-
-def set_number(page, label: str, value) -> None:
-    box = page.locator(f'input[aria-label^="number input for {label}"]')
-    box.fill(str(value))
-    box.press("Enter")
 
 
 def bot_messages(page):
@@ -112,7 +107,7 @@ def test_stop_ends_the_reply_at_once(page):
 
 def test_conversation_survives_a_reload(page):
     page.reload()
-    page.locator("#message textarea").wait_for()
+    wait_until_ready(page)
     page.locator("#chatbot").get_by_text("Hello, model!").wait_for()
     page.locator("#chatbot").get_by_text("Write a very long story.").wait_for()
 

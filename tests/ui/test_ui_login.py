@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from .browser import open_browser
+from .browser import open_browser, wait_until_ready
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
@@ -30,7 +30,7 @@ def log_in(browser, url: str, user: str, password: str):
     page.get_by_label("username").fill(user)
     page.get_by_label("password").fill(password)
     page.get_by_role("button", name="Login").click()
-    page.locator("#message textarea").wait_for()
+    wait_until_ready(page)
     return page
 
 

@@ -14,7 +14,7 @@ import time
 import pytest
 from gradio_client import Client
 
-from .browser import open_browser
+from .browser import open_browser, set_number, wait_until_ready
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
@@ -41,14 +41,9 @@ def open_page(browser, url: str, console: list | None = None):
     if console is not None:
         page.on("console", lambda message: console.append(f"{message.type}: {message.text}"))
     page.goto(url)
-    page.locator("#message textarea").wait_for()
+    wait_until_ready(page)
     return page
 
-
-def set_number(page, label: str, value) -> None:
-    box = page.locator(f'input[aria-label^="number input for {label}"]')
-    box.fill(str(value))
-    box.press("Enter")
 
 
 def send(page, text: str) -> None:
@@ -191,7 +186,7 @@ def test_settings_survive_a_reload(browser, app):
         if (now := stored_settings(page)) != last:
             last, steady_since = now, time.monotonic()
     page.reload()
-    page.locator("#message textarea").wait_for()
+    wait_until_ready(page)
     prompt = page.locator("#system-prompt textarea")
     wait_until(lambda: prompt.input_value() == "Answer like a pirate.", "the system prompt")
     temperature = page.locator('input[aria-label^="number input for temperature"]')
@@ -215,7 +210,7 @@ def test_a_reload_during_a_reply_keeps_the_message_and_the_partial_reply(browser
     page.wait_for_timeout(1500)  # past one save of the growing reply
     streaming = page.locator("#stop").is_enabled()  # a 4000-token reply is still going
     page.reload()
-    page.locator("#message textarea").wait_for()
+    wait_until_ready(page)
     page.locator("#chatbot").get_by_text("Tell me everything, at length.").wait_for()
     bot = page.locator('#chatbot [data-testid="bot"]').last
     bot.wait_for()
