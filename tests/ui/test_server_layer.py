@@ -141,3 +141,13 @@ def test_bodies_that_cannot_be_parsed_safely_are_a_400(body):
     with pytest.raises(Exception) as caught:
         parse_json(body)
     assert getattr(caught.value, "status", None) == 400
+
+
+def test_stop_signals_know_which_sessions_are_replying_and_stop_only_theirs():
+    signals = replies.StopSignals()
+    mine, theirs = signals.start("me"), signals.start("them")
+    assert signals.running("me") and signals.running("them") and not signals.running("nobody")
+    assert signals.stop("me") == 1
+    assert mine.is_set() and not theirs.is_set()
+    signals.finish("me", mine)
+    assert not signals.running("me") and signals.running("them")
