@@ -51,6 +51,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shutdown-grace", type=float, default=5.0, metavar="SECONDS",
                    help="on SIGTERM/SIGINT, how long open replies may go on before they are "
                         "ended with an error (default 5)")
+    p.add_argument("--compile-cache", metavar="DIR|off",
+                   help="folder for torch.compile's caches, so that a mode compiled once loads "
+                        "faster in later runs (default: $TORCHINDUCTOR_CACHE_DIR, else "
+                        "~/.cache/qwen-chat/torch-compile; off: torch's own, in the temp folder)")
     EngineConfig.add_cli_args(p, only=APP_ENGINE_FLAGS)
     add_backend_flags(p)
     return p
@@ -151,7 +155,8 @@ def main(argv: list[str] | None = None) -> int:
     import ui
     from model_utils import process_tuning
 
-    process_tuning.tune_process()  # allocator, GC and warnings: this process serves for long
+    # Allocator, GC, warnings and the compile cache: this process serves for long.
+    process_tuning.tune_process(compile_cache=args.compile_cache)
     try:
         engine = remote_engine(args) if args.backend else \
             EngineConfig.from_args(args).build()

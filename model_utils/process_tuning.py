@@ -10,7 +10,9 @@ engine opts in with one call, `tune_process()`, which:
   the decode loop's included, for a scan of ~500 000 long-lived objects
   (memory_accounting.freeze_long_lived has the measurement);
 - silences bitsandbytes' per-call warning that int8 matmul inputs are cast: the app picks the
-  dtypes on purpose, and the warning would fill the log on every decode step.
+  dtypes on purpose, and the warning would fill the log on every decode step;
+- keeps torch.compile's caches in a folder that outlives the process and the machine's temp
+  folder (runtime/compile_cache.py), so that a mode compiled once loads warm in a later run.
 
 A library user (a notebook, a test) that does not call it gets the engine with none of these.
 """
@@ -18,15 +20,21 @@ A library user (a notebook, a test) that does not call it gets the engine with n
 from __future__ import annotations
 
 import warnings
+from pathlib import Path
 
 _tuned = False
 
 
-def tune_process() -> None:
+def tune_process(compile_cache: str | Path | None = None) -> None:
+    """`compile_cache`: the folder for torch.compile's caches (None: compile_cache.default_dir(),
+    "off": torch's own default, in the temp folder)."""
     global _tuned
     from .loading.memory_accounting import pin_mmap_threshold
+    from .runtime import compile_cache as cache
 
     pin_mmap_threshold()
+    if str(compile_cache) != "off":
+        cache.use_compile_cache(compile_cache or cache.default_dir())
     warnings.filterwarnings("ignore", message="MatMul8bitLt: inputs will be cast")
     _tuned = True
 

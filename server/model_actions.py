@@ -116,6 +116,9 @@ def status_markdown(status: dict) -> str:
     if status.get("load_stages"):
         stages = ", ".join(f"{s['stage']} {s['s']:.1f} s" for s in status["load_stages"])
         lines.append(f"getting ready took {status.get('ready_s', 0):.1f} s: {stages}")
+    if graphs := status.get("compiled_graphs"):
+        lines.append(f"compiled graphs: {graphs['hits']} from the compile cache, "
+                     f"{graphs['misses']} compiled afresh")
     if status.get("estimate"):
         lines.append(f"estimate at load: {status['estimate']}")
     return "\n\n".join(lines)

@@ -73,3 +73,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def pytest_runtest_setup(item: pytest.Item) -> None:
     if item.get_closest_marker("gpu") and (reason := _gpu_missing()):
         pytest.skip(reason)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def compile_cache_of_the_run(tmp_path_factory):
+    """torch.compile's cache for this run (the app's default is under the user's home, which
+    a test run leaves alone); the processes the tests start inherit it."""
+    import os
+
+    if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(tmp_path_factory.mktemp("torch-compile"))
+    yield

@@ -52,6 +52,8 @@ class LoadedModel:
     # whole of it, from the request to the first reply it can serve.
     stages: list[Stage] = field(default_factory=list)
     ready_s: float = 0.0
+    # Graphs the warm-up found in torch.compile's cache and compiled afresh (compile_cache)
+    compiled_graphs: dict[str, int] = field(default_factory=dict)
 
     @property
     def display_name(self) -> str:
@@ -70,6 +72,7 @@ class LoadedModel:
             "load_s": round(self.load_s, 3),
             "ready_s": round(self.ready_s, 2),
             "load_stages": [stage.as_dict() for stage in self.stages],
+            **({"compiled_graphs": dict(self.compiled_graphs)} if self.compiled_graphs else {}),
             "footprint_gb": round(self.footprint_gb, 4),
             "context_tokens": self.context_tokens,
             "decode_path": self.decode_path,

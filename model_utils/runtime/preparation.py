@@ -18,7 +18,7 @@ import torch
 from model_utils.loading.manager import LoadedModel, Progress
 from model_utils.memory import torch_cuda_gb
 
-from . import attention, cuda_graphs, kv_cache, prefill
+from . import attention, compile_cache, cuda_graphs, kv_cache, prefill
 from .fused_qkv import fuse_qkv
 from .runner import BatchRunner, EagerStep
 from .scheduler import Scheduler
@@ -70,7 +70,7 @@ class DecodePreparation:
         every reply decoding (capturing 32 rows took 1.3 s on the H200, run F)."""
         runner = loaded.batcher.runner
         progress(0.6, "compiling the batched decode step (one reply)")
-        start = time.perf_counter()
+        start, cached_before = time.perf_counter(), compile_cache.counts()
         self.engine.worker.call(runner.warm_up)
         failed = getattr(runner.step_fn, "failed", None)
         if failed:  # the one-row step did not capture: replies run uncaptured
@@ -99,8 +99,10 @@ class DecodePreparation:
             self._record_memory(loaded, "prefill graphs")
         else:
             log.info("prompts are prefilled eagerly (%s)", why_not)
-        log.info("batched step ready for %s in %.1f s", loaded.display_name,
-                 time.perf_counter() - start)
+        loaded.compiled_graphs = compile_cache.since(cached_before)
+        log.info("batched step ready for %s in %.1f s (compiled graphs: %d from the cache, %d "
+                 "compiled afresh)", loaded.display_name, time.perf_counter() - start,
+                 loaded.compiled_graphs["hits"], loaded.compiled_graphs["misses"])
         # The warm-up's eager forwards left blocks in the allocator's cache: give them back,
         # so that the memory panels show what serving holds (graph pools stay reserved).
         torch.cuda.empty_cache()
