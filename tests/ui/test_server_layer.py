@@ -151,3 +151,15 @@ def test_stop_signals_know_which_sessions_are_replying_and_stop_only_theirs():
     assert mine.is_set() and not theirs.is_set()
     signals.finish("me", mine)
     assert not signals.running("me") and signals.running("them")
+
+
+def test_the_status_says_how_many_graphs_came_from_the_compile_cache():
+    from server.model_actions import status_markdown
+
+    status = {"loaded": True, "model": "demo", "mode": "bf16", "placement": "cuda:0",
+              "load_stages": [{"stage": "compiling the batched decode step", "s": 3.5}],
+              "ready_s": 9.0, "compiled_graphs": {"hits": 3, "misses": 1}}
+    text = status_markdown(status)
+    assert "compiling the batched decode step 3.5 s" in text
+    assert "3 from the compile cache, 1 compiled afresh" in text
+    assert "compile cache" not in status_markdown({**status, "compiled_graphs": {}})
