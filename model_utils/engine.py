@@ -115,8 +115,7 @@ class Engine:
             self._status_changed()
         status = self.status()
         if report:
-            status["unloaded"] = {"model": report.model, "leftover": report.leftover,
-                                  "freed": report.freed}
+            status["unloaded"] = report.as_dict()
         return status
 
     def queue_status(self) -> dict | None:
@@ -135,6 +134,8 @@ class Engine:
                 status["kv_cache_gb"] = round(loaded.batcher.runner.cache_bytes() / GB, 4)
             if loaded.memory_stages:
                 status["memory_stages"] = dict(loaded.memory_stages)
+        elif self.manager.last_unload is not None:  # what the last unload left behind
+            status["last_unload"] = self.manager.last_unload.as_dict()
         return status
 
     def memory_snapshot(self) -> MemorySnapshot:

@@ -143,8 +143,19 @@ def unload_message(status: dict) -> str:
     leftover = report.get("leftover") or {}
     if not leftover:
         return f"Unloaded {report['model']}: all memory came back."
+    return f"Unloaded {report['model']}; {still_held(report)}."
+
+
+def still_held(report: dict) -> str:
+    """An unload report's leftover in words (and the largest tensors holding it, if known)."""
+    leftover = report.get("leftover") or {}
+    if not leftover:
+        return "all memory came back"
     held = ", ".join(f"{k} {v:.3f} GB" for k, v in leftover.items())
-    return f"Unloaded {report['model']}; still held over what was in use before it loaded: {held}."
+    text = f"still held over what was in use before it loaded: {held}"
+    if report.get("held_by"):
+        text += f" (largest tensors still referenced: {'; '.join(report['held_by'])})"
+    return text
 
 
 def headline(status: dict) -> str:

@@ -13,6 +13,7 @@ import gradio as gr
 
 from model_utils.engine import Engine
 from model_utils.memory import MemorySnapshot
+from server.model_actions import still_held
 
 from .memory_plot import memory_svg
 
@@ -77,6 +78,8 @@ def memory_cards(snapshot: MemorySnapshot, status: dict) -> str:
                                f"{fmt_gb(ready['reserved_gb'])}")
     else:
         model_rows = _row("model", "none loaded")
+        if last := status.get("last_unload"):  # did the memory come back?
+            model_rows += _row(f"after unloading {last['model']}", still_held(last))
     cards.append(_CARD.format(title="Loaded model", rows=model_rows))
     note = f"<p><i>{html.escape(snapshot.note)}</i></p>" if snapshot.note else ""
     return note + "<div style='display:flex;gap:12px;flex-wrap:wrap'>" + "".join(cards) + "</div>"

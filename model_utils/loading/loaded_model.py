@@ -92,5 +92,11 @@ class UnloadReport:
     # (only counters over LEFTOVER_FLOOR_GB), and what the unload gave back.
     leftover: dict[str, float]
     freed: dict[str, float] = field(default_factory=dict)
+    # Where a CUDA leftover is known: the largest tensors still referenced (largest_live_tensors)
+    held_by: list[str] = field(default_factory=list)
+
+    def as_dict(self) -> dict:
+        return {"model": self.model, "leftover": self.leftover, "freed": self.freed,
+                **({"held_by": self.held_by} if self.held_by else {})}
 
 

@@ -31,11 +31,12 @@ from .load_stages import StageClock
 from .load_stages import summary as stage_summary
 from .loaded_model import LoadedModel, LoadRequest, UnloadReport  # noqa: F401 (re-exported)
 from .memory_accounting import (  # re-exported: app.py and the tests import them from here
+    _fmt,
     _release_freed_memory,
-    leftover_after,
     memory_counters,
     stored_bytes,
     summarize_device_map,
+    unload_report,
 )
 from .modes import get_mode, quantization_config, torch_dtype
 from .modes import unavailable_reason as mode_unavailable
@@ -284,25 +285,14 @@ class ModelManager:
         self._loaded = None  # the only strong reference to the model and its caches
         if self.on_unloaded is not None:
             self.on_unloaded()
-        _release_freed_memory()
-        after = memory_counters()
-        leftover = leftover_after(baseline, after)
-        freed = {k: round(max(0.0, before[k] - after.get(k, 0.0)), 4) for k in before}
-        report = UnloadReport(name, before, after, leftover, freed)
+        report = unload_report(name, baseline, before)  # after the memory is released
         self.last_unload = report
-        log.info("unloaded %s; memory before %s after %s", name, _fmt(before), _fmt(after))
-        if leftover:
-            log.warning("after unloading %s, memory still held: %s", name, _fmt(leftover))
         return report
 
     # -- status -------------------------------------------------------------------------------
     def status(self) -> dict:
         loaded = self._loaded
         return loaded.status() if loaded is not None else {"loaded": False}
-
-
-def _fmt(counters: dict[str, float]) -> str:
-    return ", ".join(f"{k}={v:.3f}" for k, v in counters.items())
 
 
 def _user_message(error: BaseException) -> str:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import gc
+import logging
 
 import psutil
 import torch
@@ -16,6 +17,7 @@ from model_utils.memory import GB
 # Below this an unload counts as complete (the CUDA counters' rounding). Process RSS is not
 # judged: it grows by tens of MB with the imports and caches of a first load alone.
 LEFTOVER_FLOOR_GB = 0.001
+log = logging.getLogger("model_utils.loading.manager")  # the unload's lines, with the load's
 
 
 def leftover_after(baseline: dict[str, float], after: dict[str, float]) -> dict[str, float]:
@@ -23,6 +25,43 @@ def leftover_after(baseline: dict[str, float], after: dict[str, float]) -> dict[
     never negative (a counter below its baseline held nothing of the model)."""
     held = {k: after[k] - baseline.get(k, 0.0) for k in after if k != "rss_gb"}
     return {k: round(v, 4) for k, v in held.items() if v > LEFTOVER_FLOOR_GB}
+
+
+def largest_live_tensors(device_type: str, *, top: int = 5) -> list[str]:
+    """The largest tensors on devices of this type that something still references, as
+    'bfloat16 [152064, 3584] 1.016 GB on cuda:0': what an unload's leftover is made of, where
+    the garbage collector can see it (a graph pool or a library's C++ buffer it cannot)."""
+    found: dict[int, torch.Tensor] = {}
+    for obj in gc.get_objects():
+        with contextlib.suppress(Exception):  # some objects raise on isinstance checks
+            if isinstance(obj, torch.Tensor) and obj.device.type == device_type:
+                found[id(obj)] = obj
+    largest = sorted(found.values(), key=lambda t: -t.untyped_storage().nbytes())[:top]
+    return [f"{str(t.dtype).removeprefix('torch.')} {list(t.shape)} "
+            f"{t.untyped_storage().nbytes() / GB:.3f} GB on {t.device}" for t in largest]
+
+
+def unload_report(name: str, baseline: dict[str, float], before: dict[str, float]):
+    """Release what the unloaded model left to the garbage collector and the caches, then say
+    what came back (an UnloadReport, also logged): `baseline` is memory_counters() before the
+    load, `before` just before the unload."""
+    from .loaded_model import UnloadReport
+
+    _release_freed_memory()
+    after = memory_counters()
+    leftover = leftover_after(baseline, after)
+    freed = {k: round(max(0.0, before[k] - after.get(k, 0.0)), 4) for k in before}
+    held_by = largest_live_tensors("cuda") if any("cuda" in k for k in leftover) else []
+    log.info("unloaded %s; memory before %s after %s", name, _fmt(before), _fmt(after))
+    if leftover:
+        log.warning("after unloading %s, memory still held: %s%s", name, _fmt(leftover),
+                    f" (largest tensors still referenced: {'; '.join(held_by)})"
+                    if held_by else "")
+    return UnloadReport(name, before, after, leftover, freed, held_by)
+
+
+def _fmt(counters: dict[str, float]) -> str:
+    return ", ".join(f"{k}={v:.3f}" for k, v in counters.items())
 
 
 def memory_counters() -> dict[str, float]:

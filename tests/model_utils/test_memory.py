@@ -44,3 +44,26 @@ def test_history_is_bounded_and_keeps_the_newest():
     assert [p.time for p in points] == sorted(p.time for p in points)
     points.clear()  # a copy: the caller cannot empty the history
     assert len(history.points()) == 5
+
+
+def test_the_largest_live_tensors_name_what_is_still_referenced():
+    from model_utils.loading.memory_accounting import largest_live_tensors
+
+    kept = torch.zeros(3000, 1000, dtype=torch.bfloat16)  # 6 MB, more than anything else here
+    view = kept[:10]  # a view counts its whole storage, and is not a second entry's worth
+    assert largest_live_tensors("cpu", top=1) == ["bfloat16 [3000, 1000] 0.006 GB on cpu"]
+    assert largest_live_tensors("meta") == []
+    del kept, view
+
+
+def test_an_unload_is_reported_in_the_status_until_the_next_load(demo_path):
+    from model_utils.engine import Engine
+    from model_utils.loading.manager import LoadRequest
+    from model_utils.loading.placement import Placement
+
+    engine = Engine()  # its own: the session's engine stays loaded for the tests after this
+    engine.load(LoadRequest(model="demo", mode="fp32", placement=Placement("cpu")))
+    assert "last_unload" not in engine.status()
+    unloaded = engine.unload()["unloaded"]
+    assert unloaded["model"].startswith("demo") and unloaded["leftover"] == {}
+    assert engine.status()["last_unload"] == unloaded

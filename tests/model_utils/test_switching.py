@@ -165,7 +165,7 @@ def test_estimate_orders_the_modes_by_size(engine):
 
 
 def test_the_unload_report_counts_what_stayed_over_the_memory_before_the_load():
-    from model_utils.loading.manager import leftover_after
+    from model_utils.loading.memory_accounting import leftover_after
 
     # A 7B unload as measured on a GPU: 17.8 GB freed, 0.034 GB more than before the load.
     before_load = {"rss_gb": 2.0, "cuda:0_allocated_gb": 0.104, "cuda:0_reserved_gb": 0.2}

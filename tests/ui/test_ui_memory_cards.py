@@ -41,3 +41,14 @@ def test_cpu_only_says_so():
 
 def test_small_sizes_in_megabytes():
     assert fmt_gb(0.0018) == "1.8 MB" and fmt_gb(2.5) == "2.50 GB" and fmt_gb(None) == "n/a"
+
+
+def test_after_an_unload_the_model_card_says_whether_the_memory_came_back():
+    snapshot = MemorySnapshot(0.0, [], 1.5, 23.5, 0.45)
+    clean = {"loaded": False, "last_unload": {"model": "demo (bf16)", "leftover": {}}}
+    assert "after unloading demo (bf16): <b>all memory came back" in memory_cards(snapshot, clean)
+    held = {"loaded": False, "last_unload": {
+        "model": "demo (nf4)", "leftover": {"cuda:0_allocated_gb": 0.034},
+        "held_by": ["bfloat16 [4096, 4096] 0.031 GB on cuda:0"]}}
+    html = memory_cards(snapshot, held)
+    assert "cuda:0_allocated_gb 0.034 GB" in html and "[4096, 4096] 0.031 GB on cuda:0" in html
