@@ -88,6 +88,10 @@ class Side:
     page: httpx.Client
     victim_headers: dict
     log: object
+    # The other users' gradio client (tests/ui/attacks.py's Victims): its own, because one
+    # gradio_client.Client reads every job through one event stream, and a job ending there
+    # as another starts could lose the other's result (seen once: CancelledError).
+    victim: Client | None = None
     models: object = None  # the models folder (the app with logins)
     admin_page: httpx.Client | None = None  # the page as the admin (the app with logins)
 
@@ -103,7 +107,7 @@ def side(app, models_dir):
     with httpx.Client(base_url=app.url, timeout=300, headers=BEARER) as http:
         yield Side(app.url, http, Client(app.url, auth=GUEST, verbose=False),
                    Client(app.url, auth=ADMIN, verbose=False), page, BEARER, app.log,
-                   models_dir, admin_page)
+                   Client(app.url, auth=GUEST, verbose=False), models_dir, admin_page)
     page.close()
     admin_page.close()
 
@@ -112,7 +116,8 @@ def side(app, models_dir):
 def open_side(loopback):
     with httpx.Client(base_url=loopback.url, timeout=300) as http:
         client = Client(loopback.url, verbose=False)
-        yield Side(loopback.url, http, client, client, http, {}, loopback.log)
+        yield Side(loopback.url, http, client, client, http, {}, loopback.log,
+                   Client(loopback.url, verbose=False))
 
 
 def guest_paths(side: Side, models_dir) -> tuple[str, ...]:
@@ -337,7 +342,7 @@ def test_a_bad_request_is_refused_plainly_and_hurts_no_one(request, attack, expe
     side = request.getfixturevalue("open_side" if who == "open" else "side")
     before = side.model()
     log_before = len(side.log())
-    victims = Victims(side.url, v1_headers=side.victim_headers, gradio=side.guest).start()
+    victims = Victims(side.url, v1_headers=side.victim_headers, gradio=side.victim).start()
     outcome = attack(side)
     results = victims.finish()
 
@@ -375,7 +380,7 @@ def test_a_small_benchmark_beside_replies_completes_and_so_do_they(side, first):
         done["outcome"] = bench(side.admin_page, 32, 64, ["1", "4"])
 
     benchmark = threading.Thread(target=run_benchmark, daemon=True)
-    victims = Victims(side.url, v1_headers=side.victim_headers, gradio=side.guest)
+    victims = Victims(side.url, v1_headers=side.victim_headers, gradio=side.victim)
     if first == "replies":
         victims.start()  # both replies have their first token
         benchmark.start()
@@ -418,7 +423,7 @@ def history(messages: int, chars: int) -> list[dict]:
 @pytest.mark.parametrize(("messages", "chars"), [(2000, 4), (2000, 495)],
                          ids=["2000-tiny-messages", "2000-messages-1M-chars"])
 def test_a_maximal_history_costs_a_bounded_time(side, messages, chars):
-    victims = Victims(side.url, v1_headers=side.victim_headers, gradio=side.guest).start()
+    victims = Victims(side.url, v1_headers=side.victim_headers, gradio=side.victim).start()
     start = time.monotonic()
     outcome = v1(side.v1, {"messages": history(messages, chars), "max_tokens": 8,
                            "temperature": 0})
