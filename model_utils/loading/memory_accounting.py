@@ -31,11 +31,13 @@ def largest_live_tensors(device_type: str, *, top: int = 5) -> list[str]:
     """The largest tensors on devices of this type that something still references, as
     'bfloat16 [152064, 3584] 1.016 GB on cuda:0': what an unload's leftover is made of, where
     the garbage collector can see it (a graph pool or a library's C++ buffer it cannot)."""
-    found: dict[int, torch.Tensor] = {}
+    found: dict[int, torch.Tensor] = {}  # one per storage: views name the tensor they cut
     for obj in gc.get_objects():
         with contextlib.suppress(Exception):  # some objects raise on isinstance checks
             if isinstance(obj, torch.Tensor) and obj.device.type == device_type:
-                found[id(obj)] = obj
+                key = obj.untyped_storage().data_ptr()
+                if key not in found or obj.numel() > found[key].numel():
+                    found[key] = obj
     largest = sorted(found.values(), key=lambda t: -t.untyped_storage().nbytes())[:top]
     return [f"{str(t.dtype).removeprefix('torch.')} {list(t.shape)} "
             f"{t.untyped_storage().nbytes() / GB:.3f} GB on {t.device}" for t in largest]
