@@ -16,7 +16,7 @@ import torch
 from .chat.prompt import render_prompt, supports_thinking
 from .chat.reply_stream import prepare_reply, reply_updates
 from .chat.updates import ChatUpdate
-from .errors import ShuttingDown
+from .errors import LoadError, ShuttingDown
 from .loading.manager import LoadedModel, LoadRequest, ModelManager, Progress
 from .loading.placement import FitEstimate
 from .loading.registry import ModelRegistry
@@ -166,9 +166,14 @@ class Engine:
         return bool(loaded) and supports_thinking(loaded.tokenizer)
 
     def default_settings(self) -> GenerationSettings:
-        with self.manager.use() as loaded:
-            return GenerationSettings().resolved(loaded.model.generation_config,
-                                                 context_tokens=loaded.context_tokens)
+        """The loaded model's recommended settings (its generation_config). A read: it does
+        not hold the model, so a page opened during a switch gets them at once (the current
+        model's) instead of waiting for the switch."""
+        loaded = self.manager.loaded
+        if loaded is None:
+            raise LoadError("no model is loaded: load one in the model panel first")
+        return GenerationSettings().resolved(loaded.model.generation_config,
+                                             context_tokens=loaded.context_tokens)
 
     def render_prompt(self, messages: list[dict], *, system_prompt: str | None = None,
                       thinking: bool = True) -> str:

@@ -184,3 +184,17 @@ def test_an_unload_report_is_never_negative():
     report = engine.unload()["unloaded"]
     assert all(v > 0 for v in report["leftover"].values()), report
     assert report["freed"] and all(v >= 0 for v in report["freed"].values()), report
+
+
+def test_the_recommended_settings_are_read_at_once_during_a_switch(load_demo):
+    """A page opened while a switch runs gets its settings now, not after the switch."""
+    import threading
+
+    engine = load_demo("fp32")
+    got: dict = {}
+    with engine.manager._switch():  # what a load holds while it swaps the model
+        reader = threading.Thread(target=lambda: got.update(engine.default_settings().as_dict()))
+        reader.start()
+        reader.join(timeout=5)
+        assert not reader.is_alive(), "the page load waited for the switch"
+    assert got["top_k"] == 20  # the demo model's generation_config
