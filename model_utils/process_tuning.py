@@ -19,10 +19,12 @@ A library user (a notebook, a test) that does not call it gets the engine with n
 
 from __future__ import annotations
 
+import logging
 import warnings
 from pathlib import Path
 
 _tuned = False
+log = logging.getLogger(__name__)
 
 
 def tune_process(compile_cache: str | Path | None = None) -> None:
@@ -34,7 +36,12 @@ def tune_process(compile_cache: str | Path | None = None) -> None:
 
     pin_mmap_threshold()
     if str(compile_cache) != "off":
-        cache.use_compile_cache(compile_cache or cache.default_dir())
+        folder = compile_cache or cache.default_dir()
+        try:
+            cache.use_compile_cache(folder)
+        except OSError as error:  # a slower first compile is no reason to refuse to serve
+            log.warning("cannot keep torch.compile's cache in %s (%s): using torch's default, "
+                        "in the temp folder", folder, error.strerror or error)
     warnings.filterwarnings("ignore", message="MatMul8bitLt: inputs will be cast")
     _tuned = True
 
