@@ -132,6 +132,8 @@ class Engine:
         if loaded is not None and status.get("loaded"):
             if loaded.batcher is not None:
                 status["kv_cache_gb"] = round(loaded.batcher.runner.cache_bytes() / GB, 4)
+                if (blocks := loaded.batcher.kv_blocks()) is not None:
+                    status["kv_blocks"] = blocks
             if loaded.memory_stages:
                 status["memory_stages"] = dict(loaded.memory_stages)
         elif self.manager.last_unload is not None:  # what the last unload left behind

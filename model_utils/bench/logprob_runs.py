@@ -17,6 +17,8 @@ import torch
 from model_utils.engine import Engine, eos_ids
 from model_utils.runtime.decoders import input_device
 from model_utils.runtime.generation import GenerationSettings, ReplyStats
+from model_utils.runtime.kv_blocks import blocks_for
+from model_utils.runtime.kv_cache import bucket
 
 from .logprob_check import Steps, steps_from_logits, steps_from_topk
 
@@ -78,54 +80,63 @@ def engine_teacher_forced(engine: Engine, sequences: list[list[int]], prompt_len
     loaded = engine.manager.loaded
     if loaded is None or loaded.batcher is None:
         raise ValueError("logprob checks need a model the engine decodes in batches")
-    batcher = loaded.batcher.runner  # the batch runner: its cache, prefill and step
-    return engine.worker.call(lambda: _teacher_forced(batcher, sequences, prompt_len,
+    runner = loaded.batcher.runner  # the batch runner: its cache, prefill and step
+    return engine.worker.call(lambda: _teacher_forced(runner, sequences, prompt_len,
                                                       should_yield))
 
 
 @torch.inference_mode()
-def _teacher_forced(batcher, sequences, prompt_len, should_yield) -> torch.Tensor:
-    if batcher.kv is None:
-        batcher.warm_up()
-    kv = batcher.kv
+def _teacher_forced(runner, sequences, prompt_len, should_yield) -> torch.Tensor:
+    pool = runner.blocks()  # the cache's blocks, allocated on first use
+    kv = runner.kv
     rows = len(sequences)
     if rows > kv.rows:
         raise ValueError(f"{rows} sequences, the batch cache has {kv.rows} rows")
-    if len(sequences[0]) > kv.length:
+    if len(sequences[0]) > kv.width * kv.block_tokens:
         raise ValueError("the sequences do not fit the context window")
-    device = kv.device
-    forced = torch.tensor(sequences, device=device)
-    first = [None] * rows
+    held: list[list[int]] = []
     try:
-        for group, padded in _prefill_groups(batcher, rows, prompt_len):
+        for sequence in sequences:
+            blocks = pool.allocate(blocks_for(len(sequence), pool.block_size))
+            if blocks is None:
+                raise ValueError("the KV cache has too few free blocks for these sequences")
+            held.append(blocks)
+        forced = torch.tensor(sequences, device=kv.device)
+        first = [None] * rows
+        for group, padded in _prefill_groups(runner, rows, prompt_len):
             prompts = [sequences[i][:prompt_len] for i in group]
             if padded:
-                logits, cache, ends = batcher.padded_prefill(prompts)
+                logits = runner.padded_prefill(prompts, [held[i] for i in group])
             else:
-                (logits, cache), ends = batcher.forward_prompts(prompts), None
+                logits = torch.cat([runner.forward_prompt(p, held[i])
+                                    for p, i in zip(prompts, group)])
             for j, row in enumerate(group):  # rows are placed in order: group by group
-                kv.place(row, cache, prompt_len, row, source=j, end=ends[j] if ends else None)
-                kv.set_token(row, sequences[row][prompt_len])
+                kv.place(row, held[row], prompt_len, sequences[row][prompt_len])
                 first[row] = torch.log_softmax(logits[j].float(), -1)
         out = [torch.stack(first).cpu()]
         length = prompt_len
+        b = bucket(rows, kv.row_buckets)  # padded to the row bucket, as replies are
         for t in range(prompt_len, len(sequences[0]) - 1):
             if should_yield is not None and should_yield():
                 raise Yielded
-            b, w = kv.prepare_step(rows, length)
-            logits = batcher.step_fn(kv, b, w)  # [b, V]; rows past `rows` are padding
+            kv.pad_rows(rows, b)
+            kv.set_lengths(b, length + 1, rows * (length + 1))
+            logits = runner.step_fn(kv, b)  # [b, V]; rows past `rows` are padding
             kv.advance(b)
             length += 1
             out.append(torch.log_softmax(logits[:rows].float(), -1).cpu())
             kv.ids[:rows, 0].copy_(forced[:, t + 1])
     finally:
-        kv.relayout(0, 0)  # every row free again, as the scheduler leaves it
+        for row in range(min(rows, kv.rows)):  # every row free again, as the scheduler
+            kv.clear_row(row)  # leaves them
+        for blocks in held:
+            pool.release(blocks)
     return torch.stack(out, 1)
 
 
-def _prefill_groups(batcher, rows: int, prompt_len: int):
+def _prefill_groups(runner, rows: int, prompt_len: int):
     """(row indices, padded): the groups the scheduler would prefill these prompts in."""
-    padded = batcher.padded_prefill
+    padded = runner.padded_prefill
     if padded and padded.fits(prompt_len):
         group: list[int] = []
         for row in range(rows):
@@ -135,4 +146,4 @@ def _prefill_groups(batcher, rows: int, prompt_len: int):
             group.append(row)
         yield group, True
     else:
-        yield list(range(rows)), False
+        yield list(range(rows)), False  # each by itself, as the scheduler does

@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 
     from model_utils.loading.manager import LoadedModel
 
-    from .kv_cache import BatchKV
+    from .kv_cache import PagedKV
 
 # A captured graph and its output buffer, which each replay overwrites.
 Captured = tuple[torch.cuda.CUDAGraph, torch.Tensor]
@@ -84,8 +84,8 @@ class GraphCapture:
                  restore: Callable[[], None]) -> Captured:
         """(graph, output) of `run` captured as one CUDA graph.
 
-        Three warm-up runs first; they move the cache's write index, so `restore` puts it back
-        before the capture records the real step."""
+        Three warm-up runs first; `restore` then puts back what they changed (the rows'
+        positions) before the capture records the real step."""
         self.side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(self.side):
             for _ in range(3):
@@ -110,20 +110,21 @@ class GraphedBatchStep:
     Captured by hand: torch.compile's own "reduce-overhead" mode also replays CUDA graphs, but it
     first evaluates dynamo's guards and copies inputs on every call, which costs about as much
     as the GPU work of a 7B decode step. Here every input is already a persistent buffer of
-    kv_cache.BatchKV (ids, positions, mask, cache views, the write index as a device tensor
-    updated inside the graph): the graph reads them in place, so a replay needs no copies at
-    all. One graph per (rows, slots) bucket of the view; a shape whose capture fails runs the
-    plain forward uncaptured (logged): it never fails a reply.
+    kv_cache.PagedKV (ids, positions, block table; the write slots and lengths are derived from
+    them inside the graph): the graph reads them in place, so a replay needs no copies at all.
+    One graph per row bucket; a shape whose capture fails runs the plain forward uncaptured
+    (logged): it never fails a reply.
 
-    Which forward is captured: the torch.compile'd one for up to `compiled_rows` rows in the
-    cache's first window (default 1 row: one reply decodes at 192 tok/s on the H200, bf16 7B,
-    run E), the model's plain forward for any other shape (see _capture_any).
+    Which forward is captured: the torch.compile'd one for up to `compiled_rows` rows (default
+    1 row: one reply decodes at 192 tok/s on the H200, bf16 7B, where the plain forward's graph
+    gave 5.11 against 7.05 ms a step), the model's plain forward for any other shape (see
+    _capture_any).
     Why not compile every batch size: on the H200 each new shape cost 43-53 s of inductor
     compilation (2, 4, ..., 32 rows, measured), which would stall every reply the first time that
     many users overlap (or add minutes to each load). A CUDA graph of the plain forward still
     removes the per-kernel launch cost, which is what made eager decoding slow: measured on the
     H200, 8.2 ms per step for 32 rows (3492 tok/s through the engine) against 5.9 ms for 8 rows
-    compiled. Attention reads each KV head once in both (attention.packed_sdpa).
+    compiled. Attention is the same paged decode kernel in both.
     """
 
     def __init__(self, model: PreTrainedModel, inductor_mode: str = "default",
@@ -131,54 +132,91 @@ class GraphedBatchStep:
         self.model = model
         self.compiled = compile_forward(model, inductor_mode)
         self.compiled_rows = compiled_rows
-        self._graphs: dict[tuple[int, int, int], Captured | None] = {}
+        self._graphs: dict[tuple[int, int], Captured | None] = {}
         self.capture = GraphCapture()  # shared with the prefill graphs (runtime/preparation.py)
         self.failed: str | None = None
+        self.chosen: dict[int, dict] = {}  # rows -> which forward was kept, and both times
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
 
-    def __call__(self, kv: BatchKV, b: int, w: int) -> torch.Tensor:
-        key = (id(kv), b, w)
+    def __call__(self, kv: PagedKV, b: int) -> torch.Tensor:
+        key = (id(kv), b)
         if key not in self._graphs:
-            self._graphs[key] = self._capture_any(kv, b, w)
+            self._graphs[key] = self._capture_any(kv, b)
         entry = self._graphs[key]
         if entry is None:  # no graph for this shape: the plain forward, uncaptured
-            return self.model(**kv.inputs(b, w)).logits[:, -1]
+            kv.prepare_decode(b)
+            return self.model(**kv.decode_args(b)).logits[:, -1]
         graph, logits = entry
         graph.replay()
         return logits
 
-    def _capture_any(self, kv: BatchKV, b: int, w: int) -> Captured | None:
-        """The first forward that captures for this view, None when neither does (logged).
+    def _capture_any(self, kv: PagedKV, b: int) -> Captured | None:
+        """The graph this shape replays, None when no forward captures (logged).
 
-        The compiled one first only for up to compiled_rows rows in the cache's first window,
-        the shape of nearly every short chat: any other shape would be a new compilation
-        (43-53 s on the H200) while every reply waits, e.g. a conversation outgrowing 1024
-        tokens; those capture the plain forward (one row: 7.05 against 5.11 ms a step).
+        Up to compiled_rows rows, the shape of nearly every single chat, the compiled forward
+        and the plain one are both captured and timed, and the faster is kept (`chosen` says
+        which, with both times): compiling is expected to win, and a compiled step that loses
+        (a kernel of a new torch or Triton, a mode that compiles badly) costs nothing but the
+        timing. Any other shape captures the plain forward alone: a new compilation (43-53 s on
+        the H200) would stall every reply decoding.
         """
-        compiled_first = b <= self.compiled_rows and w == kv.windows[0]
-        forwards = [self.compiled, self.model] if compiled_first else [self.model, self.compiled]
+        forwards = [self.compiled, self.model] if b <= self.compiled_rows else [self.model]
+        captured = []
+        reason = ""
         for forward in forwards:
             try:
-                return self._capture(kv, b, w, forward)
+                captured.append((forward, self._capture(kv, b, forward)))
             except Exception as error:  # noqa: BLE001 - serve eagerly rather than fail
-                log.exception("capturing the batched step (%d rows, %d slots) failed", b, w)
-                kv.set_index_after_capture()
+                log.exception("capturing the batched step (%d rows) failed", b)
                 reason = f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"
-        self.failed = reason
-        return None
+        if not captured and b > self.compiled_rows:  # the compiled one, as a last resort
+            try:
+                captured.append((self.compiled, self._capture(kv, b, self.compiled)))
+            except Exception as error:  # noqa: BLE001
+                log.exception("capturing the compiled batched step (%d rows) failed", b)
+                reason = f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"
+        if not captured:
+            self.failed = reason
+            return None
+        if len(captured) == 1:
+            return captured[0][1]
+        times = {("compiled" if forward is self.compiled else "plain"): replay_ms(graph)
+                 for forward, (graph, _) in captured}
+        kept = min(times, key=times.get)
+        self.chosen[b] = {"kept": kept, **{f"{k}_ms": round(v, 3) for k, v in times.items()}}
+        log.info("batched step for %d rows: compiled %.3f ms, plain forward %.3f ms a replay: "
+                 "keeping the %s one", b, times["compiled"], times["plain"], kept)
+        return next(entry for forward, entry in captured
+                    if (forward is self.compiled) == (kept == "compiled"))
 
-    def _capture(self, kv: BatchKV, b: int, w: int,
-                 forward: Callable[..., Any]) -> Captured:
-        inputs = kv.inputs(b, w)
+    def _capture(self, kv: PagedKV, b: int, forward: Callable[..., Any]) -> Captured:
+        args = kv.decode_args(b)
         start = time.perf_counter()
+        saved = kv.pos[:b].clone()
 
         def run():
-            return forward(**inputs).logits[:, -1]
+            kv.prepare_decode(b)
+            return forward(**args).logits[:, -1]
 
-        # The warm-up writes slots j..j+2 (each later step overwrites its slot before reading
-        # it) and moves the write index, which set_index_after_capture puts back.
-        graph, logits = self.capture(run, kv.set_index_after_capture)
-        log.info("captured the batched step (%s) for %d rows x %d slots in %.1f s",
-                 "compiled" if forward is self.compiled else "plain forward", b, w,
+        def restore():  # the warm-up runs the step; put the rows' positions back
+            kv.pos[:b].copy_(saved)
+
+        graph, logits = self.capture(run, restore)
+        log.info("captured the batched step (%s) for %d rows in %.1f s",
+                 "compiled" if forward is self.compiled else "plain forward", b,
                  time.perf_counter() - start)
         return graph, logits
+
+
+def replay_ms(graph: torch.cuda.CUDAGraph, replays: int = 10) -> float:
+    """Milliseconds one replay of a captured decode step takes (replaying it again is
+    harmless: it writes the same keys and values to the same slots)."""
+    for _ in range(2):
+        graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / replays

@@ -116,13 +116,15 @@ class ReplyStats:
     finish_reason: str = ""  # "eos" | "length" | "stop" ("error" when the batch step failed)
     decode_path: str = ""
     batched_with: int = 1  # the most replies decoded in one step together, this one included
+    cached_tokens: int = 0  # prompt tokens whose keys and values were found in the KV cache
 
     def as_dict(self) -> dict:
         return asdict(self)
 
     def line(self) -> str:
+        cached = f" ({self.cached_tokens} cached)" if self.cached_tokens else ""
         return (f"{self.ttft_ms:.0f} ms to first token · {self.tok_s:.1f} tok/s · "
-                f"{self.prompt_tokens} in / {self.new_tokens} out")
+                f"{self.prompt_tokens} in{cached} / {self.new_tokens} out")
 
 
 def decode_tokens(decoder: EagerDecoder, input_ids: list[int], settings: GenerationSettings, *,

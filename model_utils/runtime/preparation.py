@@ -18,7 +18,7 @@ import torch
 from model_utils.loading.manager import LoadedModel, Progress
 from model_utils.memory import torch_cuda_gb
 
-from . import attention, compile_cache, cuda_graphs, kv_cache, prefill
+from . import compile_cache, cuda_graphs, kv_cache, paged_attention
 from .fused_qkv import fuse_qkv
 from .runner import BatchRunner, EagerStep
 from .scheduler import Scheduler
@@ -35,7 +35,7 @@ class DecodePreparation:
 
     def __call__(self, loaded: LoadedModel, progress: Progress) -> None:
         self._record_memory(loaded, "weights")
-        attention.use_packed_decode(loaded.model)
+        paged_attention.use_paged_attention(loaded.model)
         batches, why_not = kv_cache.support(loaded.model)
         if not batches:
             # Replies take turns on the single-stream eager decoder (decoders.EagerDecoder).
@@ -50,8 +50,8 @@ class DecodePreparation:
             fused = fuse_qkv(loaded.model)  # before compiling: the step traces the fused forward
             step = cuda_graphs.GraphedBatchStep(loaded.model, self.engine.compile_mode,
                                                 compiled_rows=self.engine.compiled_rows)
-            path = "static-cache+cuda-graphs (batched)"
-            why = "compiled path: batched static KV cache + CUDA graphs" + \
+            path = "paged-kv+cuda-graphs (batched)"
+            why = "compiled path: batched paged KV cache + CUDA graphs" + \
                   (", one q/k/v matmul per layer" if fused else "")
         loaded.decode_path, loaded.decode_path_reason = path, \
             f"{why}; up to {self.engine.max_batch} concurrent replies decoded together"
@@ -77,28 +77,29 @@ class DecodePreparation:
             loaded.decode_path = "eager"
             loaded.decode_path_reason = f"eager path: compiling failed ({failed})"
             return
+        chosen = getattr(runner.step_fn, "chosen", {}).get(1)
+        if chosen:
+            loaded.decode_path_reason += (
+                f"; one-reply step: {chosen['kept']} forward kept (compiled "
+                f"{chosen['compiled_ms']} ms, plain {chosen['plain_ms']} ms a step)")
         if self.engine.max_batch > 1:
             progress(0.9, f"capturing the decode step for 2-{self.engine.max_batch} replies at once")
             self.engine.worker.call(lambda: runner.warm_up(range(2, self.engine.max_batch + 1)))
             if getattr(runner.step_fn, "failed", None):  # those shapes decode uncaptured
                 log.warning("some batch sizes run uncaptured: %s", runner.step_fn.failed)
         self._record_memory(loaded, "decode graphs")
-        applies, why_not = prefill.support(loaded.model)
-        if applies:
-            progress(0.95, "capturing the prefill of short prompts")
-            capture = runner.step_fn.capture  # the decode steps' pool and warm-up stream
-            self.engine.worker.call(lambda: runner.use_padded_prefill(capture))
-            padded = runner.padded_prefill
-            if padded:
-                note = (f"; prompts up to {padded.buckets[-1]} tokens prefilled by CUDA graphs, "
-                        f"up to {max(rows for rows, _ in padded.shapes)} at once")
-                if padded.uncaptured:
-                    shapes = ", ".join(f"{r}x{n}" for r, n in padded.uncaptured)
-                    note += f" (prompts x tokens {shapes} failed to capture: eager)"
-                loaded.decode_path_reason += note
-            self._record_memory(loaded, "prefill graphs")
-        else:
-            log.info("prompts are prefilled eagerly (%s)", why_not)
+        progress(0.95, "capturing the prefill of short prompts")
+        capture = runner.step_fn.capture  # the decode steps' pool and warm-up stream
+        self.engine.worker.call(lambda: runner.use_padded_prefill(capture))
+        padded = runner.padded_prefill
+        if padded:
+            note = (f"; prompts up to {padded.buckets[-1]} tokens prefilled by CUDA graphs, "
+                    f"up to {max(rows for rows, _ in padded.shapes)} at once")
+            if padded.uncaptured:
+                shapes = ", ".join(f"{r}x{n}" for r, n in padded.uncaptured)
+                note += f" (prompts x tokens {shapes} failed to capture: eager)"
+            loaded.decode_path_reason += note
+        self._record_memory(loaded, "prefill graphs")
         loaded.compiled_graphs = compile_cache.since(cached_before)
         log.info("batched step ready for %s in %.1f s (compiled graphs: %d from the cache, %d "
                  "compiled afresh)", loaded.display_name, time.perf_counter() - start,

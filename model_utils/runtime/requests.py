@@ -43,6 +43,24 @@ class Request:
     sampled: int = 0  # sampled on the device: new_tokens plus those of a step in flight
     first_at: float = 0.0
     length: int = 0  # tokens in the cache, counting a step in flight
+    output: list[int] = field(default_factory=list)  # the reply's tokens handed out so far
+    # The KV cache (kv_blocks.BlockPool): the blocks of the request's tokens, in order, and
+    # how many prompt tokens were found there (a reused prefix) when it was admitted.
+    blocks: list[int] = field(default_factory=list)
+    cached_tokens: int = 0
+    preempted: int = 0  # times its blocks were taken back to let others go on
+    admitted: int = -1  # its place in the order of admission (the last one is preempted first)
+
+    # What a prefill computes: the prompt, and after a preemption the reply so far too.
+    prompt_ids: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.prompt_ids = self.prompt_ids or self.input_ids
+
+    def cached_sequence(self) -> list[int]:
+        """The tokens whose keys and values are in the cache, in order: the prompt and every
+        reply token that was fed to a step (a token sampled after the last step is not)."""
+        return (self.input_ids + self.output)[:self.length]
 
     @property
     def finished(self) -> bool:
@@ -64,6 +82,7 @@ class Request:
         if token in self.eos_ids:
             return "eos"
         self.new_tokens = stats.new_tokens = n + 1
+        self.output.append(token)
         self.out.put(token)
         if self.new_tokens >= self.settings.max_new_tokens:
             return "length"

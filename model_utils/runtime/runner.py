@@ -1,10 +1,11 @@
-"""The batch runner: every forward pass, the KV cache, sampling on the device and readback.
+"""The batch runner: every forward pass, the paged KV cache, sampling on the device and readback.
 
 It does what the scheduler (scheduler.py) decides and nothing else: prefill a group of prompts
-(by the padded prefill's CUDA graphs where they fit, else in one eager forward of left-padded
-prompts), give the first batch cache its size, sample first tokens, copy a prompt's KV into a
-row, launch one decode step for the active rows (the eager forward, or cuda_graphs'
-GraphedBatchStep), and move a row when another leaves. All on the engine's decode worker.
+into the blocks the scheduler gave them (by the padded prefill's CUDA graphs where they fit,
+else one prompt at a time, in chunks, after the part of it the cache already holds), sample
+first tokens, give a reply a row, write a row's new block into the table, launch one decode
+step for the active rows (the eager forward, or cuda_graphs' GraphedBatchStep), and move a row
+when another leaves. All on the engine's decode worker.
 """
 
 from __future__ import annotations
@@ -18,24 +19,24 @@ from typing import TYPE_CHECKING
 import torch
 
 from .decoders import input_device
-from .kv_cache import BatchKV, bucket, kv_bytes_per_row
+from .kv_blocks import BlockPool, blocks_for
+from .kv_cache import BLOCK_TOKENS, LayerKV, PagedKV, bucket, probe_layers
 from .prefill import PaddedPrefill
 from .readback import TokenReadback
 from .sampling import RowSampler, sample_rows
 
 if TYPE_CHECKING:
-    from transformers import DynamicCache, PreTrainedModel
-    from transformers.cache_utils import Cache
-
     from .cuda_graphs import GraphCapture
     from .requests import Request
 
 log = logging.getLogger(__name__)
 
-# Share of the memory free after loading that the batch KV cache may take (per device).
+# Share of the memory free after loading that the KV cache may take (per device).
 KV_MEMORY_SHARE = 0.5
-# step_fn(kv, b, w) -> logits [b, V] of one decode step on the (b, w) view of the cache.
-StepFn = Callable[[BatchKV, int, int], torch.Tensor]
+# A prompt longer than this is prefilled in chunks of it: bounds the forward's activations.
+PREFILL_CHUNK = 8192
+# step_fn(kv, b) -> logits [b, V] of one decode step for rows [0, b) of the cache.
+StepFn = Callable[[PagedKV, int], torch.Tensor]
 # Rows whose sampling raised: (index in the step's rows, the error).
 Failures = list[tuple[int, Exception]]
 
@@ -45,35 +46,37 @@ class EagerStep:
 
     name = "eager"
 
-    def __init__(self, model: PreTrainedModel):
+    def __init__(self, model):
         self.model = model
 
-    def __call__(self, kv: BatchKV, b: int, w: int) -> torch.Tensor:
-        return self.model(**kv.inputs(b, w)).logits[:, -1]
+    def __call__(self, kv: PagedKV, b: int) -> torch.Tensor:
+        kv.prepare_decode(b)
+        return self.model(**kv.decode_args(b)).logits[:, -1]
 
 
 @dataclass(eq=False)
 class Prefilled:
-    """Prompts after their forward: logits [n, V] of each one's last token, their KV in row i
-    of `cache`, ending at slot ends[i] (None: at the cache's last slot, as left-padded)."""
+    """Prompts after their forward: logits [n, V] of each one's last token (their keys and
+    values are in their blocks)."""
 
     logits: torch.Tensor
-    cache: Cache
-    ends: list[int] | None = None
 
 
 class BatchRunner:
-    """Runs one loaded model's batched decoding: up to max_batch rows of context_tokens slots."""
+    """Runs one loaded model's batched decoding: up to max_batch rows, a paged KV cache sized
+    for at least one reply of context_tokens."""
 
-    def __init__(self, model: PreTrainedModel, *, context_tokens: int, max_batch: int,
-                 step_fn: StepFn | None = None):
+    def __init__(self, model, *, context_tokens: int, max_batch: int,
+                 step_fn: StepFn | None = None, kv_tokens: int | None = None):
         self.model = model
         self.context_tokens = context_tokens
         self.max_batch = max_batch
         # The eager forward, or cuda_graphs.GraphedBatchStep's captured graphs.
         self.step_fn: StepFn = step_fn or EagerStep(model)
         self.device = input_device(model)
-        self.kv: BatchKV | None = None  # allocated at the first request (sized by its KV)
+        self.kv_tokens = kv_tokens  # the pool's size in tokens; None: from free memory
+        self.kv: PagedKV | None = None  # allocated on first use
+        self.pool: BlockPool | None = None
         self.padded_prefill: PaddedPrefill | None = None  # see use_padded_prefill
         self._readback: TokenReadback | None = None  # made with the cache
         self._samplers: dict[Request, RowSampler] = {}  # requests set up and not ended
@@ -82,26 +85,21 @@ class BatchRunner:
     def warm_up(self, row_counts: Iterable[int] = (1,)) -> None:
         """Compile and capture the step for the row buckets of `row_counts` ahead of any reply,
         so that a new batch size does not stall the replies decoding. Call on the worker
-        thread (engine.worker.call), where no loop is running: it uses the cache's rows."""
+        thread (engine.worker.call), where no loop is running: it uses the cache's rows, all
+        pointing at the null block then."""
         with torch.inference_mode():
-            if self.kv is None:
-                _, cache = self.forward_prompts([[0] * 16])
-                self.kv = self._allocate(cache)
-                # The first masked forward of several prompts (eager groups: the CPU, and
-                # prompts longer than the prefill graphs) has first-call costs of its own.
-                self.forward_prompts([[0] * 16, [0] * 12])
-            kv = self.kv
+            kv = self._cache()
             for b in sorted({bucket(min(r, kv.rows), kv.row_buckets) for r in row_counts}):
-                kv.relayout(0, 0)
-                kv.prepare_step(b, 0)
-                self.step_fn(kv, b, kv.windows[0])
-            kv.relayout(0, 0)
+                kv.pad_rows(0, b)
+                kv.set_lengths(b, 1, b)
+                self.step_fn(kv, b)
+            kv.pad_rows(0, kv.rows)
 
     def use_padded_prefill(self, capture: GraphCapture | None = None) -> float:
         """Prefill short prompts through prefill.PaddedPrefill (captured as CUDA graphs by
         `capture`, a cuda_graphs.GraphCapture; eager without), set up now; returns the seconds
         it took. On the worker thread, after warm_up (which allocates the cache)."""
-        padded = PaddedPrefill(self.model, self.kv, capture=capture)
+        padded = PaddedPrefill(self.model, self._cache(), capture=capture)
         if not padded.buckets:  # a context shorter than the smallest bucket
             return 0.0
         with torch.inference_mode():
@@ -110,15 +108,19 @@ class BatchRunner:
         return seconds
 
     def cache_bytes(self) -> int:
-        """Bytes of the caches replies decode in: the batch cache and the prefill row."""
-        return (self.kv.nbytes if self.kv else 0) + \
-            (self.padded_prefill.nbytes if self.padded_prefill else 0)
+        """Bytes of the KV cache replies decode in."""
+        return self.kv.nbytes if self.kv else 0
 
     # -- what the scheduler asks for -----------------------------------------------------------
     @property
-    def capacity(self) -> int | None:
-        """Rows of the batch cache; None until the first prompt sizes it."""
-        return self.kv.rows if self.kv else None
+    def capacity(self) -> int:
+        """Rows: replies that can decode at once."""
+        return self.max_batch
+
+    def blocks(self) -> BlockPool:
+        """The block pool the scheduler hands out (the cache is allocated at the first call)."""
+        self._cache()
+        return self.pool
 
     def session(self) -> contextlib.AbstractContextManager:
         """The context the scheduler's loop runs in."""
@@ -136,46 +138,43 @@ class BatchRunner:
                                                     request.eos_ids, self.device,
                                                     request.logprobs)
 
+    def is_set_up(self, request: Request) -> bool:
+        return request in self._samplers
+
     def release(self, request: Request) -> None:
         """Forget a request's device state (it ended, or is set up afresh)."""
         self._samplers.pop(request, None)
 
     def prefill(self, requests: list[Request], padded: bool) -> Prefilled:
-        """One forward of the requests' prompts: the padded prefill (right-padded, a graph
-        replay on a GPU), or eager (left-padded; one prompt alone is exactly the forward of a
-        single reply)."""
-        prompts = [r.input_ids for r in requests]
+        """The forward of each request's prompt tokens the cache does not hold yet, written to
+        its blocks: the padded prefill (right-padded, a graph replay on a GPU) for several at
+        once, or one by one (in chunks of PREFILL_CHUNK, each after the ones before)."""
         if padded:
-            logits, cache, ends = self.padded_prefill(prompts)
-            return Prefilled(logits, cache, ends)
-        logits, cache = self.forward_prompts(prompts)
-        return Prefilled(logits, cache)
+            return Prefilled(self.padded_prefill([r.prompt_ids for r in requests],
+                                                 [r.blocks for r in requests]))
+        return Prefilled(torch.cat([self.forward_prompt(r.prompt_ids, r.blocks,
+                                                        r.cached_tokens)
+                                    for r in requests]))
 
-    def forward_prompts(self, prompts: list[list[int]]) -> tuple[torch.Tensor, DynamicCache]:
-        """(logits [n, V] of each prompt's last token, a DynamicCache of their KV): one eager
-        forward, the prompts left-padded to the longest, masked when there are several."""
-        from transformers import DynamicCache
-
-        lengths = [len(p) for p in prompts]
-        width = max(lengths)
-        ids = torch.zeros(len(prompts), width, dtype=torch.long)
-        positions = torch.zeros(len(prompts), width, dtype=torch.long)
-        mask = torch.zeros(len(prompts), width, dtype=torch.long)
-        for i, (prompt, length) in enumerate(zip(prompts, lengths)):
-            ids[i, width - length:] = torch.tensor(prompt)
-            positions[i, width - length:] = torch.arange(length)
-            mask[i, width - length:] = 1
-        cache = DynamicCache(config=self.model.config)
-        out = self.model(input_ids=ids.to(self.device), position_ids=positions.to(self.device),
-                         attention_mask=mask.to(self.device) if len(prompts) > 1 else None,
-                         cache=cache, use_cache=True, logits_to_keep=1)
-        return out.logits[:, -1], cache
-
-    def allocate(self, prefilled: Prefilled) -> int:
-        """The batch cache, made at the first prompt (sized by its KV); returns its rows."""
-        if self.kv is None:
-            self.kv = self._allocate(prefilled.cache)
-        return self.kv.rows
+    def forward_prompt(self, tokens: list[int], blocks: list[int], cached: int = 0,
+                       chunk: int = PREFILL_CHUNK) -> torch.Tensor:
+        """Logits [1, V] of the last of `tokens`, whose first `cached` are in `blocks` already;
+        the rest are computed and written there, `chunk` tokens per forward."""
+        kv = self._cache()
+        logits = None
+        for start in range(cached, len(tokens), chunk):
+            stop = min(start + chunk, len(tokens))
+            slots = kv.slots_of(blocks, start, stop)
+            if start == 0:
+                step = kv.prefill_step(slots)
+            else:
+                step = kv.extend_step(slots, kv.slots_of(blocks, 0, stop), start)
+            ids = torch.tensor([tokens[start:stop]], device=self.device)
+            positions = torch.arange(start, stop, device=self.device)[None]
+            logits = self.model(input_ids=ids, position_ids=positions,
+                                attention_mask=kv.no_masks, paged=step, use_cache=False,
+                                logits_to_keep=1).logits[:, -1]
+        return logits
 
     def first_tokens(self, prefilled: Prefilled,
                      requests: list[Request]) -> tuple[list[int], Failures]:
@@ -183,13 +182,14 @@ class BatchRunner:
         tokens, failures = self._sample(prefilled.logits[:len(requests)], requests)
         return tokens.tolist(), failures
 
-    def place(self, row: int, prefilled: Prefilled, source: int, length: int,
-              token: int) -> None:
-        """Prompt `source` of `prefilled` (its `length` tokens) into cache row `row`, the next
-        free one, with `token` as its next input."""
-        self.kv.place(row, prefilled.cache, length, row, source=source,
-                      end=prefilled.ends[source] if prefilled.ends else None)
-        self.kv.set_token(row, token)
+    def place(self, row: int, request: Request, token: int) -> None:
+        """`request` (its request.length tokens in its blocks) takes row `row`, the next free
+        one, with `token` as its next input."""
+        self.kv.place(row, request.blocks, request.length, token)
+
+    def add_blocks(self, entries: list[tuple[int, int, int]]) -> None:
+        """(row, index, block): a row's next token starts block `index` of its table."""
+        self.kv.add_blocks(entries)
 
     def launch(self, rows: list[Request],
                longest: int) -> tuple[Callable[[], list[int]], Failures]:
@@ -198,15 +198,21 @@ class BatchRunner:
         function reads them on the host (waiting for the step if it still runs). `longest`:
         the most tokens any row holds."""
         kv = self.kv
-        b, w = kv.prepare_step(len(rows), longest)
-        logits = self.step_fn(kv, b, w)  # [b, V]
+        n = len(rows)
+        b = bucket(n, kv.row_buckets)
+        kv.pad_rows(n, b)
+        kv.set_lengths(b, longest + 1, sum(r.length for r in rows) + b)
+        logits = self.step_fn(kv, b)  # [b, V]
         kv.advance(b)
-        tokens, failures = self._sample(logits[:len(rows)], rows)
-        kv.ids[:len(rows), 0].copy_(tokens)
+        tokens, failures = self._sample(logits[:n], rows)
+        kv.ids[:n, 0].copy_(tokens)
         return self._readback.start(tokens), failures
 
-    def move_row(self, src: int, dst: int, length: int) -> None:
-        self.kv.move_row(src, dst, length)
+    def move_row(self, src: int, dst: int) -> None:
+        self.kv.move_row(src, dst)
+
+    def clear_row(self, row: int) -> None:
+        self.kv.clear_row(row)
 
     # -- inside ---------------------------------------------------------------------------------
     def _sample(self, logits: torch.Tensor,
@@ -215,21 +221,46 @@ class BatchRunner:
         return sample_rows(logits, [self._samplers.get(r) for r in requests],
                            hold_eos=[r.sampled < r.settings.min_new_tokens for r in requests])
 
-    def _allocate(self, prompt_cache: Cache) -> BatchKV:
-        """The batch cache: max_batch rows of context_tokens slots, fewer if memory is short."""
-        per_row = kv_bytes_per_row(prompt_cache, self.context_tokens)
-        rows = self.max_batch
-        for device, size in per_row.items():
-            free = _free_bytes(device)
-            rows = min(rows, max(1, int(free * KV_MEMORY_SHARE // size)))
-        if rows < self.max_batch:
-            log.warning("batch cache: memory for %d of %d rows of %d tokens", rows,
-                        self.max_batch, self.context_tokens)
-        log.info("batch cache: %d rows x %d tokens, %.3f GB", rows, self.context_tokens,
-                 rows * sum(per_row.values()) / 2**30)
-        self._readback = TokenReadback(self.device, rows)
-        return BatchKV(self.model, prompt_cache, rows=rows, length=self.context_tokens,
-                       device=self.device)
+    def _cache(self) -> PagedKV:
+        """The paged cache and its block pool, made at the first need: enough blocks for every
+        row to hold a whole context and one reply more (room for reused prefixes), fewer where
+        memory is short, never fewer than one whole context."""
+        if self.kv is not None:
+            return self.kv
+        layers = self._probe()
+        per_token = {}
+        for layer in layers:
+            per_token[layer.device] = per_token.get(layer.device, 0) + layer.bytes_per_token
+        wanted = (self.max_batch + 1) * self.context_tokens
+        tokens = self.kv_tokens or wanted
+        if self.kv_tokens is None:
+            for device, size in per_token.items():
+                tokens = min(tokens, int(_free_bytes(device) * KV_MEMORY_SHARE // size))
+        one_reply = self.context_tokens + BLOCK_TOKENS
+        if tokens < one_reply:
+            log.warning("KV cache: memory for %d tokens, fewer than one reply of the whole "
+                        "context (%d): taking that much anyway", tokens, self.context_tokens)
+            tokens = one_reply
+        blocks = blocks_for(tokens, BLOCK_TOKENS) + 1  # + the null block
+        self.kv = PagedKV(self.model, layers, num_blocks=blocks, block_tokens=BLOCK_TOKENS,
+                          rows=self.max_batch, context_tokens=self.context_tokens,
+                          device=self.device)
+        self.pool = BlockPool(blocks, BLOCK_TOKENS)
+        self._readback = TokenReadback(self.device, self.max_batch)
+        log.info("KV cache: %d blocks of %d tokens (%d tokens, %.3f GB) for %d rows",
+                 blocks - 1, BLOCK_TOKENS, (blocks - 1) * BLOCK_TOKENS,
+                 self.kv.nbytes / 2**30, self.max_batch)
+        return self.kv
+
+    def _probe(self) -> list[LayerKV]:
+        """Each layer's K/V shape, dtype and device, from a short forward."""
+        from transformers import DynamicCache
+
+        cache = DynamicCache(config=self.model.config)
+        with torch.inference_mode():
+            ids = torch.zeros(1, 4, dtype=torch.long, device=self.device)
+            self.model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
+        return probe_layers(cache)
 
 
 def _free_bytes(device: torch.device) -> int:

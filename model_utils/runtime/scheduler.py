@@ -1,31 +1,41 @@
-"""Continuous batching, the deciding half: the queue, admission, rows, when a reply ends.
+"""Continuous batching, the deciding half: the queue, admission, rows, the KV blocks each reply
+holds, when a reply ends.
 
 Why our own scheduler: transformers' continuous batching (generate_batch, paged attention) was
 measured on an H200 at 332 tok/s aggregate for 32 requests, against a target of 3000; it also
 runs its own thread and cache, where our CUDA graphs must stay on the engine's decode worker. So
-the loop below is ours; the model, its StaticLayer cache and its masks are transformers' own.
+the loop below is ours (its shape is vLLM's: a scheduler that owns the KV-cache accounting and a
+runner that owns the tensors); the model is transformers' own.
 
-Pure Python: every forward pass, tensor and the KV cache belong to the runner (runner.py, the
-`Runner` protocol below), which this loop drives on the engine's DecodeWorker while there is
-work:
+Pure Python: every forward pass, tensor and the KV cache's memory belong to the runner
+(runner.py, the `Runner` protocol below), which this loop drives on the engine's DecodeWorker
+while there is work:
 
-    admit   waiting requests take free rows: their prompts are prefilled together (see
-            prefill_groups.py), each first token sampled, each prompt's KV copied into its row
+    admit   waiting requests take free rows, in the order they came, as long as the KV cache
+            has blocks for their prompts (cache_manager.py: a prompt's start that is cached
+            already, a shared system prompt or the earlier turns of the conversation, is reused,
+            not computed); their prompts are prefilled together where they can be (see
+            prefill_groups.py), each first token sampled, each request given a row
     drop    requests whose stop event is set (Stop, a closed tab, a vanished client) leave
     step    one step for all active rows, each row sampled with its own settings on the device:
             the sampled tokens are the next step's inputs there, and the next step is launched
             before the host reads them (it pushes each token to its request's queue while the
-            GPU runs the step after), so the GPU does not wait for Python between steps;
-            finished rows leave
+            GPU runs the step after), so the GPU does not wait for Python between steps; a row
+            whose next token starts a block gets one first; finished rows leave
 
-so a request joins or leaves between two steps and never waits for the batch to finish. The
-number of requests admitted or waiting is bounded (max_batch + max_queue): one more gets
-QueueFull at once, never a hang. One request's failure (its prefill, its sampling) ends that
-request only.
+so a request joins or leaves between two steps and never waits for the batch to finish. When
+the cache is full, a waiting request waits for blocks (the queue status says so) and a growing
+reply that finds none takes them from the reply admitted last, which is sent back to wait at
+the head of the queue and resumes later from its tokens so far (most of them found in the
+cache again): never an out-of-memory error. The number of requests admitted or waiting is
+bounded (max_batch + max_queue): one more gets QueueFull at once, never a hang. One request's
+failure (its prefill, its sampling) ends that request only; a group whose prefill fails is
+prefilled again request by request, so the one that cannot be ends by itself.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 from collections import deque
@@ -36,11 +46,13 @@ from typing import TYPE_CHECKING, Protocol
 
 from model_utils.errors import QueueFull
 
-from .admission import Admission
+from .cache_manager import CacheManager
+from .prefill_groups import prefill_groups
 from .requests import DONE, Request
 
 if TYPE_CHECKING:
     from .generation import GenerationSettings, ReplyStats
+    from .kv_blocks import BlockPool
     from .runner import Prefilled
     from .sampling import TopK
 
@@ -56,21 +68,23 @@ class Runner(Protocol):
     own record of a prefill, handed back to it as is."""
 
     @property
-    def capacity(self) -> int | None: ...  # rows of the cache, None before the first prompt
+    def capacity(self) -> int: ...  # rows: replies that decode at once
+    def blocks(self) -> BlockPool: ...  # the KV cache's blocks (allocated at the first call)
     def session(self) -> AbstractContextManager: ...  # the context the whole loop runs in
     def fits_padded(self, tokens: int) -> bool: ...  # the padded prefill takes this prompt
     def fit_padded_together(self, lengths: list[int]) -> bool: ...  # ... these in one replay
     def set_up(self, request: Request) -> None: ...  # its sampling state; may raise
+    def is_set_up(self, request: Request) -> bool: ...
     def release(self, request: Request) -> None: ...  # forget that state
     def prefill(self, requests: list[Request], padded: bool) -> Prefilled: ...
-    def allocate(self, prefilled: Prefilled) -> int: ...  # makes the cache; returns its rows
     def first_tokens(self, prefilled: Prefilled,
                      requests: list[Request]) -> tuple[list[int], Failures]: ...
-    def place(self, row: int, prefilled: Prefilled, source: int, length: int,
-              token: int) -> None: ...  # prompt `source`'s KV into `row`, `token` next
+    def place(self, row: int, request: Request, token: int) -> None: ...  # `token` next
+    def add_blocks(self, entries: list[tuple[int, int, int]]) -> None: ...
     def launch(self, rows: list[Request],
                longest: int) -> tuple[Callable[[], list[int]], Failures]: ...  # one step
-    def move_row(self, src: int, dst: int, length: int) -> None: ...
+    def move_row(self, src: int, dst: int) -> None: ...
+    def clear_row(self, row: int) -> None: ...
 
 
 def check_limits(max_batch: int, max_queue: int) -> None:
@@ -80,7 +94,7 @@ def check_limits(max_batch: int, max_queue: int) -> None:
         raise ValueError(f"max_queue must be >= 0, got {max_queue}")
 
 
-class Scheduler(Admission):
+class Scheduler:
     """Decodes the requests of one loaded model together. Thread-safe `submit`; the loop runs
     on `post`'s thread (the engine's DecodeWorker)."""
 
@@ -94,11 +108,15 @@ class Scheduler(Admission):
         self.max_batch, self.max_queue = max_batch, max_queue
         self.path_name = path_name
         self.rows: list[Request] = []  # active requests; rows[i] decodes in cache row i
+        self.cache: CacheManager | None = None  # made by the loop's first admission
         self._waiting: deque[Request] = deque()
         self._lock = threading.Lock()
         self._admitted = 0  # requests taken off the queue and not finished (under _lock)
         self._running = False  # the loop is posted or running (under _lock)
+        self._order = itertools.count()  # admission order: the last admitted is preempted first
         self.peak_rows = 0
+        self.preemptions = 0
+        self.waiting_for_memory = False  # the queue's head waits for KV blocks
         # (request, the error that ended it or None), streams ended by _flush_ended
         self._ended: list[tuple[Request, BaseException | None]] = []
 
@@ -111,7 +129,7 @@ class Scheduler(Admission):
         receives each token's top-k log-probabilities (see Request.logprobs); it may hold one
         entry more than the reply has tokens (a step in flight when the reply ended)."""
         if not input_ids or len(input_ids) + settings.max_new_tokens > self.context_tokens:
-            # Checked here: a reply that outgrew its row would fail the whole batch's step.
+            # Checked here: the KV cache is sized for one whole context at least.
             raise ValueError(f"{len(input_ids)} prompt tokens + max_new_tokens "
                              f"{settings.max_new_tokens} do not fit the context window "
                              f"({self.context_tokens}), or the prompt is empty")
@@ -131,10 +149,20 @@ class Scheduler(Admission):
             self.post(self._loop)
         return request.tokens()
 
-    def load(self) -> dict[str, int]:
+    def load(self) -> dict:
         with self._lock:
-            return {"active": self._admitted, "waiting": len(self._waiting),
+            load = {"active": self._admitted, "waiting": len(self._waiting),
                     "max_batch": self.max_batch, "max_queue": self.max_queue}
+        if self.waiting_for_memory:
+            load["waiting_for"] = "KV cache blocks"
+        return load
+
+    def kv_blocks(self) -> dict | None:
+        """The KV cache's blocks (used, cached, free) and what reuse saved, once allocated."""
+        if self.cache is None:
+            return None
+        return {**self.cache.counts().as_dict(), "reused_tokens": self.cache.pool.hits_tokens,
+                "preemptions": self.preemptions}
 
     # -- the decode worker --------------------------------------------------------------------
     def _loop(self) -> None:
@@ -150,7 +178,7 @@ class Scheduler(Admission):
                 waiting, self._waiting = list(self._waiting), deque()
                 self._running = False
             for request in waiting:
-                self.runner.release(request)
+                self._let_go(request, keep=False)
                 request.out.put(error)
 
     def _iterate(self) -> bool:
@@ -172,17 +200,126 @@ class Scheduler(Admission):
             self._running = False
             return False
 
+    # -- admission ----------------------------------------------------------------------------
+    def _admit(self) -> None:
+        """Give free rows to waiting requests, in order, while the KV cache has room for their
+        prompts; their prompts are prefilled together."""
+        if self.cache is None:
+            self.cache = CacheManager(self.runner.blocks())
+        self.waiting_for_memory = False
+        group: list[Request] = []
+        while len(self.rows) + len(group) < self.runner.capacity:
+            with self._lock:
+                if not self._waiting:
+                    break
+                request = self._waiting[0]
+            if request.stop.is_set():  # gone before it started: no blocks, no prefill
+                self._take_from_queue()
+                self._finish(request, "stop")
+                continue
+            # A prompt the padded prefill takes costs a graph replay: computing it whole is as
+            # fast as reading back a prefix, and keeps it in the group's one replay.
+            reuse = not self.runner.fits_padded(len(request.prompt_ids))
+            if not self.cache.admit(request, reuse=reuse, headroom=len(self.rows) + len(group)):
+                self.waiting_for_memory = True
+                break
+            self._take_from_queue()
+            if not request.preempted:
+                request.stats.cached_tokens = request.cached_tokens
+            group.append(request)
+        for chunk, padded in prefill_groups(group, fits=self._fits_padded,
+                                            fit_together=self.runner.fit_padded_together):
+            self._prefill_isolated(chunk, padded)
+
+    def _take_from_queue(self) -> None:
+        with self._lock:
+            request = self._waiting.popleft()
+            self._admitted += 1
+        request.admitted = next(self._order)
+
+    def _fits_padded(self, request: Request) -> bool:
+        return request.cached_tokens == 0 and self.runner.fits_padded(len(request.prompt_ids))
+
+    def _prefill_isolated(self, requests: list[Request], padded: bool) -> None:
+        """Prefill a group; if that fails, prefill each of its requests alone, so that a
+        request that cannot be prefilled (whatever the cause) ends by itself and the others
+        of its group go on."""
+        try:
+            self._prefill(requests, padded)
+            return
+        except Exception as group_error:  # noqa: BLE001 - sorted out below, one by one
+            error = group_error
+            if len(requests) == 1:
+                self._fail_unplaced(requests, error)
+                return
+            log.warning("prefill of %d prompts together failed (%s): each alone now",
+                        len(requests), error)
+        for request in self._unplaced(requests):
+            if request.new_tokens:  # its first token is out already: a retry would repeat it
+                self._fail_unplaced([request], error)
+                continue
+            request.sampled = 0
+            self.runner.release(request)  # set up afresh: a new generator, seen ids
+            try:
+                self._prefill([request], padded)
+            except Exception as alone:  # noqa: BLE001 - this request fails, the others go on
+                self._fail_unplaced([request], alone)
+
+    def _unplaced(self, requests: list[Request]) -> list[Request]:
+        """Those of `requests` not placed in a row and not ended."""
+        return [r for r in requests if r not in self.rows and not r.finished]
+
+    def _fail_unplaced(self, requests: list[Request], error: Exception) -> None:
+        log.error("prefill failed: %s", error, exc_info=error)
+        for request in self._unplaced(requests):
+            self._finish(request, "error", error)
+
+    def _prefill(self, requests: list[Request], padded: bool = False) -> None:
+        """Prefill prompts, sample each one's next token, and give each a row. A request whose
+        own setup fails (its seed, say) ends here, before the forward. A resumed request keeps
+        the sampling state it had."""
+        ready = []
+        for request in requests:
+            try:
+                if not self.runner.is_set_up(request):
+                    self.runner.set_up(request)
+            except Exception as error:  # noqa: BLE001 - this request fails, the others go on
+                self._fail_unplaced([request], error)
+            else:
+                ready.append(request)
+        if ready:
+            self._start(ready, self.runner.prefill(ready, padded))
+
+    def _start(self, requests: list[Request], prefilled: Prefilled) -> None:
+        """Sample the next token of prefilled requests and give each a row."""
+        tokens, failures = self.runner.first_tokens(prefilled, requests)
+        for request in requests:
+            request.length = len(request.prompt_ids)
+            self.cache.computed(request)
+        self._sampled(requests, failures)
+        for request, token in zip(requests, tokens):
+            if request.finished or not self._accept(request, token):  # (failed sampling)
+                continue
+            row = len(self.rows)
+            self.runner.place(row, request, token)
+            self.rows.append(request)
+        self.peak_rows = max(self.peak_rows, len(self.rows))
+
+    # -- decoding -----------------------------------------------------------------------------
     def _decode(self) -> None:
         """Decode the current rows until one finishes, is stopped, or a request waits to join.
 
         Each step is launched before the previous one's tokens are read, so the GPU runs step
         n + 1 while the host hands out step n's tokens. When the rows must change, the step in
         flight is read too (its tokens count for the rows still going on; a row that finished
-        one step earlier wastes that one step) and the finished rows leave.
+        one step earlier wastes that one step) and the finished rows leave. A step that needs
+        more blocks than the cache has free is not launched ahead: with no step in flight,
+        rows are preempted until it has them.
         """
+        self._grow_or_preempt()
         launched = self._launch()
         while True:
-            following = self._launch() if self._may_go_on() else None
+            following = self._launch() if self._may_go_on() and self._grow() else None
             self._collect(launched)
             if following is None:
                 break
@@ -191,6 +328,37 @@ class Scheduler(Admission):
                 break
             launched = following
         self._drop([i for i, r in enumerate(self.rows) if r.finished], finished=True)
+
+    def _grow(self) -> bool:
+        """The blocks the next step writes into, for every row; False when there are too few."""
+        entries = self.cache.grow(self.rows)
+        if entries is None:
+            return False
+        self.runner.add_blocks(entries)
+        return True
+
+    def _grow_or_preempt(self) -> None:
+        while not self._grow():
+            if len(self.rows) == 1:  # cannot happen: the cache holds one whole context
+                raise RuntimeError("the KV cache has no block left for the only reply")
+            victim = max(range(len(self.rows)), key=lambda i: self.rows[i].admitted)
+            self._preempt(victim)
+
+    def _preempt(self, index: int) -> None:
+        """Send row `index` back to the head of the queue, its blocks named and let go: it
+        resumes from its tokens so far, most of them found in the cache again."""
+        request = self.rows[index]
+        log.info("KV cache full: reply admitted #%d waits again after %d tokens (%d blocks)",
+                 request.admitted, request.new_tokens, len(request.blocks))
+        self.cache.release(request, keep=True)
+        request.prompt_ids = request.input_ids + request.output
+        request.length = 0
+        request.preempted += 1
+        self.preemptions += 1
+        self._remove_row(index)
+        with self._lock:
+            self._waiting.appendleft(request)
+            self._admitted -= 1
 
     def _may_go_on(self) -> bool:
         """Launch another step before reading the one in flight? Not when that one ends a row
@@ -236,24 +404,36 @@ class Scheduler(Admission):
             self._finish(request, reason)
         return not reason
 
+    # -- leaving ------------------------------------------------------------------------------
     def _drop(self, indices: Iterable[int], *, finished: bool = False) -> None:
         """Free the rows at `indices`; the last active row moves into each hole."""
         for i in sorted(indices, reverse=True):
-            request = self.rows[i]
             if not finished:
-                self._finish(request, "stop")
-            last = len(self.rows) - 1
-            if i != last:
-                self.runner.move_row(last, i, self.rows[last].length)
-                self.rows[i] = self.rows[last]
-            self.rows.pop()
+                self._finish(self.rows[i], "stop")
+            self._remove_row(i)
+
+    def _remove_row(self, i: int) -> None:
+        last = len(self.rows) - 1
+        if i != last:
+            self.runner.move_row(last, i)
+            self.rows[i] = self.rows[last]
+        else:
+            self.runner.clear_row(last)
+        self.rows.pop()
 
     def _finish(self, request: Request, reason: str, error: BaseException | None = None) -> None:
         request.mark_finished(reason)
-        self.runner.release(request)
+        self._let_go(request, keep=error is None)
         with self._lock:
             self._admitted -= 1
         self._ended.append((request, error))
+
+    def _let_go(self, request: Request, *, keep: bool) -> None:
+        """A request's device state and blocks; with `keep`, its computed tokens stay findable
+        in the cache (the conversation's next turn starts with them)."""
+        self.runner.release(request)
+        if self.cache is not None and request.blocks:
+            self.cache.release(request, keep=keep)
 
     def _flush_ended(self) -> None:
         """End the streams of requests finished in this iteration. Deferred to its end, after
@@ -264,10 +444,15 @@ class Scheduler(Admission):
             request.out.put(error if error is not None else DONE)
 
     def _fail_all(self, error: BaseException) -> None:
-        for request in self.rows:
+        rows, self.rows = self.rows, []
+        for request in rows:
             if not request.finished:
                 self._finish(request, "error", error)
-        self.rows = []
+        try:  # no row may keep pointing at blocks that are free now (padding writes there)
+            for row in range(len(rows)):
+                self.runner.clear_row(row)
+        except Exception:  # noqa: BLE001 - the device itself failed: the next load starts anew
+            log.exception("clearing the rows after a failure failed")
 
 
 @dataclass(eq=False)

@@ -15,8 +15,7 @@ from model_utils.loading.manager import LoadRequest
 from model_utils.loading.placement import Placement
 
 CUDA = Placement("cuda:0")
-# Longer than the largest prefill graph bucket (1024) plus new tokens: the boundary tests cross
-# it, and the batch cache gets windows 1024 / 2048 / 2304 to cross as well.
+# Longer than the largest prefill graph bucket (1024) plus new tokens: the boundary tests cross it.
 CONTEXT = 2304
 
 
@@ -36,10 +35,10 @@ def peaked_gpu(tmp_path_factory):
     return folder
 
 
-def load_engine(folder, mode: str, **engine_kwargs) -> Engine:
+def load_engine(folder, mode: str, *, context: int = CONTEXT, **engine_kwargs) -> Engine:
     engine = Engine(**engine_kwargs)
     engine.registry.allow_root(str(folder))
-    engine.load(LoadRequest(str(folder), mode, CUDA, context_tokens=CONTEXT))
+    engine.load(LoadRequest(str(folder), mode, CUDA, context_tokens=context))
     return engine
 
 

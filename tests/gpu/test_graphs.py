@@ -27,27 +27,37 @@ def test_graphed_decode_equals_eager_decode_in_fp32(peaked_gpu, fp32_graphed, fp
 
 
 def test_padded_prefill_graph_equals_eager_prefill(peaked_gpu, fp32_graphed):
+    """The prefill graphs write each prompt's keys to its blocks and give its last logits as
+    one eager forward of the prompt alone does."""
     runner = fp32_graphed.manager.loaded.batcher.runner
     padded = runner.padded_prefill
     assert padded is not None and not padded.uncaptured
     prompts = [p[:n] for p, n in zip(sample_prompts(peaked_gpu, 3, 100), (100, 37, 64))]
 
     def run():
-        with torch.inference_mode():
-            logits, cache, ends = padded(prompts)
-            graph_logits = logits.clone()
-            graph_keys = [[layer.keys[i, :, :n].clone() for i, n in enumerate(ends)]
-                          for layer in cache.layers]
-            eager_logits, eager_cache = runner.forward_prompts([p for p in prompts])
-            return graph_logits, graph_keys, eager_logits, eager_cache
+        pool, kv = runner.blocks(), runner.kv
+        graphed = [pool.allocate(-(-len(p) // pool.block_size)) for p in prompts]
+        eager = [pool.allocate(-(-len(p) // pool.block_size)) for p in prompts]
+        try:
+            with torch.inference_mode():
+                graph_logits = padded(prompts, graphed).clone()
+                eager_logits = torch.cat([runner.forward_prompt(p, b)
+                                          for p, b in zip(prompts, eager)])
+            keys = []
+            for p, a, b in zip(prompts, graphed, eager):
+                mine, theirs = (kv.slots_of(blocks, 0, len(p)) for blocks in (a, b))
+                keys.append([(layer.view(-1, *layer.shape[2:])[mine],
+                              layer.view(-1, *layer.shape[2:])[theirs]) for layer in kv.keys])
+            return graph_logits, eager_logits, keys
+        finally:
+            for blocks in graphed + eager:
+                pool.release(blocks)
 
-    graph_logits, graph_keys, eager_logits, eager_cache = fp32_graphed.worker.call(run)
+    graph_logits, eager_logits, keys = fp32_graphed.worker.call(run)
     torch.testing.assert_close(graph_logits, eager_logits, atol=1e-4, rtol=1e-4)
-    width = max(len(p) for p in prompts)  # the eager forward left-pads
-    for layer, keys in zip(eager_cache.layers, graph_keys):
-        for i, k in enumerate(keys):
-            n = len(prompts[i])
-            torch.testing.assert_close(k, layer.keys[i, :, width - n:], atol=1e-4, rtol=1e-4)
+    for per_layer in keys:
+        for mine, theirs in per_layer:
+            torch.testing.assert_close(mine, theirs, atol=1e-4, rtol=1e-4)
 
 
 def edges() -> list[int]:
@@ -66,10 +76,8 @@ def test_prompt_lengths_at_every_prefill_bucket_edge_decode_as_plain_generate(
     assert graphed[0].tokens == reference[0].tokens
 
 
-def test_a_reply_crossing_a_cache_window_decodes_as_plain_generate(peaked_gpu, fp32_graphed):
-    kv = fp32_graphed.manager.loaded.batcher.runner.kv
-    assert kv.windows[:2] == (1024, 2048), kv.windows
-    prompts = sample_prompts(peaked_gpu, 2, 1000)  # 1000 + 64: from window 1024 into 2048
+def test_long_replies_over_many_blocks_decode_as_plain_generate(peaked_gpu, fp32_graphed):
+    prompts = sample_prompts(peaked_gpu, 2, 1000)  # prefilled eagerly, then 64 steps each
     graphed = engine_greedy(fp32_graphed, prompts, 64)
     reference = plain_greedy(plain_model(peaked_gpu), prompts, 64)
     assert [s.tokens for s in graphed] == [s.tokens for s in reference]

@@ -10,6 +10,7 @@ import threading
 import time
 
 import pytest
+import torch
 
 from model_utils.engine import Engine, eos_ids
 from model_utils.errors import ModelBusy, QueueFull
@@ -95,10 +96,10 @@ def test_eight_concurrent_greedy_chats_get_the_reply_they_get_alone(load_demo):
 
 
 def joining_and_leaving(loaded) -> None:
-    """Three rows for seven requests: requests wait, join at different cache offsets, leave
-    at different times (rows move), a 1100-token prompt pushes the write index past the first
-    window and the others are moved back once it is gone. Sampled requests use their own seed
-    and the repetition penalty; each must equal the single-stream decoder's reply."""
+    """Three rows for seven requests: requests wait, join while others decode, leave at
+    different times (rows move), and rows of 5 and 1100 tokens decode in the same steps,
+    each over its own blocks. Sampled requests use their own seed and the repetition penalty;
+    each must equal the single-stream decoder's reply."""
     sampled = GenerationSettings(max_new_tokens=40, temperature=0.8, top_p=0.9, top_k=20,
                                  repetition_penalty=1.3, seed=7)
     cases = [
@@ -126,8 +127,8 @@ def test_rows_joining_leaving_and_moving_keep_every_reply_exact(small_engine):
 
 
 def test_the_padded_prefill_gives_the_replies_of_an_unpadded_one(small_engine):
-    """The prefill a GPU replays as CUDA graphs (prompts right-padded to a bucket length, one
-    preallocated row, prefill.py), run eagerly here: every reply as above must be unchanged,
+    """The prefill a GPU replays as CUDA graphs (prompts right-padded to a bucket length,
+    prefill.py), run eagerly here: every reply as above must be unchanged,
     the padded prefill must really have served the short prompts, and the 1100-token prompt
     (longer than any bucket) the eager one."""
     loaded = small_engine.manager.loaded
@@ -139,9 +140,9 @@ def test_the_padded_prefill_gives_the_replies_of_an_unpadded_one(small_engine):
     original = padded.__call__
 
     class Counting(type(padded)):
-        def __call__(self, prompts):
+        def __call__(self, prompts, blocks):
             served.extend(len(p) for p in prompts)
-            return original(prompts)
+            return original(prompts, blocks)
 
     padded.__class__ = Counting
     try:
@@ -165,9 +166,9 @@ def test_prompts_arriving_together_share_one_padded_prefill(load_demo):
     original = padded.__call__
 
     class Counting(type(padded)):
-        def __call__(self, prompts):
+        def __call__(self, prompts, blocks):
             groups.append([len(p) for p in prompts])
-            return original(prompts)
+            return original(prompts, blocks)
 
     padded.__class__ = Counting
     cases = [([5 + i + j for j in range(3 + 7 * i)], greedy(16 + i)) for i in range(8)]
@@ -195,8 +196,9 @@ def test_prompts_arriving_together_share_one_padded_prefill(load_demo):
         assert tokens == reference, i
 
 
-def test_prompts_prefilled_together_give_the_replies_they_get_alone(small_engine):
-    """Requests that wait together are prefilled in one left-padded forward."""
+def test_prompts_waiting_together_give_the_replies_they_get_alone(small_engine):
+    """Requests that wait together are admitted together (each prefilled by itself here, as
+    prompts the padded prefill does not take are)."""
     loaded = small_engine.manager.loaded
     sampled = GenerationSettings(max_new_tokens=30, min_new_tokens=30, temperature=0.7,
                                  top_p=0.9, top_k=0, repetition_penalty=1.0, seed=3)
@@ -328,28 +330,65 @@ def test_a_reply_that_cannot_fit_its_row_is_refused_before_it_joins(small_engine
     assert loaded.batcher.load()["waiting"] == 0
 
 
-def test_with_memory_for_fewer_rows_the_surplus_waits_its_turn(demo_path, monkeypatch):
+def test_with_memory_for_few_blocks_replies_wait_or_resume_and_stay_exact(demo_path,
+                                                                         monkeypatch):
+    """A KV cache of 17 blocks (the least a 256-token context gets) for five replies that
+    need 20 at their end: some wait for blocks, or are preempted and resumed from their tokens
+    so far; every reply is still the one it gets alone, and every block comes back."""
     import model_utils.runtime.runner as runner
 
-    row_bytes = 4 * 2 * 2 * 32 * 4 * 4096  # demo: layers x (K, V) x kv heads x dim x fp32 x slots
-    monkeypatch.setattr(runner, "_free_bytes",
-                        lambda device: int(2.5 * row_bytes / runner.KV_MEMORY_SHARE))
+    monkeypatch.setattr(runner, "_free_bytes", lambda device: 1)
     engine = Engine(max_batch=8)
-    engine.load(cpu_request("fp32"))
+    engine.load(cpu_request("fp32", context_tokens=256))
     try:
         loaded = engine.manager.loaded
-        prompts = [[10 + i, 11, 12 + i] for i in range(5)]
-        expected = [alone(loaded, p, greedy(20)) for p in prompts]
+        prompts = [[10 + i] + [(7 * j + i) % 300 + 5 for j in range(19)] for i in range(5)]
+        expected = [alone(loaded, p, greedy(40)) for p in prompts]
         gate = threading.Event()
         engine.worker.post(gate.wait)  # all five wait when the loop starts
         try:
-            streams = [loaded.batcher.submit(p, greedy(20), eos_ids=eos_ids(loaded),
+            streams = [loaded.batcher.submit(p, greedy(40), eos_ids=eos_ids(loaded),
                                              stop=threading.Event(), stats=ReplyStats())
                        for p in prompts]
-            assert loaded.batcher.load()["waiting"] == 5
         finally:
             gate.set()
         assert [list(stream) for stream in streams] == expected
-        assert loaded.batcher.runner.kv.rows == loaded.batcher.peak_rows == 2
+        blocks = loaded.batcher.kv_blocks()
+        assert blocks["total"] == 17 and blocks["used"] == 0
+        assert blocks["preemptions"] >= 1
     finally:
         engine.unload()
+
+
+def test_the_next_turn_reuses_the_conversation_so_far_and_gets_the_same_reply(load_demo):
+    engine = load_demo("fp32")
+    loaded = engine.manager.loaded
+    first = [(5 * i) % 400 + 7 for i in range(70)]
+    reply, stats = submit(loaded, first, greedy(30))
+    assert stats.cached_tokens == 0
+    follow = first + reply + [11, 12, 13, 14]
+    again, stats = submit(loaded, follow, greedy(20))
+    # 70 + 29 fed tokens were cached: 6 full blocks of 16
+    assert stats.cached_tokens == 96
+    assert again == alone(loaded, follow, greedy(20))
+
+
+def test_a_long_prompt_prefilled_in_chunks_gives_the_logits_of_one_forward(load_demo):
+    engine = load_demo("fp32")
+    runner = engine.manager.loaded.batcher.runner
+    tokens = [(11 * i) % 500 + 3 for i in range(300)]
+
+    def logits(chunk):
+        def run():
+            pool = runner.blocks()
+            blocks = pool.allocate(-(-len(tokens) // pool.block_size))
+            try:
+                with torch.inference_mode():
+                    return runner.forward_prompt(tokens, blocks, chunk=chunk)
+            finally:
+                pool.release(blocks)
+        return engine.worker.call(run)
+
+    whole = logits(1000)
+    for chunk in (64, 100):
+        torch.testing.assert_close(logits(chunk), whole, rtol=1e-4, atol=1e-4)

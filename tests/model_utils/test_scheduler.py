@@ -18,6 +18,7 @@ import pytest
 
 from model_utils.errors import QueueFull
 from model_utils.runtime.generation import GenerationSettings, ReplyStats
+from model_utils.runtime.kv_blocks import BlockPool
 from model_utils.runtime.scheduler import MAX_BATCH_LIMIT, Scheduler, check_limits
 
 pytestmark = pytest.mark.unit
@@ -36,16 +37,20 @@ def expected(first: int, count: int) -> list[int]:
 
 
 class ListRunner:
-    """A runner in plain Python (see the module docstring). `rows`: what the cache's memory
-    allows (None: max_batch); `on_step(step_number, rows)` runs before each step is sampled."""
+    """A runner in plain Python (see the module docstring). `blocks`, `block_tokens`: the KV
+    cache's size (default: plenty); `padded`: whether prompts fit the padded prefill;
+    `on_step(step_number, rows)` runs before each step is sampled."""
 
     max_batch = 0  # the rows asked for, as the real runner is told
 
-    def __init__(self, rows: int | None = None, *, on_step=None):
-        self.memory_rows = rows
-        self.rows: int | None = None
+    def __init__(self, *, blocks: int = 1000, block_tokens: int = 2, padded: bool = False,
+                 on_step=None):
+        self.pool = BlockPool(blocks, block_tokens)
+        self.block_tokens = block_tokens
+        self.padded = padded
         self.slots: dict[int, object] = {}  # cache row -> the request whose KV it holds
         self.prefilled: list[list[int]] = []  # each prefill's prompts (their first ids)
+        self.prefill_log: list[tuple[int, list[int], int]] = []  # (first, tokens, cached)
         self.steps: list[int] = []  # rows per decode step
         self.set_up_now: set = set()  # requests with device state (set up, not released)
         self.on_step = on_step
@@ -54,22 +59,28 @@ class ListRunner:
         self.bad_sampling: dict[int, int] = {}  # first prompt id -> the step its sampling fails
 
     @property
-    def capacity(self) -> int | None:
-        return self.rows
+    def capacity(self) -> int:
+        return self.max_batch
+
+    def blocks(self) -> BlockPool:
+        return self.pool
 
     def session(self):
         return contextlib.nullcontext()
 
     def fits_padded(self, tokens: int) -> bool:
-        return False
+        return self.padded
 
     def fit_padded_together(self, lengths: list[int]) -> bool:
-        return False
+        return self.padded
 
     def set_up(self, request) -> None:
         if request.input_ids[0] in self.bad_setup:
             raise ValueError("this request's seed cannot be used")
         self.set_up_now.add(request)
+
+    def is_set_up(self, request) -> bool:
+        return request in self.set_up_now
 
     def release(self, request) -> None:
         self.set_up_now.discard(request)
@@ -78,30 +89,38 @@ class ListRunner:
         firsts = [r.input_ids[0] for r in requests]
         if len(requests) > 1 and self.bad_groups & set(firsts):
             raise RuntimeError("the group's forward failed")
+        for r in requests:
+            tokens = r.prompt_ids
+            assert len(r.blocks) == -(-len(tokens) // self.block_tokens)
+            assert all(self.pool.refs(b) > 0 for b in r.blocks)
+            assert r.cached_tokens % self.block_tokens == 0 and r.cached_tokens < len(tokens)
+            assert not padded or r.cached_tokens == 0
+            self.prefill_log.append((r.input_ids[0], list(tokens), r.cached_tokens))
         self.prefilled.append(firsts)
         return list(requests)
 
-    def allocate(self, prefilled) -> int:
-        if self.rows is None:
-            self.rows = min(self.memory_rows or self.max_batch, self.max_batch)
-        return self.rows
-
     def first_tokens(self, prefilled, requests):
         assert all(r in self.set_up_now for r in requests)
-        return [reply_token(r, 0) for r in requests], []
+        return [reply_token(r, r.sampled) for r in requests], []
 
-    def place(self, row: int, prefilled, source: int, length: int, token: int) -> None:
-        request = prefilled[source]
-        assert row not in self.slots or self.slots[row].finished, "a taken row given again"
-        assert row < self.rows and length == len(request.input_ids)
-        assert token == reply_token(request, 0)
+    def place(self, row: int, request, token: int) -> None:
+        assert row not in self.slots, "a taken row given again"
+        assert row < self.max_batch and request.length == len(request.prompt_ids)
+        assert token == reply_token(request, request.sampled - 1)
         self.slots[row] = request
+
+    def add_blocks(self, entries) -> None:
+        for row, index, block in entries:
+            request = self.slots[row]
+            assert request.blocks[index] == block and self.pool.refs(block) == 1
 
     def launch(self, rows, longest: int):
         for i, request in enumerate(rows):
             assert self.slots[i] is request, f"row {i} holds another request"
             assert request in self.set_up_now
-        assert len(rows) <= self.rows and longest == max(r.length for r in rows)
+            # the block the step writes this row's next token into is there
+            assert request.length // self.block_tokens < len(request.blocks)
+        assert len(rows) <= self.max_batch and longest == max(r.length for r in rows)
         self.steps.append(len(rows))
         if self.on_step:
             self.on_step(len(self.steps), rows)
@@ -110,8 +129,11 @@ class ListRunner:
         tokens = [reply_token(r, r.sampled) for r in rows]
         return (lambda: tokens), failures
 
-    def move_row(self, src: int, dst: int, length: int) -> None:
+    def move_row(self, src: int, dst: int) -> None:
         self.slots[dst] = self.slots.pop(src)
+
+    def clear_row(self, row: int) -> None:
+        self.slots.pop(row)
 
 
 class Harness:
@@ -165,7 +187,7 @@ def test_a_freed_row_is_reused_and_the_last_row_moves_into_the_hole():
     # the free row; the runner checked at every step that each row held its request.
     assert [list(s) for s, _ in (short, long_a, long_b, late)] == [
         expected(1, 2), expected(2, 12), expected(3, 12), expected(4, 5)]
-    assert h.runner.prefilled == [[1, 2, 3], [4]]
+    assert h.runner.prefilled == [[1], [2], [3], [4]]  # each alone: no padded prefill here
     assert h.scheduler.peak_rows == 3 and max(h.runner.steps) == 3
 
 
@@ -231,14 +253,6 @@ def test_limits_and_the_context_window_are_checked_before_anything_queues():
     assert h.scheduler.load()["waiting"] == 0 and not h.jobs
 
 
-def test_with_fewer_rows_than_the_batch_the_surplus_waits_its_turn():
-    h = Harness(ListRunner(rows=1), max_batch=3)
-    streams = [h.submit(i, 4) for i in (1, 2, 3)]
-    h.run()
-    assert [list(s) for s, _ in streams] == [expected(i, 4) for i in (1, 2, 3)]
-    assert h.scheduler.peak_rows == 1 and max(h.runner.steps) == 1
-
-
 def test_a_request_whose_set_up_fails_ends_alone_with_its_error():
     runner = ListRunner()
     runner.bad_setup.add(2)
@@ -252,7 +266,7 @@ def test_a_request_whose_set_up_fails_ends_alone_with_its_error():
 
 
 def test_a_group_whose_prefill_fails_is_prefilled_again_one_by_one():
-    runner = ListRunner()
+    runner = ListRunner(padded=True)  # prompts that fit the padded prefill go as one group
     runner.bad_groups.add(2)
     h = Harness(runner, max_batch=3)
     streams = [h.submit(i, 5) for i in (1, 2, 3)]
@@ -273,3 +287,79 @@ def test_a_row_whose_sampling_fails_ends_alone_and_the_others_go_on():
     assert bad[1].finish_reason == "error"
     assert list(good[0]) == expected(1, 8) and list(other[0]) == expected(3, 8)
     assert not runner.set_up_now
+
+
+# -- the KV cache's blocks ------------------------------------------------------------------------
+def test_every_block_comes_back_and_finished_replies_stay_findable():
+    h = Harness(max_batch=3)
+    streams = [h.submit(i, 9) for i in (1, 2, 3)]
+    h.run()
+    assert [list(s) for s, _ in streams] == [expected(i, 9) for i in (1, 2, 3)]
+    counts = h.runner.pool.counts()
+    assert counts.used == 0  # nothing held once every reply ended
+    # 3 prompt + 8 fed reply tokens each (the ninth was never fed): 5 full blocks of 2 named
+    assert counts.cached == 3 * 5 and counts.free == counts.total - 15
+
+
+def test_a_prompt_that_starts_like_an_earlier_conversation_reuses_its_blocks():
+    h = Harness(max_batch=2, context_tokens=200)
+    stats = ReplyStats()
+    first = h.scheduler.submit([5, 10**6, 7, 8, 9], GenerationSettings(max_new_tokens=6),
+                               eos_ids={EOS}, stop=threading.Event(), stats=stats)
+    h.run()
+    reply = list(first)
+    assert stats.cached_tokens == 0
+    # The next turn: the whole first exchange, then more (as a chat template renders it).
+    follow = [5, 10**6, 7, 8, 9] + reply[:5] + [11, 12, 13]
+    again = ReplyStats()
+    second = h.scheduler.submit(follow, GenerationSettings(max_new_tokens=4), eos_ids={EOS},
+                                stop=threading.Event(), stats=again)
+    h.run()
+    assert list(second) == expected(5, 4)
+    # 5 + 5 = 10 tokens were fed before: all 5 blocks of 2 are found again
+    assert again.cached_tokens == 10 == h.runner.prefill_log[-1][2]
+    assert h.scheduler.kv_blocks()["reused_tokens"] == 10
+
+
+def test_the_padded_prefill_computes_its_prompts_whole_instead_of_reusing():
+    h = Harness(ListRunner(padded=True), max_batch=2)
+    h.run()
+    one, _ = h.submit(1, 3)
+    h.run()
+    list(one)
+    again, stats = h.submit(1, 3)
+    h.run()
+    assert list(again) == expected(1, 3) and stats.cached_tokens == 0
+
+
+def test_with_too_few_blocks_a_request_waits_for_them_and_the_queue_says_so():
+    # 6 blocks of 2 tokens: a 3-token prompt and 9 new tokens take 6 blocks: one at a time.
+    runner = ListRunner(blocks=7)
+    h = Harness(runner, max_batch=3)
+    streams = [h.submit(i, 9) for i in (1, 2, 3)]
+    waited = []
+
+    def on_step(step, rows):
+        waited.append((len(rows), h.scheduler.load().get("waiting_for")))
+
+    runner.on_step = on_step
+    h.run()
+    assert [list(s) for s, _ in streams] == [expected(i, 9) for i in (1, 2, 3)]
+    assert ("KV cache blocks" in {w for _, w in waited})  # the queue's head said why it waited
+    assert runner.pool.counts().used == 0
+
+
+def test_a_reply_that_runs_out_of_blocks_takes_them_from_the_last_admitted_which_resumes():
+    # 9 blocks: two replies of 3 + 14 tokens (9 blocks each at the end) cannot both finish.
+    runner = ListRunner(blocks=10)
+    h = Harness(runner, max_batch=2)
+    early, late = h.submit(1, 14), h.submit(2, 14)
+    h.run()
+    assert list(early[0]) == expected(1, 14) and list(late[0]) == expected(2, 14)
+    assert h.scheduler.preemptions >= 1
+    # the second was sent back and prefilled again from its prompt and its reply so far
+    resumed = [tokens for first, tokens, _ in runner.prefill_log if first == 2][1:]
+    assert resumed and all(t[:3] == [2, 10**6, 7] and t[3:] == expected(2, len(t) - 3)
+                           for t in resumed)
+    assert early[1].finish_reason == late[1].finish_reason == "length"
+    assert runner.pool.counts().used == 0
