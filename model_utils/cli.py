@@ -238,8 +238,9 @@ def cmd_prompt(args) -> int:
     # The same context window and reply reserve as a loaded model would get.
     context = ModelManager._context_tokens(config, LoadRequest(context_tokens=args.context_tokens))
     settings = requested_settings(args).resolved(generation_config, context_tokens=context)
+    open_ended = settings.max_new_tokens == context  # as in chat.reply_stream.prepare_reply
     prepared = prepare_prompt(tokenizer, messages, context_tokens=context,
-                              reserve_tokens=settings.max_new_tokens,
+                              reserve_tokens=None if open_ended else settings.max_new_tokens,
                               system_prompt=args.system, thinking=not args.no_thinking)
     if prepared.notice:
         print(f"note: {prepared.notice}", file=sys.stderr, flush=True)

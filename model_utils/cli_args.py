@@ -44,7 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--no-thinking", action="store_true",
                        help="Qwen3: answer without a reasoning block (enable_thinking=False)")
         p.add_argument("--context-tokens", type=_positive_int,
-                       help="context window (default: the model's own, capped at 8192)")
+                       help="context window (default: the model's own, or the most that fits)")
         p.add_argument("-v", "--verbose", action="store_true",
                        help="show library logs, warnings and tracebacks on stderr")
 

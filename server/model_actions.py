@@ -113,6 +113,13 @@ def status_markdown(status: dict) -> str:
     lines.append(f"footprint {status.get('footprint_gb', 0):.4f} GB · tokenizer and weights "
                  f"read in {status.get('load_s', 0):.2f} s · context {status.get('context_tokens')} "
                  f"tokens · decode path {path}")
+    if status.get("context_note"):
+        lines.append(f"*{status['context_note']}*")
+    if blocks := status.get("kv_blocks"):
+        n = blocks["block_tokens"]
+        lines.append(f"KV cache: {blocks['total'] * n:,} tokens in blocks of {n} "
+                     f"({status.get('kv_cache_gb', 0):.2f} GB), shared by every reply; "
+                     f"{blocks['used'] * n:,} in use, {blocks['cached'] * n:,} kept for reuse")
     if status.get("load_stages"):
         stages = ", ".join(f"{s['stage']} {s['s']:.1f} s" for s in status["load_stages"])
         lines.append(f"getting ready took {status.get('ready_s', 0):.1f} s: {stages}")

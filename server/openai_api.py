@@ -242,8 +242,11 @@ def completion(call: ChatCall, model: str, result) -> dict:
 
 
 def usage(stats) -> dict:
+    """OpenAI's usage object; cached_tokens: prompt tokens found in the KV cache (the earlier
+    turns of a conversation, a shared system prompt), as OpenAI reports its prompt caching."""
     return {"prompt_tokens": stats.prompt_tokens, "completion_tokens": stats.new_tokens,
-            "total_tokens": stats.prompt_tokens + stats.new_tokens}
+            "total_tokens": stats.prompt_tokens + stats.new_tokens,
+            "prompt_tokens_details": {"cached_tokens": getattr(stats, "cached_tokens", 0)}}
 
 
 async def stream_events(call: ChatCall, model: str, first: ChatUpdate,

@@ -70,7 +70,9 @@ def memory_cards(snapshot: MemorySnapshot, status: dict) -> str:
         model_rows = (_row("model", f"{status['model']} ({status['mode']})")
                       + _row("weights", f"{fmt_gb(status.get('footprint_gb'))} ({where})"))
         if status.get("kv_cache_gb"):  # allocated with the first reply where not warmed up
-            model_rows += _row("KV caches", fmt_gb(status["kv_cache_gb"]))
+            model_rows += _row("KV cache", fmt_gb(status["kv_cache_gb"]))
+        if blocks := status.get("kv_blocks"):
+            model_rows += _row("KV blocks (tokens)", kv_blocks_line(blocks))
         ready = (status.get("memory_stages") or {}).get("ready")
         if ready:  # after the decode and prefill graphs were captured
             model_rows += _row("ready to serve (allocated / reserved)",
@@ -83,3 +85,13 @@ def memory_cards(snapshot: MemorySnapshot, status: dict) -> str:
     cards.append(_CARD.format(title="Loaded model", rows=model_rows))
     note = f"<p><i>{html.escape(snapshot.note)}</i></p>" if snapshot.note else ""
     return note + "<div style='display:flex;gap:12px;flex-wrap:wrap'>" + "".join(cards) + "</div>"
+
+
+def kv_blocks_line(blocks: dict) -> str:
+    """The paged KV cache's blocks: in use by replies, kept for reuse, free (in tokens)."""
+    n = blocks["block_tokens"]
+    line = (f"{blocks['used'] * n:,} in use, {blocks['cached'] * n:,} cached for reuse, "
+            f"{blocks['free'] * n:,} free of {blocks['total'] * n:,}")
+    if blocks.get("reused_tokens"):
+        line += f"; {blocks['reused_tokens']:,} prompt tokens reused so far"
+    return html.escape(line)

@@ -55,8 +55,9 @@ def build_model_panel(engine: Engine, *, demo: gr.Blocks, status: gr.State,
                 # A textbox, not a gr.Number: a Number shows 0 when empty, which reads as
                 # "a context of 0" under a label that says empty means the model's own.
                 c["context_tokens"] = gr.Textbox(label="Context tokens",
-                                                 placeholder="empty = the model's own, at most "
-                                                             "8192", elem_id="context-tokens")
+                                                 placeholder="empty = the model's own (or the "
+                                                             "most that fits)",
+                                                 elem_id="context-tokens")
         with gr.Column(scale=1):
             c["estimate"] = gr.Markdown(elem_id="estimate")
             with gr.Row():

@@ -231,6 +231,9 @@ class RemoteEngine:
         stats.stopped = stop.is_set() and finish != "error" and not _FINISH.get(finish)
         stats.finish_reason = "stop" if stats.stopped else _FINISH.get(finish, finish)
         stats.prompt_tokens = int((usage or {}).get("prompt_tokens") or 0)
+        details = (usage or {}).get("prompt_tokens_details")
+        cached = details.get("cached_tokens") if isinstance(details, dict) else None
+        stats.cached_tokens = cached if isinstance(cached, int) and cached >= 0 else 0
         # The server's count when it sent one (not for a stopped reply: the connection closed
         # first); else the pieces received, one per token from vLLM and SGLang.
         stats.new_tokens = int((usage or {}).get("completion_tokens") or pieces)

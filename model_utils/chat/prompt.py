@@ -22,6 +22,9 @@ from .reasoning import THINK_CLOSE, THINK_OPEN, split_reasoning  # noqa: F401
 # beyond any context window this app serves, and costs about a second to tokenize.
 MAX_MESSAGES = 2048
 MAX_PROMPT_CHARS = 1_000_000
+# A reply without a length of its own keeps at least this much of the window when the oldest
+# turns must go (at most half the window): the answer to a long conversation still has room.
+OPEN_REPLY_ROOM = 4096
 ROLES = ("system", "user", "assistant", "tool")
 
 
@@ -170,15 +173,17 @@ def render_prompt(tokenizer, messages: list[dict], *, system_prompt: str | None 
 
 
 def prepare_prompt(tokenizer, messages: list[dict], *, context_tokens: int,
-                   reserve_tokens: int, system_prompt: str | None = None,
+                   reserve_tokens: int | None, system_prompt: str | None = None,
                    thinking: bool = True) -> PreparedPrompt:
     """Render and tokenize, leaving out the oldest turns until prompt + reply fit the context.
 
     The system message and the newest user turn are always kept. The reply keeps the room it
     asked for (reserve_tokens, at most half the window: a very long reply does not push the
     whole conversation out); when what is kept leaves less, the reply is limited to what is
-    left (PreparedPrompt.max_new_tokens, with a notice). Only a prompt that leaves no room at
-    all is refused, with the numbers, rather than cut mid-message.
+    left (PreparedPrompt.max_new_tokens, with a notice). reserve_tokens None: a reply as long
+    as the context leaves (no notice), the oldest turns left out only to keep OPEN_REPLY_ROOM
+    for it. Only a prompt that leaves no room at all is refused, with the numbers, rather than
+    cut mid-message.
 
     Linear in the conversation: the whole conversation is rendered once (the usual case, it
     fits); if it does not, each turn is tokenized once, the cut is estimated from those counts
@@ -190,7 +195,8 @@ def prepare_prompt(tokenizer, messages: list[dict], *, context_tokens: int,
     first_system = next((i for i, m in enumerate(msgs) if m["role"] == "system"), None)
     system = [msgs[first_system]] if first_system is not None else []
     turns = [m for i, m in enumerate(msgs) if i != first_system]
-    budget = context_tokens - min(reserve_tokens, context_tokens // 2)
+    reserve = OPEN_REPLY_ROOM if reserve_tokens is None else reserve_tokens
+    budget = context_tokens - min(reserve, context_tokens // 2)
     encoded: dict[int, tuple[str, list[int]]] = {}
 
     def encode(cut: int) -> tuple[str, list[int]]:  # the prompt without turns[:cut]
@@ -208,7 +214,7 @@ def prepare_prompt(tokenizer, messages: list[dict], *, context_tokens: int,
         raise ChatInputError(
             f"the message is {len(ids)} tokens long and leaves no room for a reply in the "
             f"context window of {context_tokens} tokens: shorten it")
-    return PreparedPrompt(text, ids, cut, max_new_tokens=min(reserve_tokens, room),
+    return PreparedPrompt(text, ids, cut, max_new_tokens=min(reserve_tokens or room, room),
                           requested_new_tokens=reserve_tokens, context_tokens=context_tokens)
 
 

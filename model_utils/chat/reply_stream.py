@@ -25,11 +25,14 @@ def prepare_reply(tokenizer, messages: list[dict], settings: GenerationSettings,
                   context_tokens: int, system_prompt: str | None,
                   thinking: bool) -> tuple[PreparedPrompt, GenerationSettings]:
     """The prompt, and the settings with max_new_tokens cut to what the context leaves (the
-    prompt's notice says so) when a longer reply was asked for."""
+    prompt's notice says so when a longer reply was asked for). A max_new_tokens of exactly
+    the context window (the default where the model's generation_config sets none, and the
+    slider at its end) means "as long as the context leaves": cut without a notice."""
+    open_ended = settings.max_new_tokens == context_tokens
     prompt = prepare_prompt(tokenizer, messages, context_tokens=context_tokens,
-                            reserve_tokens=settings.max_new_tokens,
+                            reserve_tokens=None if open_ended else settings.max_new_tokens,
                             system_prompt=system_prompt, thinking=thinking)
-    if prompt.reply_clamped:
+    if open_ended or prompt.reply_clamped:
         settings = replace(settings, max_new_tokens=prompt.max_new_tokens,
                            min_new_tokens=min(settings.min_new_tokens, prompt.max_new_tokens))
     return prompt, settings

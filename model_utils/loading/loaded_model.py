@@ -25,7 +25,7 @@ class LoadRequest:
     mode: str = "bf16"
     placement: Placement = field(default_factory=Placement)
     compute_dtype: str = "bf16"  # 4-bit modes only
-    context_tokens: int | None = None  # default: the model's own, capped at 8192
+    context_tokens: int | None = None  # default: the model's own, or what fits
 
 
 @dataclass
@@ -54,6 +54,8 @@ class LoadedModel:
     ready_s: float = 0.0
     # Graphs the warm-up found in torch.compile's cache and compiled afresh (compile_cache)
     compiled_graphs: dict[str, int] = field(default_factory=dict)
+    # Why the context is shorter than the model's own (memory), "" when it is not
+    context_note: str = ""
 
     @property
     def display_name(self) -> str:
@@ -75,6 +77,7 @@ class LoadedModel:
             **({"compiled_graphs": dict(self.compiled_graphs)} if self.compiled_graphs else {}),
             "footprint_gb": round(self.footprint_gb, 4),
             "context_tokens": self.context_tokens,
+            **({"context_note": self.context_note} if self.context_note else {}),
             "decode_path": self.decode_path,
             "decode_path_reason": self.decode_path_reason,
             "estimate": self.estimate.message(),

@@ -170,17 +170,13 @@ class ModelManager:
         except Exception as error:
             raise LoadError(_user_message(error)) from error
         # What a load would find: the current model's memory is freed before it.
-        return estimate_fit(config, mode, request.placement,
-                            context_tokens=self._context_tokens(config, request),
-                            reclaimable_gb=preflight.held_gb(self._loaded))
+        return self._fit(config, mode, request, preflight.held_gb(self._loaded))[0]
 
     def _preflight(self, request: LoadRequest) -> None:
         """Refuse, while the current model still serves, whatever would fail the load for a
         reason known without the weights; the fit counts the current model's memory as free."""
         source, mode, config = self._check(request)
-        estimate = estimate_fit(config, mode, request.placement,
-                                context_tokens=self._context_tokens(config, request),
-                                reclaimable_gb=preflight.held_gb(self._loaded))
+        estimate, _, _ = self._fit(config, mode, request, preflight.held_gb(self._loaded))
         if not estimate.fits:
             raise LoadError(f"{source.label} in {mode.name} does not fit: {estimate.message()}")
 
@@ -190,6 +186,41 @@ class ModelManager:
     @staticmethod
     def _context_tokens(config, request: LoadRequest) -> int:
         return preflight.context_tokens(config, request.context_tokens)
+
+    def _fit(self, config, mode, request: LoadRequest,
+             reclaimable: dict[str, float] | None = None) -> tuple[FitEstimate, int, str]:
+        """(the fit estimate, the context the load gets, why it is shorter than the model's
+        own or ""). A context that was asked for is kept (and the fit judged with it); else
+        the model's own, and when its KV cache does not fit beside the weights, the longest
+        that does."""
+        context = self._context_tokens(config, request)
+        estimate = estimate_fit(config, mode, request.placement, context_tokens=context,
+                                reclaimable_gb=reclaimable)
+        if estimate.fits or request.context_tokens is not None:
+            return estimate, context, ""
+        per_token = estimate.kv_cache_gb * GB / context
+
+        def fits(tokens: int) -> FitEstimate | None:
+            found = estimate_fit(config, mode, request.placement, context_tokens=tokens,
+                                 reclaimable_gb=reclaimable, weights_gb=estimate.weights_gb)
+            return found if found.fits else None
+
+        # The room the weights leave (on the target device, or the roomiest), then checked
+        # and narrowed by the fit itself.
+        caps = {d: min(g, estimate.caps_gb.get(d, float("inf")))
+                for d, g in estimate.free_gb.items()}
+        target = request.placement.target
+        room = (caps[target] if target in caps else max(caps.values(), default=0.0)) \
+            - estimate.weights_gb
+        tokens = preflight.fitted_context(per_token, room, context)
+        while tokens is not None and (found := fits(tokens)) is None:
+            tokens = preflight.fitted_context(per_token, tokens * per_token / GB * 0.9, context)
+        if tokens is None:
+            return estimate, context, ""
+        note = (f"context {tokens} tokens: the model's own {context} do not fit beside its "
+                f"weights (their KV cache would take {estimate.kv_cache_gb:.2f} GB)")
+        log.info("%s", note)
+        return found, tokens, note
 
     def _check(self, request: LoadRequest):
         """Resolve and validate a request without loading anything."""
@@ -221,8 +252,7 @@ class ModelManager:
         progress = clock = StageClock(progress)
         progress(0.1, f"resolving {request.model}")
         source, mode, config = self._check(request)
-        context = self._context_tokens(config, request)
-        estimate = estimate_fit(config, mode, request.placement, context_tokens=context)
+        estimate, context, context_note = self._fit(config, mode, request)
         if not estimate.fits:
             raise LoadError(f"{source.label} in {mode.name} does not fit: {estimate.message()}")
         kwargs = device_map_kwargs(request.placement, estimate)
@@ -256,7 +286,7 @@ class ModelManager:
         load_s = time.perf_counter() - start
         loaded = LoadedModel(
             source=source, request=request, mode=mode, model=model, tokenizer=tokenizer,
-            context_tokens=context, load_s=load_s,
+            context_tokens=context, context_note=context_note, load_s=load_s,
             footprint_gb=sum(stored_bytes(t) for t in [*model.parameters(),
                                                        *model.buffers()]) / GB,
             device_map=summarize_device_map(model), estimate=estimate,

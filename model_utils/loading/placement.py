@@ -182,10 +182,13 @@ def kv_cache_bytes(config, context_tokens: int, *, batch: int = 1, dtype_bytes: 
 
 
 def estimate_fit(config, mode: Mode, placement: Placement, *, context_tokens: int,
-                 reclaimable_gb: dict[str, float] | None = None) -> FitEstimate:
+                 reclaimable_gb: dict[str, float] | None = None,
+                 weights_gb: float | None = None) -> FitEstimate:
     """Whether the model fits where `placement` puts it. reclaimable_gb: per device, what is
-    held now but would be freed first (the model a switch unloads), counted as free."""
-    weights = weight_bytes(config, mode) / GB
+    held now but would be freed first (the model a switch unloads), counted as free.
+    weights_gb: the weights' size when known already (weight_bytes builds the model on the
+    meta device to count it)."""
+    weights = weight_bytes(config, mode) / GB if weights_gb is None else weights_gb
     kv = kv_cache_bytes(config, context_tokens,
                         dtype_bytes=4 if mode.dtype == torch.float32 else 2) / GB
     need = weights + kv

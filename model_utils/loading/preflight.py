@@ -21,7 +21,10 @@ log = logging.getLogger(__name__)
 # does not say.
 MIN_CONTEXT_TOKENS = 16
 MAX_CONTEXT_TOKENS = 2**20
-DEFAULT_CONTEXT_CAP = 8192
+# Without a context asked for, one that fits is taken when the model's own does not: at least
+# this many tokens, in steps of CONTEXT_STEP (a fraction of a GB of KV for any model served).
+FITTED_CONTEXT_MIN = 2048
+CONTEXT_STEP = 1024
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 
 
@@ -84,8 +87,17 @@ def native_context(config) -> int | None:
 
 
 def context_tokens(config, requested: int | None) -> int:
-    """The context window a load gets: the one asked for, or the model's own, capped."""
-    return requested or min(native_context(config) or 4096, DEFAULT_CONTEXT_CAP)
+    """The context window a load asks for: the one requested, or the model's own (its
+    max_position_embeddings, which a rope-scaled config states at the scaled length)."""
+    return requested or native_context(config) or 4096
+
+
+def fitted_context(kv_bytes_per_token: float, room_gb: float, wanted: int) -> int | None:
+    """The longest context, in steps of CONTEXT_STEP and at least FITTED_CONTEXT_MIN, whose
+    KV cache fits in `room_gb` (what the weights leave); None when not even that does."""
+    tokens = int(room_gb * GB // max(kv_bytes_per_token, 1)) // CONTEXT_STEP * CONTEXT_STEP
+    tokens = min(tokens, wanted)
+    return tokens if tokens >= FITTED_CONTEXT_MIN else None
 
 
 def check_context(config, requested: int | None) -> None:

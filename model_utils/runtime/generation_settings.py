@@ -135,14 +135,16 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("max_new_tokens", int, 1,
             help="reply length limit; a longer one than the context window leaves after the "
                  "prompt is limited to that",
-            model_default=lambda gc, context: min(getattr(gc, "max_new_tokens", None) or 512,
+            # Without one, a reply may take what the context leaves (Qwen's generation_config
+            # sets none, and Qwen3's reasoning often needs thousands of tokens).
+            model_default=lambda gc, context: min(getattr(gc, "max_new_tokens", None) or context,
                                                   context),
-            default_text="the model's generation_config, at most the context window",
+            default_text="the model's generation_config, else what the context window leaves",
             range_text="between 1 and what the context window leaves after the prompt (a "
                        "longer one is limited to that)",
             api_names=("max_completion_tokens", "max_tokens"),
             # Up to the loaded model's context: a reply can never be longer than the window.
-            control=Control("max_new_tokens", 512, 1, up_to_context=True,
+            control=Control("max_new_tokens", 4096, 1, up_to_context=True,
                             elem_id="max-new-tokens")),
     Setting("repetition_penalty", float, 0.01, 10.0, off=1.0,
             help="penalize tokens already in the prompt or the reply (as transformers "

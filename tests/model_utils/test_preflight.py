@@ -103,3 +103,25 @@ def test_the_fit_counts_what_the_current_model_frees(serving, demo_path):
                            reclaimable_gb={"cpu": 1000.0})
     assert counted.free_gb["cpu"] - plain.free_gb["cpu"] == pytest.approx(1000.0, abs=1.0)
     assert "that unloading the current model frees" in counted.message()
+
+
+def test_without_a_context_asked_for_the_most_that_fits_is_taken_and_said(serving):
+    """The model's own context (4096 for the demo) does not fit under a CPU cap that leaves
+    room for ~2600 tokens of KV: the load takes 2048 and the status says why; a context asked
+    for is kept and refused instead."""
+    estimate = serving.estimate(_request())
+    per_token = estimate.kv_cache_gb / estimate.context_tokens
+    cap = estimate.weights_gb + 2600 * per_token
+    capped = _request(placement=Placement("cpu", max_memory_gb={"cpu": cap}))
+    fitted = serving.estimate(capped)
+    assert fitted.fits and fitted.context_tokens == 2048
+    engine = Engine()
+    try:
+        status = engine.load(capped)
+        assert status["context_tokens"] == 2048
+        assert "the model's own 4096 do not fit" in status["context_note"]
+        with pytest.raises(LoadError, match="does not fit"):
+            engine.load(_request(placement=Placement("cpu", max_memory_gb={"cpu": cap}),
+                                 context_tokens=4096))
+    finally:
+        engine.unload()
