@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# The paged KV cache on one GPU, in steps that fit one call of the GPU machine (10 minutes):
+#   kernel  benchmarks/decode_attention.py (--tune): the decode kernel per layer against sdpa
+#           over a dense cache and the bytes bound, and a sweep of its tuning
+#   tests   the CUDA tests of the paged cache and the graph paths (tests/gpu/test_paged_decode.py,
+#           tests/gpu/test_graphs.py)
+#   bench   python -m model_utils.bench.long_context on the Qwen2.5-7B shape (random weights):
+#           the prompt-length sweep, 1 and 8 streams, 7 short beside 1 long, the next turns,
+#           and transformers' static cache + compile as the peer (PEER=0: without it)
+# Run from the repository root on the GPU machine, the wheels the image lacks in .whl/:
+#   STEPS="kernel tests" OUT=$OUT benchmarks/gpu_long_context.sh
+# Each step has its own time limit (KERNEL_S, TESTS_S, BENCH_S) and writes into $OUT as it goes.
+set -u
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/gpu-long-context}
+PY=${PYTHON:-python3}
+STEPS=${STEPS:-"kernel tests bench"}
+mkdir -p "$OUT"
+LOG="$OUT/run.log"
+START=$(date +%s)
+say() { echo "[$(( $(date +%s) - START )) s] $*" | tee -a "$LOG"; }
+export PYTHONUNBUFFERED=1
+if ls .whl/*.whl >/dev/null 2>&1; then
+  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+      --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
+fi
+say "start: $($PY -c 'import torch, transformers, triton; print("torch", torch.__version__, "transformers", transformers.__version__, "triton", triton.__version__, torch.cuda.get_device_name(0))' 2>&1 | tail -1)"
+
+for step in $STEPS; do
+  case $step in
+    kernel)
+      say "kernel: decode attention per layer"
+      timeout "${KERNEL_S:-170}" $PY benchmarks/decode_attention.py --tune \
+          --out "$OUT/decode-attention.json" >>"$LOG" 2>&1
+      say "kernel: exit $?";;
+    tests)
+      say "tests: paged decode and graph paths"
+      timeout "${TESTS_S:-240}" $PY -m pytest -m gpu tests/gpu/test_paged_decode.py \
+          tests/gpu/test_graphs.py -q -p no:cacheprovider -x --junitxml="$OUT/gpu-tests.xml" \
+          >"$OUT/gpu-tests.log" 2>&1
+      say "tests: exit $? ($(tail -1 "$OUT/gpu-tests.log"))";;
+    bench)
+      say "bench: long context, Qwen2.5-7B shape"
+      peer=""; [ "${PEER:-1}" = 0 ] && peer="--no-peer"
+      timeout "${BENCH_S:-400}" $PY -m model_utils.bench.long_context \
+          --random-from-config benchmarks/configs/qwen2.5-7b-instruct.config.json \
+          --context-tokens 32768 --lengths "${LENGTHS:-128,4096,16384,30000}" \
+          --streams "${STREAMS:-1,8}" --new-tokens "${NEW_TOKENS:-256}" $peer \
+          --out "$OUT/long-context.json" >"$OUT/long-context.log" 2>&1
+      say "bench: exit $?";;
+  esac
+done
+say "done"

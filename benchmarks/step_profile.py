@@ -1,0 +1,111 @@
+"""The engine's captured decode step on a GPU, timed and profiled kernel by kernel.
+
+    python benchmarks/step_profile.py --config benchmarks/configs/qwen2.5-7b-instruct.config.json \\
+        --layers 4 --context 32768 --rows 1,8 --compiled-rows 1,0
+
+A model of the config's shape (with --layers layers: the cost of a step is per layer) and random
+bf16 weights is loaded through the engine, once per --compiled-rows value (1: the one-row step
+torch.compile'd before capture, the default; 0: the plain forward captured). For each row count
+the step's graph is replayed and timed with CUDA events, then profiled: the kernels of one
+replay, the costliest first. A kernel that reads or writes far more than the weights and one
+token per row would shows at the top.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from model_utils.engine import Engine  # noqa: E402
+from model_utils.loading.manager import LoadRequest  # noqa: E402
+from model_utils.loading.placement import Placement  # noqa: E402
+
+
+def build(config_file: Path, layers: int, folder: Path) -> Path:
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from model_utils.loading.demo_model import demo_model_path
+
+    config = AutoConfig.from_pretrained(config_file, num_hidden_layers=layers,
+                                        layer_types=["full_attention"] * layers)
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.save_pretrained(folder)
+    AutoTokenizer.from_pretrained(demo_model_path()).save_pretrained(folder)
+    del model
+    torch.cuda.empty_cache()
+    return folder
+
+
+def profile_step(engine: Engine, rows: int, length: int) -> dict:
+    runner = engine.manager.loaded.batcher.runner
+
+    def run():
+        with torch.inference_mode():
+            kv = runner._cache()
+            kv.pad_rows(0, rows)
+            runner.step_fn(kv, rows)  # captured now if it was not
+            kv.pos[:rows] = length  # rows of `length` tokens (their table: the null block)
+            kv.set_lengths(rows, length + 1, rows * (length + 1))
+            for _ in range(3):
+                runner.step_fn(kv, rows)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(20):
+                runner.step_fn(kv, rows)
+            end.record()
+            torch.cuda.synchronize()
+            step_ms = start.elapsed_time(end) / 20
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                for _ in range(5):
+                    runner.step_fn(kv, rows)
+                torch.cuda.synchronize()
+            kv.pad_rows(0, kv.rows)
+            table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=12)
+            return step_ms, table
+
+    step_ms, table = engine.worker.call(run)
+    return {"rows": rows, "step_ms": round(step_ms, 3), "kernels": table}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", required=True)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--context", type=int, default=32768)
+    parser.add_argument("--length", type=int, default=4096, help="tokens each row attends to")
+    parser.add_argument("--rows", default="1,8")
+    parser.add_argument("--compiled-rows", default="1,0")
+    parser.add_argument("--out", default="step_profile.json")
+    args = parser.parse_args(argv)
+    folder = build(Path(args.config), args.layers, Path(tempfile.mkdtemp(prefix="step-")))
+    results = []
+    for compiled in (int(x) for x in args.compiled_rows.split(",")):
+        engine = Engine(max_batch=8, compiled_rows=compiled)
+        engine.registry.allow_root(str(folder))
+        engine.load(LoadRequest(str(folder), "bf16", Placement("cuda:0"),
+                                context_tokens=args.context))
+        status = engine.status()
+        for rows in (int(x) for x in args.rows.split(",")):
+            result = profile_step(engine, rows, args.length)
+            result.update(compiled_rows=compiled, decode_path=status["decode_path"],
+                          kv_cache_gb=status.get("kv_cache_gb"))
+            print(f"compiled_rows={compiled} rows={rows}: {result['step_ms']} ms a step "
+                  f"({args.layers} layers, {args.length} tokens a row)")
+            print(result["kernels"], flush=True)
+            results.append(result)
+        engine.unload()
+    Path(args.out).write_text(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
