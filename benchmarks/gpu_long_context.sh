@@ -2,11 +2,13 @@
 # The paged KV cache on one GPU, in steps that fit one call of the GPU machine (10 minutes):
 #   kernel  benchmarks/decode_attention.py (--tune): the decode kernel per layer against sdpa
 #           over a dense cache and the bytes bound, and a sweep of its tuning
-#   tests   the CUDA tests of the paged cache and the graph paths (tests/gpu/test_paged_decode.py,
-#           tests/gpu/test_graphs.py)
+#   tests   the CUDA tests of the paged cache, the graph paths and the hybrid layers
+#           (tests/gpu/test_paged_decode.py, test_graphs.py, test_hybrid.py)
 #   bench   python -m model_utils.bench.long_context on the Qwen2.5-7B shape (random weights):
 #           the prompt-length sweep, 1 and 8 streams, 7 short beside 1 long, the next turns,
 #           and transformers' static cache + compile as the peer (PEER=0: without it)
+#   hybrid  the same bench on the Qwen3.5-9B shape (hybrid linear attention), 128 and 4k
+#           tokens, 1 and 8 streams, no peer (fla-core's wheel in .whl gives its kernels)
 # Run from the repository root on the GPU machine, the wheels the image lacks in .whl/:
 #   STEPS="kernel tests" OUT=$OUT benchmarks/gpu_long_context.sh
 # Each step has its own time limit (KERNEL_S, TESTS_S, BENCH_S) and writes into $OUT as it goes.
@@ -36,7 +38,8 @@ for step in $STEPS; do
     tests)
       say "tests: paged decode and graph paths"
       timeout "${TESTS_S:-240}" $PY -m pytest -m gpu tests/gpu/test_paged_decode.py \
-          tests/gpu/test_graphs.py -q -p no:cacheprovider -x --junitxml="$OUT/gpu-tests.xml" \
+          tests/gpu/test_graphs.py tests/gpu/test_hybrid.py -q -p no:cacheprovider \
+          --junitxml="$OUT/gpu-tests.xml" \
           >"$OUT/gpu-tests.log" 2>&1
       say "tests: exit $? ($(tail -1 "$OUT/gpu-tests.log"))";;
     bench)
@@ -48,6 +51,13 @@ for step in $STEPS; do
           --streams "${STREAMS:-1,8}" --new-tokens "${NEW_TOKENS:-256}" $peer \
           --out "$OUT/long-context.json" >"$OUT/long-context.log" 2>&1
       say "bench: exit $?";;
+    hybrid)
+      say "hybrid: Qwen3.5-9B shape"
+      timeout "${HYBRID_S:-300}" $PY -m model_utils.bench.long_context \
+          --random-from-config benchmarks/configs/qwen3.5-9b-style.config.json \
+          --context-tokens 8192 --lengths 128,4096 --streams 1,8 --new-tokens 128 \
+          --mixed-long 0 --no-peer --out "$OUT/hybrid.json" >"$OUT/hybrid.log" 2>&1
+      say "hybrid: exit $?";;
   esac
 done
 say "done"

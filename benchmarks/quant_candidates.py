@@ -68,7 +68,7 @@ class LoadLog(logging.Handler):
 
     NAMES = ("model_utils.runtime.cuda_graphs", "model_utils.runtime.prefill", "model_utils.engine",
              "model_utils.loading.weight_only", "model_utils.runtime.scheduler",
-             "model_utils.runtime.admission", "model_utils.runtime.runner")
+             "model_utils.runtime.runner")
 
     def __init__(self):
         super().__init__(logging.INFO)
@@ -98,23 +98,24 @@ def profile_step(engine: Engine, steps: int = 3) -> dict:
 
     @torch.inference_mode()  # as the scheduler's own steps: the cache is an inference tensor
     def run():
+        batcher.blocks()  # the cache, made at first use; every row points at the null block
         kv = batcher.kv
-        kv.relayout(0, 0)
-        b, w = kv.prepare_step(1, 0)
+        kv.pad_rows(0, 1)
+        kv.set_lengths(1, 1, 1)
         for _ in range(3):
-            batcher.step_fn(kv, b, w)
+            batcher.step_fn(kv, 1)
         bench.sync()
         start = time.perf_counter()
         for _ in range(10):
-            batcher.step_fn(kv, b, w)
+            batcher.step_fn(kv, 1)
         bench.sync()
         wall_ms = (time.perf_counter() - start) / 10 * 1000
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if CUDA else [])
         with profile(activities=activities) as prof:
             for _ in range(steps):
-                batcher.step_fn(kv, b, w)
+                batcher.step_fn(kv, 1)
             bench.sync()
-        kv.relayout(0, 0)
+        kv.pad_rows(0, kv.rows)
         return wall_ms, prof
 
     wall_ms, prof = engine.worker.call(run)
@@ -127,16 +128,17 @@ def profile_step(engine: Engine, steps: int = 3) -> dict:
         @torch.inference_mode()
         def uncaptured():
             kv = batcher.kv
-            kv.relayout(0, 0)
-            b, w = kv.prepare_step(1, 0)
-            inputs = kv.inputs(b, w)
+            kv.pad_rows(0, 1)
+            inputs = kv.decode_args(1)
+            kv.prepare_decode(1)
             compiled(**inputs)
             bench.sync()
             with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as again:
                 for _ in range(steps):
+                    kv.prepare_decode(1)
                     compiled(**inputs)
                 bench.sync()
-            kv.relayout(0, 0)
+            kv.pad_rows(0, kv.rows)
             return again
 
         rows = _kernel_rows(engine.worker.call(uncaptured), steps)

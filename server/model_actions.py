@@ -113,8 +113,8 @@ def status_markdown(status: dict) -> str:
     lines.append(f"footprint {status.get('footprint_gb', 0):.4f} GB · tokenizer and weights "
                  f"read in {status.get('load_s', 0):.2f} s · context {status.get('context_tokens')} "
                  f"tokens · decode path {path}")
-    if status.get("context_note"):
-        lines.append(f"*{status['context_note']}*")
+    for note in status.get("notes") or []:
+        lines.append(f"*{note}*")
     if blocks := status.get("kv_blocks"):
         n = blocks["block_tokens"]
         lines.append(f"KV cache: {blocks['total'] * n:,} tokens in blocks of {n} "

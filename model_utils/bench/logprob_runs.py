@@ -104,15 +104,16 @@ def _teacher_forced(runner, sequences, prompt_len, should_yield) -> torch.Tensor
         forced = torch.tensor(sequences, device=kv.device)
         first = [None] * rows
         for group, padded in _prefill_groups(runner, rows, prompt_len):
-            prompts = [sequences[i][:prompt_len] for i in group]
+            # Each row is placed right after its prefill, as the scheduler does (a model with
+            # linear attention prefills into one slot that the row then takes over).
             if padded:
-                logits = runner.padded_prefill(prompts, [held[i] for i in group])
-            else:
-                logits = torch.cat([runner.forward_prompt(p, held[i])
-                                    for p, i in zip(prompts, group)])
-            for j, row in enumerate(group):  # rows are placed in order: group by group
+                logits = runner.padded_prefill([sequences[i][:prompt_len] for i in group],
+                                               [held[i] for i in group])
+            for j, row in enumerate(group):
+                if not padded:
+                    logits = runner.forward_prompt(sequences[row][:prompt_len], held[row])
                 kv.place(row, held[row], prompt_len, sequences[row][prompt_len])
-                first[row] = torch.log_softmax(logits[j].float(), -1)
+                first[row] = torch.log_softmax(logits[j if padded else 0].float(), -1)
         out = [torch.stack(first).cpu()]
         length = prompt_len
         b = bucket(rows, kv.row_buckets)  # padded to the row bucket, as replies are

@@ -56,6 +56,8 @@ class LoadedModel:
     compiled_graphs: dict[str, int] = field(default_factory=dict)
     # Why the context is shorter than the model's own (memory), "" when it is not
     context_note: str = ""
+    # What a user should know of this load (the context made shorter, a vision tower skipped)
+    notes: list[str] = field(default_factory=list)
 
     @property
     def display_name(self) -> str:
@@ -78,6 +80,7 @@ class LoadedModel:
             "footprint_gb": round(self.footprint_gb, 4),
             "context_tokens": self.context_tokens,
             **({"context_note": self.context_note} if self.context_note else {}),
+            **({"notes": list(self.notes)} if self.notes else {}),
             "decode_path": self.decode_path,
             "decode_path_reason": self.decode_path_reason,
             "estimate": self.estimate.message(),

@@ -38,7 +38,7 @@ from .memory_accounting import (  # re-exported: app.py and the tests import the
     summarize_device_map,
     unload_report,
 )
-from .modes import get_mode, quantization_config, torch_dtype
+from .modes import get_mode, quantization_config, torch_dtype, unpackable_linears
 from .modes import unavailable_reason as mode_unavailable
 from .placement import (
     FitEstimate,
@@ -54,6 +54,17 @@ from .weight_only import load_quantized
 log = logging.getLogger(__name__)
 
 Progress = Callable[[float, str], None]  # (fraction done, what is happening)
+
+
+def text_only_note(config, model) -> str:
+    """A checkpoint with a vision tower (Qwen3.5's, say) loads as its language model: say so."""
+    if getattr(config, "vision_config", None) is None:
+        return ""
+    if any("visual" in name for name, _ in model.named_children()) or \
+            hasattr(getattr(model, "model", None), "visual"):
+        return ""
+    return ("its vision tower is not loaded: this app chats in text, so the checkpoint's "
+            "language model alone is")
 
 
 class ModelManager:
@@ -256,8 +267,11 @@ class ModelManager:
         if not estimate.fits:
             raise LoadError(f"{source.label} in {mode.name} does not fit: {estimate.message()}")
         kwargs = device_map_kwargs(request.placement, estimate)
+        on_cpu = request.placement.target == "cpu" or may_offload_to_cpu(kwargs)
+        skip = unpackable_linears(config) if mode.uses_bitsandbytes and \
+            mode.quantization != "int8" and on_cpu else None
         quant = quantization_config(mode, compute_dtype=request.compute_dtype,
-                                    cpu_offload=may_offload_to_cpu(kwargs))
+                                    cpu_offload=may_offload_to_cpu(kwargs), skip=skip)
         kwargs["dtype"] = mode.dtype
         if quant is not None:
             kwargs["quantization_config"] = quant
@@ -286,7 +300,8 @@ class ModelManager:
         load_s = time.perf_counter() - start
         loaded = LoadedModel(
             source=source, request=request, mode=mode, model=model, tokenizer=tokenizer,
-            context_tokens=context, context_note=context_note, load_s=load_s,
+            context_tokens=context, context_note=context_note,
+            notes=[n for n in (context_note, text_only_note(config, model)) if n], load_s=load_s,
             footprint_gb=sum(stored_bytes(t) for t in [*model.parameters(),
                                                        *model.buffers()]) / GB,
             device_map=summarize_device_map(model), estimate=estimate,

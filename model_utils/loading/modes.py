@@ -152,8 +152,29 @@ def unavailable_reason(mode: Mode, *, device: str) -> str | None:
     return None
 
 
-def quantization_config(mode: Mode, *, compute_dtype: str = "bf16", cpu_offload: bool = False):
-    """The BitsAndBytesConfig for a quantized mode, None for a plain dtype mode."""
+# bitsandbytes' CPU kernel for 4-bit weights packs them in rows of 32 output features (on CPUs
+# with AVX512-BF16; it asserts "N must be divisible by block_n" otherwise).
+BNB_CPU_ROWS = 32
+
+
+def unpackable_linears(config) -> list[str]:
+    """Names of the Linear layers bitsandbytes' CPU kernel cannot pack (out_features not a
+    multiple of BNB_CPU_ROWS, or an odd in_features): Qwen3.5's per-head gates in_proj_a /
+    in_proj_b have one output per value head. Kept unquantized, they are a few KB."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return sorted({name.rsplit(".", 1)[-1] for name, module in model.named_modules()
+                   if isinstance(module, torch.nn.Linear) and not name.endswith("lm_head")
+                   and (module.out_features % BNB_CPU_ROWS or module.in_features % 2)})
+
+
+def quantization_config(mode: Mode, *, compute_dtype: str = "bf16", cpu_offload: bool = False,
+                        skip: list[str] | None = None):
+    """The BitsAndBytesConfig for a quantized mode, None for a plain dtype mode. `skip`:
+    module names to keep unquantized besides lm_head (unpackable_linears)."""
     if mode.quantization is None:
         return None
     from transformers import BitsAndBytesConfig
@@ -161,14 +182,16 @@ def quantization_config(mode: Mode, *, compute_dtype: str = "bf16", cpu_offload:
     if compute_dtype not in COMPUTE_DTYPES:
         raise ValueError(f"unknown compute dtype {compute_dtype!r}; choose one of: "
                          f"{', '.join(COMPUTE_DTYPES)}")
+    skipped = {"llm_int8_skip_modules": ["lm_head", *skip]} if skip else {}
     if mode.quantization == "int8":
         # Modules that spill to the CPU stay fp32 there; bitsandbytes insists on this flag.
         return BitsAndBytesConfig(load_in_8bit=True,
-                                  llm_int8_enable_fp32_cpu_offload=cpu_offload)
+                                  llm_int8_enable_fp32_cpu_offload=cpu_offload, **skipped)
     return BitsAndBytesConfig(
         load_in_4bit=True,
         bnb_4bit_quant_type=mode.quantization,
         bnb_4bit_use_double_quant=mode.double_quant,
         bnb_4bit_compute_dtype=torch_dtype(compute_dtype),
         llm_int8_enable_fp32_cpu_offload=cpu_offload,
+        **skipped,
     )

@@ -174,11 +174,22 @@ def weight_bytes(config, mode: Mode) -> float:
 
 
 def kv_cache_bytes(config, context_tokens: int, *, batch: int = 1, dtype_bytes: int = 2) -> float:
-    # K and V, per layer, per KV head, head_dim values each, for every token of the context.
+    """What `batch` replies of `context_tokens` keep: K and V per attention layer, per KV head,
+    head_dim values each, for every token; and a linear-attention layer's fixed state (its
+    convolution's last inputs, and the delta rule's [heads, key, value] state in float32)."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
     kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
-    return 2 * text.num_hidden_layers * kv_heads * head_dim * context_tokens * batch * dtype_bytes
+    types = getattr(text, "layer_types", None) or ["full_attention"] * text.num_hidden_layers
+    linear = types.count("linear_attention")
+    attention = len(types) - linear
+    total = 2 * attention * kv_heads * head_dim * context_tokens * dtype_bytes
+    if linear:
+        k_heads, v_heads = text.linear_num_key_heads, text.linear_num_value_heads
+        k_dim, v_dim = text.linear_key_head_dim, text.linear_value_head_dim
+        conv = (2 * k_heads * k_dim + v_heads * v_dim) * text.linear_conv_kernel_dim * dtype_bytes
+        total += linear * (conv + v_heads * k_dim * v_dim * 4)
+    return total * batch
 
 
 def estimate_fit(config, mode: Mode, placement: Placement, *, context_tokens: int,

@@ -26,12 +26,15 @@ class CacheManager:
     def counts(self) -> BlockCounts:
         return self.pool.counts()
 
-    def admit(self, request: Request, *, reuse: bool, headroom: int) -> bool:
+    def admit(self, request: Request, *, reuse: bool, headroom: int,
+              min_reuse: int = 0) -> bool:
         """Give `request` the blocks of its prompt (request.prompt_ids): the reused prefix
-        (when `reuse`) and new ones for the rest. False, taking nothing, when fewer than those
-        plus `headroom` blocks can be had."""
+        (when `reuse` and it covers at least `min_reuse` tokens) and new ones for the rest.
+        False, taking nothing, when fewer than those plus `headroom` blocks can be had."""
         tokens = request.prompt_ids
         match = self.pool.match(tokens).blocks if reuse else []
+        if len(match) * self.block_tokens < min_reuse:
+            match = []
         self.pool.take(match)
         need = blocks_for(len(tokens), self.block_tokens) - len(match)
         if self.pool.available() < need + headroom:

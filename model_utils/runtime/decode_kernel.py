@@ -32,6 +32,18 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
+def _row_split(Lens, SplitTokens, row, window, BLOCK_N: tl.constexpr, MAX_SPLITS: tl.constexpr):
+    """(the row's length, its first attended token, tokens per split, splits used): the same
+    numbers in both kernels, from the row's length and the step's split size."""
+    seq_len = tl.load(Lens + row)
+    start = tl.where(window > 0, tl.maximum(seq_len - window, 0), 0)
+    span = seq_len - start
+    splits = tl.minimum(tl.cdiv(span, tl.load(SplitTokens)), MAX_SPLITS)
+    per_split = tl.cdiv(tl.cdiv(span, splits), BLOCK_N) * BLOCK_N
+    return seq_len, start, per_split, tl.cdiv(span, per_split)
+
+
+@triton.jit
 def _partials(Q, K, V, Table, Lens, SplitTokens, Out, Lse,
               stride_qb, stride_qh,
               stride_kb, stride_ks, stride_kh,
@@ -46,11 +58,8 @@ def _partials(Q, K, V, Table, Lens, SplitTokens, Out, Lse,
     row = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    seq_len = tl.load(Lens + row)
-    start = tl.where(window > 0, tl.maximum(seq_len - window, 0), 0)
-    span = seq_len - start
-    splits = tl.minimum(tl.cdiv(span, tl.load(SplitTokens)), MAX_SPLITS)
-    per_split = tl.cdiv(tl.cdiv(span, splits), BLOCK_N) * BLOCK_N
+    seq_len, start, per_split, _ = _row_split(Lens, SplitTokens, row, window, BLOCK_N,
+                                              MAX_SPLITS)
     lo = start + split * per_split
     hi = tl.minimum(lo + per_split, seq_len)
     if lo < hi:
@@ -107,12 +116,7 @@ def _combine(Part, Lse, Lens, SplitTokens, Out,
              MAX_SPLITS: tl.constexpr):
     row = tl.program_id(0)
     head = tl.program_id(1)
-    seq_len = tl.load(Lens + row)
-    start = tl.where(window > 0, tl.maximum(seq_len - window, 0), 0)
-    span = seq_len - start
-    splits = tl.minimum(tl.cdiv(span, tl.load(SplitTokens)), MAX_SPLITS)
-    per_split = tl.cdiv(tl.cdiv(span, splits), BLOCK_N) * BLOCK_N
-    used = tl.cdiv(span, per_split)
+    _, _, _, used = _row_split(Lens, SplitTokens, row, window, BLOCK_N, MAX_SPLITS)
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < HEAD_D
     lses = Lse + row * stride_lb + head * stride_lh

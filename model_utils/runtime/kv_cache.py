@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .kv_blocks import NULL_BLOCK, blocks_for
+from .linear_states import LinearStates, linear_layers
 from .paged_attention import NAME as PAGED_SDPA
 from .paged_attention import PagedStep, register_step
 
@@ -35,7 +36,10 @@ if TYPE_CHECKING:
 
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 BLOCK_TOKENS = 16  # vLLM's default: small enough that a shared prefix wastes little
-SUPPORTED_LAYERS = {"full_attention", "sliding_attention"}
+# Layer types the batched path takes: attention over the paged cache, and linear attention
+# whose state has a slot per row (linear_states.py) where its module is one of those known.
+ATTENTION_LAYERS = {"full_attention", "sliding_attention"}
+SUPPORTED_LAYERS = ATTENTION_LAYERS | {"linear_attention"}
 ATTENTION = {"sdpa", PAGED_SDPA}  # implementations the paged attention replaces
 
 
@@ -54,9 +58,12 @@ def layer_types(model: PreTrainedModel) -> list[str]:
 
 def support(model: PreTrainedModel) -> tuple[bool, str]:
     """(batched decoding applies, why not) for a loaded model."""
-    types = set(layer_types(model))
-    if not types <= SUPPORTED_LAYERS:
-        return False, f"layer types {sorted(types - SUPPORTED_LAYERS)} are not batched"
+    types = layer_types(model)
+    if not set(types) <= SUPPORTED_LAYERS:
+        return False, f"layer types {sorted(set(types) - SUPPORTED_LAYERS)} are not batched"
+    linear = {i for i, kind in enumerate(types) if kind == "linear_attention"}
+    if not linear <= set(linear_layers(model)):
+        return False, "its linear-attention layers are of a kind the batched path does not know"
     attention = model.config._attn_implementation
     if attention not in ATTENTION:
         return False, f"attention implementation {attention!r} is not batched"
@@ -77,24 +84,36 @@ class LayerKV:
         return 2 * self.kv_heads * self.head_dim * torch.empty((), dtype=self.dtype).element_size()
 
 
-def probe_layers(prompt_cache: Cache) -> list[LayerKV]:
+def probe_layers(prompt_cache: Cache) -> list[LayerKV | None]:
     """Each layer's K/V, read off a cache a short prefill filled (the shapes, dtypes and
-    devices the model really produces: bitsandbytes' compute dtype, a split model's devices)."""
-    return [LayerKV(layer.keys.shape[1], layer.keys.shape[3], layer.keys.dtype,
-                    layer.keys.device) for layer in prompt_cache.layers]
+    devices the model really produces: bitsandbytes' compute dtype, a split model's devices);
+    None for a layer without keys (linear attention)."""
+    layers = []
+    for layer in prompt_cache.layers:
+        keys = getattr(layer, "keys", None)
+        layers.append(None if keys is None else
+                      LayerKV(keys.shape[1], keys.shape[3], keys.dtype, keys.device))
+    return layers
 
 
 class PagedKV:
     """The pools of every layer, the block table and the rows' device state."""
 
-    def __init__(self, model: PreTrainedModel, layers: list[LayerKV], *, num_blocks: int,
-                 block_tokens: int, rows: int, context_tokens: int, device: torch.device):
+    def __init__(self, model: PreTrainedModel, layers: list[LayerKV | None], *, num_blocks: int,
+                 block_tokens: int, rows: int, context_tokens: int, device: torch.device,
+                 states: LinearStates | None = None):
         self.num_blocks, self.block_tokens, self.rows = num_blocks, block_tokens, rows
         self.device = device
-        self.width = blocks_for(context_tokens, block_tokens)  # table entries per row
+        self.states = states  # linear attention's, a slot per row (None: no such layers)
+        # Table entries per row: every position up to the context, one step past it included.
+        self.width = blocks_for(context_tokens + 1, block_tokens)
         self.keys: list[torch.Tensor | None] = []
         self.values: list[torch.Tensor | None] = []
         for layer in layers:
+            if layer is None:  # no keys in this layer
+                self.keys.append(None)
+                self.values.append(None)
+                continue
             shape = (num_blocks, block_tokens, layer.kv_heads, layer.head_dim)
             k = torch.empty(shape, dtype=layer.dtype, device=layer.device)
             v = torch.empty(shape, dtype=layer.dtype, device=layer.device)
@@ -110,19 +129,22 @@ class PagedKV:
         self.split_tokens = torch.full((1,), 1 << 20, dtype=torch.int32, device=device)
         self._split = 0  # split_tokens' value, as the host last wrote it
         if device.type == "cuda":  # fixed addresses for torch.compile: a compiled step
-            for buffer in (*self.keys, *self.values, self.table, self.pos, self.ids,  # writes
-                           self.lengths, self.slots, self.split_tokens):  # into them in place
+            pools = [t for t in (*self.keys, *self.values) if t is not None]  # writes into
+            for buffer in (*pools, self.table, self.pos, self.ids,  # them in place
+                           self.lengths, self.slots, self.split_tokens):
                 torch._dynamo.mark_static_address(buffer)
         self.no_masks = {kind: None for kind in set(layer_types(model))}
         self.row_buckets = tuple(b for b in ROW_BUCKETS if b < rows) + (rows,)
         self._steps: dict[int, PagedStep] = {}
-        self._kv_heads = max(layer.kv_heads for layer in layers)
+        self._kv_heads = max(layer.kv_heads for layer in layers if layer is not None)
         self._sms = torch.cuda.get_device_properties(device).multi_processor_count \
             if device.type == "cuda" else 0
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.keys + self.values if t is not None)
+        pools = sum(t.numel() * t.element_size() for t in self.keys + self.values
+                    if t is not None)
+        return pools + (self.states.nbytes if self.states else 0)
 
     # -- a decode step -------------------------------------------------------------------------
     def prepare_decode(self, b: int) -> None:
@@ -145,7 +167,8 @@ class PagedKV:
                 split_tokens=self.split_tokens))
             self._steps[b] = step
         return dict(input_ids=self.ids[:b], position_ids=self.pos[:b, None],
-                    attention_mask=self.no_masks, paged=step, use_cache=False, logits_to_keep=1)
+                    attention_mask=self.no_masks, paged=step, use_cache=False, logits_to_keep=1,
+                    **({"cache": self.states.view(0, b)} if self.states else {}))
 
     def set_lengths(self, b: int, longest: int, total: int) -> None:
         """What the next step's rows attend to: the most tokens of any row (what the torch
@@ -188,6 +211,8 @@ class PagedKV:
         self.table[row].copy_(table, non_blocking=True)
         self.pos[row] = length
         self.ids[row, 0] = token
+        if self.states:  # its prompt was just prefilled in the prefill slot
+            self.states.place(row)
 
     def add_blocks(self, entries: list[tuple[int, int, int]]) -> None:
         """(row, index, block): table[row, index] = block, in one small copy."""
@@ -200,6 +225,8 @@ class PagedKV:
         self.table[dst] = self.table[src]
         self.pos[dst] = self.pos[src]
         self.ids[dst] = self.ids[src]
+        if self.states:
+            self.states.copy(src, dst)
         self.clear_row(src)
 
     def clear_row(self, row: int) -> None:

@@ -20,12 +20,15 @@ import torch
 
 from .decoders import input_device
 from .kv_blocks import BlockPool, blocks_for
-from .kv_cache import BLOCK_TOKENS, LayerKV, PagedKV, bucket, probe_layers
+from .kv_cache import BLOCK_TOKENS, PagedKV, bucket, probe_layers
+from .linear_states import LinearStates, linear_layers
 from .prefill import PaddedPrefill
 from .readback import TokenReadback
 from .sampling import RowSampler, sample_rows
 
 if TYPE_CHECKING:
+    from transformers import DynamicCache
+
     from .cuda_graphs import GraphCapture
     from .requests import Request
 
@@ -35,6 +38,10 @@ log = logging.getLogger(__name__)
 KV_MEMORY_SHARE = 0.5
 # A prompt longer than this is prefilled in chunks of it: bounds the forward's activations.
 PREFILL_CHUNK = 8192
+# A cached prefix shorter than this is computed again with the rest of the prompt: it saves
+# little, and a prompt computed whole gets the same rounding whatever was asked before it (in
+# bf16 a prefix read back and one computed afresh can part a greedy reply at a near-tie).
+MIN_REUSE_TOKENS = 256
 # step_fn(kv, b) -> logits [b, V] of one decode step for rows [0, b) of the cache.
 StepFn = Callable[[PagedKV, int], torch.Tensor]
 # Rows whose sampling raised: (index in the step's rows, the error).
@@ -75,6 +82,7 @@ class BatchRunner:
         self.step_fn: StepFn = step_fn or EagerStep(model)
         self.device = input_device(model)
         self.kv_tokens = kv_tokens  # the pool's size in tokens; None: from free memory
+        self.min_reuse_tokens = MIN_REUSE_TOKENS
         self.kv: PagedKV | None = None  # allocated on first use
         self.pool: BlockPool | None = None
         self.padded_prefill: PaddedPrefill | None = None  # see use_padded_prefill
@@ -99,7 +107,10 @@ class BatchRunner:
         """Prefill short prompts through prefill.PaddedPrefill (captured as CUDA graphs by
         `capture`, a cuda_graphs.GraphCapture; eager without), set up now; returns the seconds
         it took. On the worker thread, after warm_up (which allocates the cache)."""
-        padded = PaddedPrefill(self.model, self._cache(), capture=capture)
+        kv = self._cache()
+        if kv.states is not None:  # right padding would run into a linear layer's state
+            return 0.0
+        padded = PaddedPrefill(self.model, kv, capture=capture)
         if not padded.buckets:  # a context shorter than the smallest bucket
             return 0.0
         with torch.inference_mode():
@@ -121,6 +132,12 @@ class BatchRunner:
         """The block pool the scheduler hands out (the cache is allocated at the first call)."""
         self._cache()
         return self.pool
+
+    @property
+    def reuses_prefixes(self) -> bool:
+        """Whether a prompt may start from cached blocks: not with linear-attention layers,
+        whose state at the end of a cached prefix is not kept."""
+        return self._cache().states is None
 
     def session(self) -> contextlib.AbstractContextManager:
         """The context the scheduler's loop runs in."""
@@ -171,9 +188,10 @@ class BatchRunner:
                 step = kv.extend_step(slots, kv.slots_of(blocks, 0, stop), start)
             ids = torch.tensor([tokens[start:stop]], device=self.device)
             positions = torch.arange(start, stop, device=self.device)[None]
+            states = {"cache": kv.states.prefill_view(fresh=start == 0)} if kv.states else {}
             logits = self.model(input_ids=ids, position_ids=positions,
                                 attention_mask=kv.no_masks, paged=step, use_cache=False,
-                                logits_to_keep=1).logits[:, -1]
+                                logits_to_keep=1, **states).logits[:, -1]
         return logits
 
     def first_tokens(self, prefilled: Prefilled,
@@ -227,10 +245,12 @@ class BatchRunner:
         memory is short, never fewer than one whole context."""
         if self.kv is not None:
             return self.kv
-        layers = self._probe()
+        probe = self._probe()
+        layers = probe_layers(probe)
         per_token = {}
         for layer in layers:
-            per_token[layer.device] = per_token.get(layer.device, 0) + layer.bytes_per_token
+            if layer is not None:
+                per_token[layer.device] = per_token.get(layer.device, 0) + layer.bytes_per_token
         wanted = (self.max_batch + 1) * self.context_tokens
         tokens = self.kv_tokens or wanted
         if self.kv_tokens is None:
@@ -242,9 +262,10 @@ class BatchRunner:
                         "context (%d): taking that much anyway", tokens, self.context_tokens)
             tokens = one_reply
         blocks = blocks_for(tokens, BLOCK_TOKENS) + 1  # + the null block
+        states = LinearStates(probe, self.max_batch) if linear_layers(self.model) else None
         self.kv = PagedKV(self.model, layers, num_blocks=blocks, block_tokens=BLOCK_TOKENS,
                           rows=self.max_batch, context_tokens=self.context_tokens,
-                          device=self.device)
+                          device=self.device, states=states)
         self.pool = BlockPool(blocks, BLOCK_TOKENS)
         self._readback = TokenReadback(self.device, self.max_batch)
         log.info("KV cache: %d blocks of %d tokens (%d tokens, %.3f GB) for %d rows",
@@ -252,15 +273,15 @@ class BatchRunner:
                  self.kv.nbytes / 2**30, self.max_batch)
         return self.kv
 
-    def _probe(self) -> list[LayerKV]:
-        """Each layer's K/V shape, dtype and device, from a short forward."""
+    def _probe(self) -> DynamicCache:
+        """A cache a short forward filled: each layer's K/V (or state) shape, dtype, device."""
         from transformers import DynamicCache
 
         cache = DynamicCache(config=self.model.config)
         with torch.inference_mode():
             ids = torch.zeros(1, 4, dtype=torch.long, device=self.device)
             self.model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
-        return probe_layers(cache)
+        return cache
 
 
 def _free_bytes(device: torch.device) -> int:

@@ -70,6 +70,9 @@ class Runner(Protocol):
     @property
     def capacity(self) -> int: ...  # rows: replies that decode at once
     def blocks(self) -> BlockPool: ...  # the KV cache's blocks (allocated at the first call)
+    @property
+    def reuses_prefixes(self) -> bool: ...  # prompts may start from cached blocks
+    min_reuse_tokens: int  # ... of at least this many tokens
     def session(self) -> AbstractContextManager: ...  # the context the whole loop runs in
     def fits_padded(self, tokens: int) -> bool: ...  # the padded prefill takes this prompt
     def fit_padded_together(self, lengths: list[int]) -> bool: ...  # ... these in one replay
@@ -219,8 +222,10 @@ class Scheduler:
                 continue
             # A prompt the padded prefill takes costs a graph replay: computing it whole is as
             # fast as reading back a prefix, and keeps it in the group's one replay.
-            reuse = not self.runner.fits_padded(len(request.prompt_ids))
-            if not self.cache.admit(request, reuse=reuse, headroom=len(self.rows) + len(group)):
+            reuse = self.runner.reuses_prefixes and \
+                not self.runner.fits_padded(len(request.prompt_ids))
+            if not self.cache.admit(request, reuse=reuse, headroom=len(self.rows) + len(group),
+                                    min_reuse=self.runner.min_reuse_tokens):
                 self.waiting_for_memory = True
                 break
             self._take_from_queue()

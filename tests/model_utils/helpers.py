@@ -31,3 +31,22 @@ def copy_demo(demo_path: Path, target: Path, *, weights: bool = True) -> Path:
         if item.is_file() and (weights or item.suffix != ".safetensors"):
             shutil.copy2(item, target / item.name)
     return target
+
+
+def prefill_logits(engine, tokens: list[int], chunk: int):
+    """Logits of the last of `tokens`, prefilled through the engine's batch runner into blocks
+    taken for it (and given back), `chunk` tokens per forward."""
+    import torch
+
+    runner = engine.manager.loaded.batcher.runner
+
+    def run():
+        pool = runner.blocks()
+        blocks = pool.allocate(-(-len(tokens) // pool.block_size))
+        try:
+            with torch.inference_mode():
+                return runner.forward_prompt(tokens, blocks, chunk=chunk)
+        finally:
+            pool.release(blocks)
+
+    return engine.worker.call(run)

@@ -17,7 +17,7 @@ from model_utils.errors import ModelBusy, QueueFull
 from model_utils.runtime.decoders import EagerDecoder
 from model_utils.runtime.generation import GenerationSettings, ReplyStats, decode_tokens
 
-from .helpers import cpu_request
+from .helpers import cpu_request, prefill_logits
 
 
 def greedy(n: int, *, fixed: bool = True) -> GenerationSettings:
@@ -363,31 +363,25 @@ def test_with_memory_for_few_blocks_replies_wait_or_resume_and_stay_exact(demo_p
 def test_the_next_turn_reuses_the_conversation_so_far_and_gets_the_same_reply(load_demo):
     engine = load_demo("fp32")
     loaded = engine.manager.loaded
-    first = [(5 * i) % 400 + 7 for i in range(70)]
+    first = [(5 * i) % 400 + 7 for i in range(300)]
     reply, stats = submit(loaded, first, greedy(30))
     assert stats.cached_tokens == 0
     follow = first + reply + [11, 12, 13, 14]
     again, stats = submit(loaded, follow, greedy(20))
-    # 70 + 29 fed tokens were cached: 6 full blocks of 16
-    assert stats.cached_tokens == 96
+    # 300 + 29 fed tokens were cached: 20 full blocks of 16
+    assert stats.cached_tokens == 320
     assert again == alone(loaded, follow, greedy(20))
+    # A short prompt that starts like an earlier one is computed whole (MIN_REUSE_TOKENS)
+    _, stats = submit(loaded, first[:100] + [9, 9], greedy(4))
+    assert stats.cached_tokens == 0
 
 
 def test_a_long_prompt_prefilled_in_chunks_gives_the_logits_of_one_forward(load_demo):
     engine = load_demo("fp32")
-    runner = engine.manager.loaded.batcher.runner
     tokens = [(11 * i) % 500 + 3 for i in range(300)]
 
     def logits(chunk):
-        def run():
-            pool = runner.blocks()
-            blocks = pool.allocate(-(-len(tokens) // pool.block_size))
-            try:
-                with torch.inference_mode():
-                    return runner.forward_prompt(tokens, blocks, chunk=chunk)
-            finally:
-                pool.release(blocks)
-        return engine.worker.call(run)
+        return prefill_logits(engine, tokens, chunk)
 
     whole = logits(1000)
     for chunk in (64, 100):

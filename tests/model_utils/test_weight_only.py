@@ -220,7 +220,7 @@ def test_on_a_gpu_the_mode_decodes_on_the_compiled_path_with_the_cpus_distributi
 
     engine = Engine(max_batch=2)
     status = engine.load(LoadRequest(model="demo", mode=mode_name, placement=Placement("cuda:0")))
-    assert status["decode_path"].startswith("static-cache+cuda-graphs"), status
+    assert status["decode_path"].startswith("paged-kv+cuda-graphs"), status
     loaded = engine.manager.loaded
     sequences = quality.sequences(loaded.tokenizer, 127)
     mode = get_mode(mode_name)

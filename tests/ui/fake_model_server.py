@@ -171,6 +171,7 @@ class _Handler(BaseHTTPRequestHandler):
         if mode == "no_done":
             return
         out.write(chunk({}, "stop"))
-        usage = {"prompt_tokens": 12, "completion_tokens": 3, "total_tokens": 15}
+        usage = {"prompt_tokens": 12, "completion_tokens": 3, "total_tokens": 15,
+                 "prompt_tokens_details": {"cached_tokens": 8}}
         out.write(f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n".encode())
         out.write(b"data: [DONE]\n\n")

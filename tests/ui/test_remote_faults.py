@@ -49,6 +49,7 @@ def test_a_reply_carries_reasoning_apart_and_the_servers_usage(engine, server):
     assert (final.reasoning, final.answer) == ("Thinking about it.", "Hello there.")
     assert final.stats.finish_reason == "eos" and not final.notice
     assert (final.stats.prompt_tokens, final.stats.new_tokens) == (12, 3)
+    assert final.stats.cached_tokens == 8  # the server's prompt caching, passed on
     assert final.stats.ttft_ms > 0
     body = server.bodies[-1]
     assert body["model"] == MODEL and body["stream"] is True

@@ -27,10 +27,14 @@ def test_the_model_card_shows_its_caches_and_what_serving_holds():
                                             "peak_allocated_gb": 5.563},
                                 "ready": {"allocated_gb": 7.43, "reserved_gb": 7.881,
                                           "peak_allocated_gb": 7.658}}}
+    status["kv_blocks"] = {"total": 1000, "used": 10, "cached": 5, "free": 985,
+                           "block_tokens": 16, "reused_tokens": 320, "preemptions": 0}
     html = memory_cards(MemorySnapshot(0.0, [], 12.0, 128.0, 3.2), status)
-    assert "KV caches" in html and "1.80 GB" in html
+    assert "KV cache" in html and "1.80 GB" in html
+    assert "160 in use, 80 cached for reuse, 15,760 free of 16,000" in html
+    assert "320 prompt tokens reused" in html
     assert "ready to serve (allocated / reserved)" in html and "7.43 GB / 7.88 GB" in html
-    assert "KV caches" not in memory_cards(MemorySnapshot(0.0, [], 12.0, 128.0, 3.2), STATUS)
+    assert "KV cache" not in memory_cards(MemorySnapshot(0.0, [], 12.0, 128.0, 3.2), STATUS)
 
 
 def test_cpu_only_says_so():

@@ -1,0 +1,38 @@
+"""Qwen3.5's hybrid layers on the GPU's compiled path: the tiny model of tests/model_utils/
+test_hybrid.py in bf16, rows of mixed lengths decoded together (CUDA graphs, the linear layers'
+states in their row slots) against plain generate of each alone, by the logprob check."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from model_utils.bench import logprob_check as check
+from model_utils.bench.logprob_runs import engine_greedy, plain_greedy
+from tests.model_utils.test_hybrid import build
+
+from .conftest import gpu_marks, load_engine, plain
+
+pytestmark = gpu_marks()
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return build(tmp_path_factory.mktemp("qwen3_5-gpu") / "tiny")
+
+
+@pytest.mark.parametrize("rows", [1, 7])
+def test_hybrid_rows_on_the_graph_path_are_close_to_plain_generate(folder, rows):
+    engine = load_engine(folder, "bf16", max_batch=8)
+    try:
+        assert "cuda-graphs" in engine.manager.loaded.decode_path, engine.status()
+        prompts = [[(7 * j + 11 * i) % 900 + 5 for j in range(10 + 150 * i)]
+                   for i in range(rows)]
+        together = engine_greedy(engine, prompts, 24)
+    finally:
+        engine.unload()
+    reference = plain(folder, "bf16")
+    alone = [plain_greedy(reference, [p], 24)[0] for p in prompts]
+    result = check.check_logprobs_close(together, alone,
+                                        tolerance=check.TOLERANCE[torch.bfloat16])
+    assert result["close"], result["partings"]

@@ -1,0 +1,230 @@
+"""Qwen3.5's hybrid layers (Gated DeltaNet linear attention beside full attention) on the
+batched path, on the CPU: a tiny model of the architecture built from its config here (random
+fp32 weights: exact equality is the test), its replies decoded together equal to each decoded
+alone and to plain generate; a checkpoint with a vision tower loads as its language model."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from model_utils.engine import Engine, eos_ids
+from model_utils.loading.manager import LoadRequest
+from model_utils.loading.modes import unpackable_linears
+from model_utils.loading.placement import Placement, kv_cache_bytes
+from model_utils.runtime.decoders import EagerDecoder
+from model_utils.runtime.generation import GenerationSettings, ReplyStats, decode_tokens
+
+from .helpers import prefill_logits
+
+TEXT = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, linear_key_head_dim=16,
+            linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+            max_position_embeddings=4096)
+VISION = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+              patch_size=14, spatial_merge_size=2, temporal_patch_size=2)
+
+
+def build(folder, *, vision: bool = False):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.models.qwen3_5.configuration_qwen3_5 import (
+        Qwen3_5Config,
+        Qwen3_5TextConfig,
+    )
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5ForConditionalGeneration
+
+    from model_utils.loading.demo_model import demo_model_path
+
+    tokenizer = AutoTokenizer.from_pretrained(demo_model_path())
+    text = {**TEXT, "vocab_size": len(tokenizer), "eos_token_id": tokenizer.eos_token_id}
+    torch.manual_seed(0)
+    if vision:
+        model = Qwen3_5ForConditionalGeneration(Qwen3_5Config(text_config=text,
+                                                              vision_config=VISION))
+    else:
+        model = AutoModelForCausalLM.from_config(Qwen3_5TextConfig(**text))
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def hybrid_folder(tmp_path_factory):
+    return build(tmp_path_factory.mktemp("qwen3_5") / "tiny")
+
+
+def load(folder, mode="fp32", **engine_kwargs) -> Engine:
+    engine = Engine(**engine_kwargs)
+    engine.registry.allow_root(str(folder))
+    engine.load(LoadRequest(str(folder), mode, Placement("cpu")))
+    return engine
+
+
+@pytest.fixture(scope="module")
+def hybrid(hybrid_folder):
+    engine = load(hybrid_folder, max_batch=8)
+    yield engine
+    engine.unload()
+
+
+def greedy(n: int) -> GenerationSettings:
+    return GenerationSettings(max_new_tokens=n, min_new_tokens=n, temperature=0.0, top_p=1.0,
+                              top_k=0, repetition_penalty=1.0)
+
+
+def submit(loaded, prompt, settings, stop=None):
+    stats = ReplyStats()
+    return list(loaded.batcher.submit(prompt, settings, eos_ids=eos_ids(loaded),
+                                      stop=stop or threading.Event(), stats=stats)), stats
+
+
+def alone(loaded, prompt, settings):
+    return list(decode_tokens(EagerDecoder(loaded.model), prompt, settings,
+                              eos_ids=eos_ids(loaded)))
+
+
+def plain_generate(loaded, prompt, n):
+    ids = torch.tensor([prompt])
+    with torch.inference_mode():
+        out = loaded.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
+                                    min_new_tokens=n, do_sample=False, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def together(jobs):
+    results = [None] * len(jobs)
+    start = threading.Barrier(len(jobs))
+
+    def one(i):
+        start.wait()
+        results[i] = jobs[i]()
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(jobs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    return results
+
+
+def test_a_hybrid_model_takes_the_batched_path(hybrid):
+    loaded = hybrid.manager.loaded
+    assert loaded.batcher is not None, loaded.decode_path_reason
+    assert "concurrent replies decoded together" in loaded.decode_path_reason
+    runner = loaded.batcher.runner
+    hybrid.worker.call(runner.blocks)  # the cache, made at first use
+    assert runner.kv.states is not None and sorted(runner.kv.states.conv) == [0, 1, 2]
+    assert runner.kv.keys[3] is not None and runner.kv.keys[0] is None
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8])
+def test_rows_of_mixed_lengths_decode_as_each_alone_and_as_plain_generate(hybrid, rows):
+    loaded = hybrid.manager.loaded
+    prompts = [[(7 * j + 11 * i) % 900 + 5 for j in range(3 + (i * 97) % 260)]
+               for i in range(rows)]
+    settings = [greedy(12 + 3 * i) for i in range(rows)]
+    expected = [alone(loaded, p, s) for p, s in zip(prompts, settings)]
+    got = together([lambda p=p, s=s: submit(loaded, p, s) for p, s in zip(prompts, settings)])
+    assert [tokens for tokens, _ in got] == expected
+    if rows > 1:
+        assert max(stats.batched_with for _, stats in got) > 1
+    assert expected[0] == plain_generate(loaded, prompts[0], settings[0].max_new_tokens)
+
+
+def test_a_stopped_reply_and_one_that_ends_early_leave_the_others_exact(hybrid):
+    loaded = hybrid.manager.loaded
+    prompts = [[20 + i + j for j in range(30 + 40 * i)] for i in range(4)]
+    stop = threading.Event()
+    lengths = [40, 6, 40, 40]  # the second ends mid-batch
+    expected = [alone(loaded, p, greedy(n)) for p, n in zip(prompts, lengths)]
+
+    def stopped():
+        stats, seen = ReplyStats(), 0
+        for _ in loaded.batcher.submit(prompts[2], greedy(3000), eos_ids=eos_ids(loaded),
+                                       stop=stop, stats=stats):
+            seen += 1
+            if seen == 10:
+                stop.set()
+        return None, stats
+
+    jobs = [lambda i=i: submit(loaded, prompts[i], greedy(lengths[i])) for i in range(4)]
+    jobs[2] = stopped
+    got = together(jobs)
+    assert got[2][1].finish_reason == "stop"
+    for i in (0, 1, 3):
+        assert got[i][0] == expected[i], i
+
+
+def test_a_long_prompt_prefilled_in_chunks_carries_the_states_across_them(hybrid):
+    tokens = [(13 * i) % 700 + 3 for i in range(200)]
+
+    def logits(chunk):
+        return prefill_logits(hybrid, tokens, chunk)
+
+    whole = logits(1000)
+    for chunk in (64, 90):
+        torch.testing.assert_close(logits(chunk), whole, rtol=1e-4, atol=1e-4)
+
+
+def test_a_preempted_hybrid_reply_resumes_from_a_fresh_state_and_stays_exact(hybrid_folder,
+                                                                            monkeypatch):
+    import model_utils.runtime.runner as runner
+
+    monkeypatch.setattr(runner, "_free_bytes", lambda device: 1)  # the least KV there is
+    engine = Engine(max_batch=8)
+    engine.registry.allow_root(str(hybrid_folder))
+    engine.load(LoadRequest(str(hybrid_folder), "fp32", Placement("cpu"), context_tokens=256))
+    try:
+        loaded = engine.manager.loaded
+        prompts = [[10 + i] + [(7 * j + i) % 300 + 5 for j in range(19)] for i in range(5)]
+        expected = [alone(loaded, p, greedy(40)) for p in prompts]
+        got = together([lambda p=p: submit(loaded, p, greedy(40)) for p in prompts])
+        assert [tokens for tokens, _ in got] == expected
+        assert loaded.batcher.kv_blocks()["preemptions"] >= 1
+    finally:
+        engine.unload()
+
+
+def test_the_fit_counts_the_attention_layers_kv_and_the_linear_layers_state():
+    from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
+
+    config = Qwen3_5TextConfig(**TEXT, vocab_size=1000)
+    one_attention_layer = 2 * 2 * 16 * 1000 * 2  # K and V, 2 heads of 16, 1000 tokens, bf16
+    state = 3 * ((2 * 2 * 16 + 4 * 16) * 4 * 2 + 4 * 16 * 16 * 4)  # 3 linear layers
+    assert kv_cache_bytes(config, 1000) == one_attention_layer + state
+
+
+def test_bitsandbytes_modes_keep_the_layers_its_cpu_kernel_cannot_pack(hybrid_folder):
+    from transformers import AutoConfig
+
+    # in_proj_a / in_proj_b: one output per value head (4 here)
+    assert unpackable_linears(AutoConfig.from_pretrained(hybrid_folder)) == ["in_proj_a",
+                                                                             "in_proj_b"]
+
+
+@pytest.mark.parametrize("mode", ["bf16", "nf4", "int8-wo"])
+def test_quantized_modes_load_and_chat(hybrid_folder, mode):
+    engine = load(hybrid_folder, mode)
+    try:
+        reply = engine.generate_text([{"role": "user", "content": "hi"}], greedy(6))
+        assert reply.stats.new_tokens == 6
+        assert engine.manager.loaded.batcher is not None
+    finally:
+        engine.unload()
+
+
+def test_a_checkpoint_with_a_vision_tower_loads_as_its_language_model(tmp_path):
+    folder = build(tmp_path / "vlm", vision=True)
+    engine = load(folder)
+    try:
+        status = engine.status()
+        assert any("vision tower is not loaded" in note for note in status["notes"])
+        model = engine.manager.loaded.model
+        assert type(model).__name__ == "Qwen3_5ForCausalLM"
+        assert not any("visual" in name for name, _ in model.named_parameters())
+        reply = engine.generate_text([{"role": "user", "content": "hi"}], greedy(5))
+        assert reply.stats.new_tokens == 5
+    finally:
+        engine.unload()
