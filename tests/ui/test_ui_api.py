@@ -37,7 +37,10 @@ def test_chat_streams_a_reply(client):
     assert all(b.startswith(a) for a, b in itertools.pairwise(answers))
     final = updates[-1]
     assert final["done"] is True
-    assert final["stats"]["new_tokens"] == 24
+    # 24 tokens, or the demo's answer ended before (it rounds differently on other CPUs)
+    stats = final["stats"]
+    assert (stats["finish_reason"], stats["new_tokens"]) == ("length", 24) or \
+        (stats["finish_reason"] == "eos" and 0 < stats["new_tokens"] < 24)
     assert final["stats"]["prompt_tokens"] > 0
     assert "tok/s" in final["stats"]["line"] and "bf16" in final["stats"]["line"]
 

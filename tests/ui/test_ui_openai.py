@@ -62,8 +62,11 @@ def test_the_official_client_lists_and_uses_the_model(client):
     assert [m.id for m in client.models.list()] == ["demo"]
     reply = ask(client, model="anything")
     assert reply.model == "demo" and " " not in reply.model
-    assert reply.choices[0].finish_reason == "length"
-    assert reply.usage.completion_tokens == 40
+    # The demo's answer may end before 40 tokens (how it rounds in training depends on the
+    # CPU it was built on): the count and the finish reason must agree either way.
+    finish, tokens = reply.choices[0].finish_reason, reply.usage.completion_tokens
+    assert (finish, tokens) == ("length", 40) or (finish == "stop" and 0 < tokens < 40)
+    assert reply.usage.total_tokens == reply.usage.prompt_tokens + tokens
 
 
 def test_the_reply_ends_before_the_first_stop_string(client):
