@@ -5,18 +5,19 @@
 #   tests   the CUDA tests of the paged cache, the graph paths and the hybrid layers
 #           (tests/gpu/test_paged_decode.py, test_graphs.py, test_hybrid.py)
 #   bench   python -m model_utils.bench.long_context on the Qwen2.5-7B shape (random weights):
-#           the prompt-length sweep, 1 and 8 streams, 7 short beside 1 long, the next turns,
-#           and transformers' static cache + compile as the peer (PEER=0: without it)
+#           the prompt-length sweep, 1 and 8 streams, 7 short beside 1 long, the next turns
+#   peer    transformers' static cache + compile at the same lengths, in a process of its own
+#           (in the engine's process after it unloads, the peer's compile failed)
 #   hybrid  the same bench on the Qwen3.5-9B shape (hybrid linear attention), 128 and 4k
 #           tokens, 1 and 8 streams, no peer (fla-core's wheel in .whl gives its kernels)
 # Run from the repository root on the GPU machine, the wheels the image lacks in .whl/:
 #   STEPS="kernel tests" OUT=$OUT benchmarks/gpu_long_context.sh
-# Each step has its own time limit (KERNEL_S, TESTS_S, BENCH_S) and writes into $OUT as it goes.
+# Each step has its own time limit (KERNEL_S, TESTS_S, BENCH_S, PEER_S, HYBRID_S) and writes into $OUT as it goes.
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu-long-context}
 PY=${PYTHON:-python3}
-STEPS=${STEPS:-"kernel tests bench"}
+STEPS=${STEPS:-"kernel tests bench peer"}
 mkdir -p "$OUT"
 LOG="$OUT/run.log"
 START=$(date +%s)
@@ -44,13 +45,19 @@ for step in $STEPS; do
       say "tests: exit $? ($(tail -1 "$OUT/gpu-tests.log"))";;
     bench)
       say "bench: long context, Qwen2.5-7B shape"
-      peer=""; [ "${PEER:-1}" = 0 ] && peer="--no-peer"
       timeout "${BENCH_S:-400}" $PY -m model_utils.bench.long_context \
           --random-from-config benchmarks/configs/qwen2.5-7b-instruct.config.json \
           --context-tokens 32768 --lengths "${LENGTHS:-128,4096,16384,30000}" \
-          --streams "${STREAMS:-1,8}" --new-tokens "${NEW_TOKENS:-256}" $peer \
+          --streams "${STREAMS:-1,8}" --new-tokens "${NEW_TOKENS:-256}" --no-peer \
           --out "$OUT/long-context.json" >"$OUT/long-context.log" 2>&1
       say "bench: exit $?";;
+    peer)
+      say "peer: static cache + compile, Qwen2.5-7B shape"
+      timeout "${PEER_S:-300}" $PY -m model_utils.bench.long_context --peer-only \
+          --random-from-config benchmarks/configs/qwen2.5-7b-instruct.config.json \
+          --context-tokens 32768 --lengths "${PEER_LENGTHS:-128,4096,16384,30000}" \
+          --new-tokens "${NEW_TOKENS:-256}" --out "$OUT/peer.json" >"$OUT/peer.log" 2>&1
+      say "peer: exit $?";;
     hybrid)
       say "hybrid: Qwen3.5-9B shape"
       timeout "${HYBRID_S:-300}" $PY -m model_utils.bench.long_context \

@@ -28,7 +28,7 @@ from .runtime.generation import (
     decode_tokens,
 )
 from .runtime.preparation import DecodePreparation
-from .runtime.scheduler import check_limits
+from .runtime.runner_protocol import check_limits
 from .runtime.worker import DecodeWorker
 
 log = logging.getLogger(__name__)

@@ -15,7 +15,9 @@ import threading
 import time
 from collections.abc import Callable
 
-from .logprob_runs import Yielded
+
+class Yielded(Exception):
+    """A run gave the engine back to replies that arrived; it is to be run again later."""
 
 
 class NoGate:

@@ -20,11 +20,8 @@ from model_utils.runtime.generation import GenerationSettings, ReplyStats
 from model_utils.runtime.kv_blocks import blocks_for
 from model_utils.runtime.kv_cache import bucket
 
+from .gate import Yielded, stopping_when
 from .logprob_check import Steps, steps_from_logits, steps_from_topk
-
-
-class Yielded(Exception):
-    """A run gave the engine back to replies that arrived; it is to be run again later."""
 
 
 def greedy_settings(new_tokens: int) -> GenerationSettings:
@@ -53,8 +50,6 @@ def plain_greedy(model, prompts: list[list[int]], new_tokens: int,
                  should_yield: Callable[[], bool] | None = None) -> list[Steps] | None:
     """Plain model.generate, greedy, on equal-length prompts at once (no padding), with the raw
     logits of every step; None when it stopped early because `should_yield()` (gate.py)."""
-    from .gate import stopping_when
-
     criteria, criterion = stopping_when(should_yield or (lambda: False))
     ids = torch.tensor(prompts, device=input_device(model))
     out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,

@@ -11,8 +11,9 @@ streams of that length at once (aggregate and per stream); then the mixed case, 
 decoding alone and the same beside one long reply (its prompt prefilled before they start, so
 what is measured is decoding together); then the next turn of a conversation of each length
 (the prompt so far, its reply, and a short new message: the time to its first token, with the
-earlier turns found in the KV cache). The peer, in the same process after the engine's model is
-unloaded: the same checkpoint through from_pretrained and `generate(cache_implementation=
+earlier turns found in the KV cache). The peer, after the engine's model is unloaded, or alone
+with --peer-only (on the H200 its compile failed in the engine's process, so run it that way
+there): the same checkpoint through from_pretrained and `generate(cache_implementation=
 "static")`, which compiles its decode step (one compile per cache size: each length is run once
 untimed first). Greedy, EOS held back, so every reply has its full length. Prints a table and
 writes JSON.
@@ -166,6 +167,7 @@ def peer_static(path: str, mode: str, lengths: list[int], new_tokens: int,
             static_generate(model, ids, new_tokens)
             total = time.perf_counter() - start
         except Exception as error:  # noqa: BLE001 - e.g. out of memory at the longest
+            log.exception("peer at %d prompt tokens", length)
             rows.append({"prompt_tokens": length,
                          "error": f"{type(error).__name__}: {error}"[:300]})
             continue
@@ -179,6 +181,12 @@ def peer_static(path: str, mode: str, lengths: list[int], new_tokens: int,
     return rows
 
 
+def vocab_of(folder: str) -> int:
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(folder).get_text_config().vocab_size
+
+
 def static_generate(model, ids: torch.Tensor, new_tokens: int) -> torch.Tensor:
     with torch.inference_mode():
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
@@ -190,6 +198,10 @@ def static_generate(model, ids: torch.Tensor, new_tokens: int) -> torch.Tensor:
 
 def markdown(result: dict) -> str:
     peer = {r["prompt_tokens"]: r for r in result["peer"]}
+    if "engine" not in result:  # --peer-only
+        return "\n".join(["| prompt tokens | peer TTFT ms | peer tok/s |", "|---|---|---|"] + [
+            f"| {r['prompt_tokens']} | {r.get('ttft_ms', '-')} | {r.get('tok_s', r.get('error'))} |"
+            for r in result["peer"]])
     lines = ["| prompt tokens | streams | TTFT ms | tok/s per stream | aggregate tok/s | "
              "peer tok/s (static cache + compile) | engine / peer |", "|---|---|---|---|---|---|---|"]
     for r in result["engine"]:
@@ -221,6 +233,9 @@ def run(args) -> dict:
         build_random_model(Path(args.random_from_config), folder,
                            "cuda" if torch.cuda.is_available() else "cpu")
         model_name = str(folder)
+    if args.peer_only:
+        return {"peer": peer_static(model_name, args.mode, lengths, args.new_tokens,
+                                    vocab_of(model_name))}
     mixed_count = args.mixed_short
     engine = EngineConfig.from_args(args, max_batch=max(streams + [mixed_count + 1])).build()
     if model_name != "demo":
@@ -270,6 +285,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--mixed-short", type=int, default=7,
                         help="short replies in the mixed case")
     parser.add_argument("--no-peer", action="store_true", help="skip the static-cache peer")
+    parser.add_argument("--peer-only", action="store_true",
+                        help="only the static-cache peer, in a process of its own")
     EngineConfig.add_cli_args(parser, only=("compile", "compiled_rows", "compile_mode"))
     parser.add_argument("--out", default="long_context.json")
     return parser

@@ -193,14 +193,14 @@ def _extend(module, query, flat_k, flat_v, step: PagedStep, scale: float,
     new, total = query.shape[2], step.context.shape[0]
     k = flat_k.index_select(0, step.context).transpose(0, 1)[None]  # [1, kv_heads, total, d]
     v = flat_v.index_select(0, step.context).transpose(0, 1)[None]
-    groups = query.shape[1] // k.shape[1]
-    if groups > 1:  # lower-right causal masks do not take grouped heads
-        k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
     if window and total > window:
         mask = _window_mask(new, total, total - new, window, query.device)
     else:
         mask = causal_lower_right(new, total)
-    out = F.scaled_dot_product_attention(query, k, v, attn_mask=mask, scale=scale)
+    # Grouped heads as they are: flash attention reads each KV head once for its group, where
+    # repeat_interleave would copy the whole context once per query head, in every layer.
+    out = F.scaled_dot_product_attention(query, k, v, attn_mask=mask, scale=scale,
+                                         enable_gqa=query.shape[1] != k.shape[1])
     return out.transpose(1, 2).contiguous(), None
 
 

@@ -88,7 +88,7 @@ class DecodePreparation:
             if getattr(runner.step_fn, "failed", None):  # those shapes decode uncaptured
                 log.warning("some batch sizes run uncaptured: %s", runner.step_fn.failed)
         self._record_memory(loaded, "decode graphs")
-        progress(0.95, "capturing the prefill of short prompts")
+        progress(0.95, "preparing the prefill of prompts")
         capture = runner.step_fn.capture  # the decode steps' pool and warm-up stream
         self.engine.worker.call(lambda: runner.use_padded_prefill(capture))
         padded = runner.padded_prefill

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -42,6 +43,9 @@ PREFILL_CHUNK = 8192
 # little, and a prompt computed whole gets the same rounding whatever was asked before it (in
 # bf16 a prefix read back and one computed afresh can part a greedy reply at a near-tie).
 MIN_REUSE_TOKENS = 256
+# Prompt lengths prefilled once at load on a model with linear-attention layers: multiples of
+# 16 and not, of one chunk of the layers' kernels (64 tokens) and of many.
+LINEAR_WARM_UP_LENGTHS = (64, 72, 1000, 1024, 4096, 4104)
 # step_fn(kv, b) -> logits [b, V] of one decode step for rows [0, b) of the cache.
 StepFn = Callable[[PagedKV, int], torch.Tensor]
 # Rows whose sampling raised: (index in the step's rows, the error).
@@ -109,7 +113,7 @@ class BatchRunner:
         it took. On the worker thread, after warm_up (which allocates the cache)."""
         kv = self._cache()
         if kv.states is not None:  # right padding would run into a linear layer's state
-            return 0.0
+            return self._warm_up_linear_prefill()
         padded = PaddedPrefill(self.model, kv, capture=capture)
         if not padded.buckets:  # a context shorter than the smallest bucket
             return 0.0
@@ -117,6 +121,32 @@ class BatchRunner:
             seconds = padded.warm_up()
         self.padded_prefill = padded
         return seconds
+
+    def _warm_up_linear_prefill(self) -> float:
+        """Prefill a prompt of each of LINEAR_WARM_UP_LENGTHS once, untimed, so that a user's
+        first prompt of such a length does not wait for the linear-attention layers' Triton
+        kernels to compile: Triton compiles a kernel again for an integer argument that is, or
+        is not, a multiple of 16 (a model of Qwen3.5-9B's shape waited seconds for its first
+        prompt of an odd length on the H200, BENCHMARKS.md). Returns the seconds it took."""
+        if self.device.type != "cuda":  # the CPU runs the layers' torch code: nothing compiles
+            return 0.0
+        start = time.perf_counter()
+        self.prefill_untimed(LINEAR_WARM_UP_LENGTHS)
+        return time.perf_counter() - start
+
+    def prefill_untimed(self, lengths: Iterable[int]) -> None:
+        """A throwaway prompt of each of `lengths` (those the context and free blocks allow)
+        through the one-by-one prefill; its blocks are free again after."""
+        with torch.inference_mode():
+            for length in lengths:
+                blocks = (self.blocks().allocate(blocks_for(length, BLOCK_TOKENS))
+                          if length <= self.context_tokens else None)
+                if blocks is None:
+                    continue
+                try:
+                    self.forward_prompt([0] * length, blocks)
+                finally:
+                    self.pool.release(blocks)
 
     def cache_bytes(self) -> int:
         """Bytes of the KV cache replies decode in."""

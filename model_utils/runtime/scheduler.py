@@ -8,7 +8,7 @@ the loop below is ours (its shape is vLLM's: a scheduler that owns the KV-cache 
 runner that owns the tensors); the model is transformers' own.
 
 Pure Python: every forward pass, tensor and the KV cache's memory belong to the runner
-(runner.py, the `Runner` protocol below), which this loop drives on the engine's DecodeWorker
+(runner.py, the `Runner` protocol in runner_protocol.py), which this loop drives on the engine's DecodeWorker
 while there is work:
 
     admit   waiting requests take free rows, in the order they came, as long as the KV cache
@@ -38,64 +38,22 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
-from collections import deque
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
-
-from model_utils.errors import QueueFull
+from typing import TYPE_CHECKING
 
 from .cache_manager import CacheManager
 from .prefill_groups import prefill_groups
+from .request_queue import RequestQueue
 from .requests import DONE, Request
+from .runner_protocol import Failures, Runner, check_limits
 
 if TYPE_CHECKING:
     from .generation import GenerationSettings, ReplyStats
-    from .kv_blocks import BlockPool
     from .runner import Prefilled
     from .sampling import TopK
 
 log = logging.getLogger(__name__)
-
-MAX_BATCH_LIMIT = 64
-Failures = list[tuple[int, Exception]]
-
-
-class Runner(Protocol):
-    """What the scheduler asks of the runner (runner.BatchRunner, where each is described;
-    the unit tests drive the scheduler with a plain-Python one). `Prefilled` is the runner's
-    own record of a prefill, handed back to it as is."""
-
-    @property
-    def capacity(self) -> int: ...  # rows: replies that decode at once
-    def blocks(self) -> BlockPool: ...  # the KV cache's blocks (allocated at the first call)
-    @property
-    def reuses_prefixes(self) -> bool: ...  # prompts may start from cached blocks
-    min_reuse_tokens: int  # ... of at least this many tokens
-    def session(self) -> AbstractContextManager: ...  # the context the whole loop runs in
-    def fits_padded(self, tokens: int) -> bool: ...  # the padded prefill takes this prompt
-    def fit_padded_together(self, lengths: list[int]) -> bool: ...  # ... these in one replay
-    def set_up(self, request: Request) -> None: ...  # its sampling state; may raise
-    def is_set_up(self, request: Request) -> bool: ...
-    def release(self, request: Request) -> None: ...  # forget that state
-    def prefill(self, requests: list[Request], padded: bool) -> Prefilled: ...
-    def first_tokens(self, prefilled: Prefilled,
-                     requests: list[Request]) -> tuple[list[int], Failures]: ...
-    def place(self, row: int, request: Request, token: int) -> None: ...  # `token` next
-    def add_blocks(self, entries: list[tuple[int, int, int]]) -> None: ...
-    def launch(self, rows: list[Request],
-               longest: int) -> tuple[Callable[[], list[int]], Failures]: ...  # one step
-    def move_row(self, src: int, dst: int) -> None: ...
-    def clear_row(self, row: int) -> None: ...
-
-
-def check_limits(max_batch: int, max_queue: int) -> None:
-    if not isinstance(max_batch, int) or not 1 <= max_batch <= MAX_BATCH_LIMIT:
-        raise ValueError(f"max_batch must be between 1 and {MAX_BATCH_LIMIT}, got {max_batch}")
-    if not isinstance(max_queue, int) or max_queue < 0:
-        raise ValueError(f"max_queue must be >= 0, got {max_queue}")
-
 
 class Scheduler:
     """Decodes the requests of one loaded model together. Thread-safe `submit`; the loop runs
@@ -112,10 +70,7 @@ class Scheduler:
         self.path_name = path_name
         self.rows: list[Request] = []  # active requests; rows[i] decodes in cache row i
         self.cache: CacheManager | None = None  # made by the loop's first admission
-        self._waiting: deque[Request] = deque()
-        self._lock = threading.Lock()
-        self._admitted = 0  # requests taken off the queue and not finished (under _lock)
-        self._running = False  # the loop is posted or running (under _lock)
+        self.queue = RequestQueue(max_batch + max_queue)
         self._order = itertools.count()  # admission order: the last admitted is preempted first
         self.peak_rows = 0
         self.preemptions = 0
@@ -140,22 +95,14 @@ class Scheduler:
                           logprobs=logprobs)
         stats.prompt_tokens = len(input_ids)
         stats.decode_path = self.path_name
-        with self._lock:
-            in_flight = self._admitted + len(self._waiting)
-            if in_flight >= self.max_batch + self.max_queue:
-                raise QueueFull(f"the server is busy ({in_flight} replies in progress or "
-                                "waiting): try again shortly")
-            self._waiting.append(request)
-            start = not self._running
-            self._running = True
-        if start:
+        if self.queue.put(request):
             self.post(self._loop)
         return request.tokens()
 
     def load(self) -> dict:
-        with self._lock:
-            load = {"active": self._admitted, "waiting": len(self._waiting),
-                    "max_batch": self.max_batch, "max_queue": self.max_queue}
+        admitted, waiting = self.queue.counts()
+        load = {"active": admitted, "waiting": waiting, "max_batch": self.max_batch,
+                "max_queue": self.max_queue}
         if self.waiting_for_memory:
             load["waiting_for"] = "KV cache blocks"
         return load
@@ -177,10 +124,7 @@ class Scheduler:
             log.exception("batch loop failed")
             self._fail_all(error)
             self._flush_ended()
-            with self._lock:
-                waiting, self._waiting = list(self._waiting), deque()
-                self._running = False
-            for request in waiting:
+            for request in self.queue.drain():
                 self._let_go(request, keep=False)
                 request.out.put(error)
 
@@ -197,11 +141,7 @@ class Scheduler:
                 return True
         finally:
             self._flush_ended()
-        with self._lock:
-            if self._waiting:
-                return True
-            self._running = False
-            return False
+        return self.queue.stop_if_empty()
 
     # -- admission ----------------------------------------------------------------------------
     def _admit(self) -> None:
@@ -212,10 +152,9 @@ class Scheduler:
         self.waiting_for_memory = False
         group: list[Request] = []
         while len(self.rows) + len(group) < self.runner.capacity:
-            with self._lock:
-                if not self._waiting:
-                    break
-                request = self._waiting[0]
+            request = self.queue.head()
+            if request is None:
+                break
             if request.stop.is_set():  # gone before it started: no blocks, no prefill
                 self._take_from_queue()
                 self._finish(request, "stop")
@@ -237,10 +176,7 @@ class Scheduler:
             self._prefill_isolated(chunk, padded)
 
     def _take_from_queue(self) -> None:
-        with self._lock:
-            request = self._waiting.popleft()
-            self._admitted += 1
-        request.admitted = next(self._order)
+        self.queue.take().admitted = next(self._order)
 
     def _fits_padded(self, request: Request) -> bool:
         return request.cached_tokens == 0 and self.runner.fits_padded(len(request.prompt_ids))
@@ -361,19 +297,17 @@ class Scheduler:
         request.preempted += 1
         self.preemptions += 1
         self._remove_row(index)
-        with self._lock:
-            self._waiting.appendleft(request)
-            self._admitted -= 1
+        self.queue.put_back(request)
 
     def _may_go_on(self) -> bool:
         """Launch another step before reading the one in flight? Not when that one ends a row
         (its last token by max_new_tokens), a row was stopped, or a request waits."""
-        return not self._waiting and not any(
+        return not self.queue and not any(
             r.finished or r.sampled >= r.settings.max_new_tokens or r.stop.is_set()
             for r in self.rows)
 
     def _must_regroup(self) -> bool:
-        return bool(self._waiting) or any(r.finished or r.stop.is_set() for r in self.rows)
+        return bool(self.queue) or any(r.finished or r.stop.is_set() for r in self.rows)
 
     def _launch(self) -> _Launched:
         """Queue one step for every active row and the sampling of its tokens; nothing waits
@@ -429,8 +363,7 @@ class Scheduler:
     def _finish(self, request: Request, reason: str, error: BaseException | None = None) -> None:
         request.mark_finished(reason)
         self._let_go(request, keep=error is None)
-        with self._lock:
-            self._admitted -= 1
+        self.queue.finished()
         self._ended.append((request, error))
 
     def _let_go(self, request: Request, *, keep: bool) -> None:

@@ -157,6 +157,17 @@ def test_a_stopped_reply_and_one_that_ends_early_leave_the_others_exact(hybrid):
         assert got[i][0] == expected[i], i
 
 
+def test_the_warm_up_prompts_leave_no_block_taken_and_replies_unchanged(hybrid):
+    loaded = hybrid.manager.loaded
+    runner = loaded.batcher.runner
+    prompt = [(5 * j) % 800 + 9 for j in range(70)]
+    before = submit(loaded, prompt, greedy(10))[0]
+    free = hybrid.worker.call(lambda: runner.blocks().available())
+    hybrid.worker.call(lambda: runner.prefill_untimed((16, 24, 10**9)))  # the last: too long
+    assert hybrid.worker.call(lambda: runner.blocks().available()) == free
+    assert submit(loaded, prompt, greedy(10))[0] == before
+
+
 def test_a_long_prompt_prefilled_in_chunks_carries_the_states_across_them(hybrid):
     tokens = [(13 * i) % 700 + 3 for i in range(200)]
 

@@ -1,7 +1,7 @@
 """The batch scheduler's decisions, without a model: admission order, rows given and reused,
 one request's stop or failure leaving the others alone, the queue's limits.
 
-The scheduler drives a runner through a small interface (scheduler.Runner); here that runner
+The scheduler drives a runner through a small interface (runner_protocol.Runner); here that runner
 is plain Python: reply token n of a request is a number made from its prompt and n, and the
 runner keeps the rows as the KV cache would (placed, moved into holes) and checks at every
 step that row i holds the request the scheduler says it does. So a row mixed up, reused while
@@ -19,7 +19,8 @@ import pytest
 from model_utils.errors import QueueFull
 from model_utils.runtime.generation import GenerationSettings, ReplyStats
 from model_utils.runtime.kv_blocks import BlockPool
-from model_utils.runtime.scheduler import MAX_BATCH_LIMIT, Scheduler, check_limits
+from model_utils.runtime.runner_protocol import MAX_BATCH_LIMIT, check_limits
+from model_utils.runtime.scheduler import Scheduler
 
 pytestmark = pytest.mark.unit
 
