@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from .chat.prompt import render_prompt, supports_thinking
+from .chat.reasoning import prompt_opens_thinking
 from .chat.reply_stream import prepare_reply, reply_updates
 from .chat.updates import ChatUpdate
 from .errors import LoadError, ShuttingDown
@@ -27,6 +28,7 @@ from .runtime.generation import (
     ReplyStats,
     decode_tokens,
 )
+from .runtime.grammar import Constraint, Grammars, OutputFormat, reasoning_mode
 from .runtime.preparation import DecodePreparation
 from .runtime.runner_protocol import check_limits
 from .runtime.worker import DecodeWorker
@@ -77,6 +79,7 @@ class Engine:
         # Shutting down (stop_admitting, end_replies): the stop events of open replies.
         self._open: set[threading.Event] = set()
         self._open_lock = threading.Lock()
+        self._grammar_cache: tuple[LoadedModel, Grammars] | None = None
         self._closing: str | None = None  # why new replies are refused
         self._ending: str | None = None  # why open replies were ended
 
@@ -94,6 +97,7 @@ class Engine:
 
     def _forget_compiled(self) -> None:
         self._status_changed()  # the model is gone (mid-switch too): pages may say so
+        self._grammar_cache = None  # it holds the unloaded model
         # Wait for the decode loop to let go of the unloaded model's batch cache.
         self.worker.call(lambda: None)
         if torch.cuda.is_available():
@@ -185,9 +189,12 @@ class Engine:
 
     def chat(self, messages: list[dict], settings: GenerationSettings | None = None, *,
              system_prompt: str | None = None, thinking: bool = True,
-             stop: threading.Event | None = None) -> Iterator[ChatUpdate]:
+             stop: threading.Event | None = None,
+             output_format: OutputFormat | None = None) -> Iterator[ChatUpdate]:
         """Stream one reply. Raises ChatInputError / InvalidParameter / LoadError on bad input
-        before anything is generated; the model and the conversation are left as they were."""
+        before anything is generated; the model and the conversation are left as they were.
+        `output_format`: tools the template describes to the model, and a format the reply
+        must follow (JSON, a schema, a forced tool call: grammar.py)."""
         stop = stop or threading.Event()
         if self._closing is not None:
             raise ShuttingDown(self._closing)
@@ -195,24 +202,31 @@ class Engine:
             self._open.add(stop)
         try:
             yield from self._chat(messages, settings, system_prompt=system_prompt,
-                                  thinking=thinking, stop=stop)
+                                  thinking=thinking, stop=stop, output_format=output_format)
         finally:
             with self._open_lock:
                 self._open.discard(stop)
 
     def _chat(self, messages: list[dict], settings: GenerationSettings | None, *,
-              system_prompt: str | None, thinking: bool,
-              stop: threading.Event) -> Iterator[ChatUpdate]:
+              system_prompt: str | None, thinking: bool, stop: threading.Event,
+              output_format: OutputFormat | None) -> Iterator[ChatUpdate]:
+        fmt = output_format or OutputFormat()
         with self.manager.use() as loaded:
             settings = (settings or GenerationSettings()).resolved(
                 loaded.model.generation_config, context_tokens=loaded.context_tokens)
             prompt, settings = prepare_reply(loaded.tokenizer, messages, settings,
                                              context_tokens=loaded.context_tokens,
-                                             system_prompt=system_prompt, thinking=thinking)
+                                             system_prompt=system_prompt, thinking=thinking,
+                                             tools=fmt.rendered_tools)
             if self.log_prompts:
                 log.info("prompt: %r", prompt.text)
+            constraint, reasoning = None, "auto"
+            if fmt.constrained:
+                thinks = thinking and supports_thinking(loaded.tokenizer)
+                reasoning = reasoning_mode(thinks, prompt_opens_thinking(prompt.text))
+                constraint = self._grammars(loaded).constraint(fmt, reasoning)
             stats = ReplyStats()
-            tokens = self._tokens(loaded, prompt.input_ids, settings, stop, stats)
+            tokens = self._tokens(loaded, prompt.input_ids, settings, stop, stats, constraint)
 
             def before_end():
                 if self._ending is not None and stats.stopped:
@@ -221,7 +235,8 @@ class Engine:
             update = None
             try:
                 for update in reply_updates(tokens, loaded.tokenizer, prompt, stats,
-                                            before_end=before_end):
+                                            before_end=before_end,
+                                            reasoning=reasoning != "disabled"):
                     yield update
             finally:
                 # Runs on normal end, on error and when the consumer goes away (closed tab):
@@ -236,19 +251,29 @@ class Engine:
                              update.answer)
 
     def _tokens(self, loaded: LoadedModel, input_ids: list[int], settings: GenerationSettings,
-                stop: threading.Event, stats: ReplyStats) -> Iterator[int]:
+                stop: threading.Event, stats: ReplyStats,
+                constraint: Constraint | None = None) -> Iterator[int]:
         """The reply's token ids: from the batch scheduler, or (a model it cannot batch) from
         the single-stream decoder, one reply at a time. Raises QueueFull when too busy."""
         if loaded.batcher is not None:
             return loaded.batcher.submit(input_ids, settings, eos_ids=eos_ids(loaded),
-                                         stop=stop, stats=stats)
+                                         stop=stop, stats=stats, constraint=constraint)
 
         def produce():  # runs on the decode worker
             if not stop.is_set():
                 yield from decode_tokens(self.decoder_for(loaded), input_ids, settings,
-                                         eos_ids=eos_ids(loaded), stop=stop, stats=stats)
+                                         eos_ids=eos_ids(loaded), stop=stop, stats=stats,
+                                         constraint=constraint)
 
         return self.worker.stream(produce)
+
+    def _grammars(self, loaded: LoadedModel) -> Grammars:
+        """The grammar compiler of the loaded model's tokenizer (made at its first use)."""
+        with self._open_lock:
+            if self._grammar_cache is None or self._grammar_cache[0] is not loaded:
+                vocab = loaded.model.config.get_text_config().vocab_size
+                self._grammar_cache = (loaded, Grammars(loaded.tokenizer, vocab, eos_ids(loaded)))
+            return self._grammar_cache[1]
 
     @staticmethod
     def decoder_for(loaded: LoadedModel) -> EagerDecoder:

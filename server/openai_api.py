@@ -10,8 +10,9 @@ machinery, all on one event loop; with many clients that machinery, not the mode
 events straight from the engine, which batches concurrent replies the same way.
 
 What it takes (request_models.ChatCompletionRequest): messages (an optional leading system or
-developer message, then user/assistant turns ending with a user one; content a string or a
-list of text parts), stream, stream_options.include_usage, max_tokens (or
+developer message, then user/assistant/tool turns ending with a user or tool one; content a
+string or a list of text parts; an assistant turn's tool_calls), tools, tool_choice,
+parallel_tool_calls and response_format (openai_tools.py), stream, stream_options.include_usage, max_tokens (or
 max_completion_tokens), temperature, top_p, seed, stop (a string or a list of strings), and the
 extensions top_k, repetition_penalty and enable_thinking (or chat_template_kwargs
 {"enable_thinking": ...}, as other Qwen servers take it). The model field is ignored: the
@@ -34,11 +35,13 @@ import anyio
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from model_utils.chat.tool_calls import ToolCall
 from model_utils.engine import ChatUpdate, Engine
 
-from .conversation import validate_history
+from .conversation import MAX_TURNS
 from .errors import ClientError, client_error, hide_paths, models_dir_of
 from .guards import REALM, login_user
+from .openai_tools import ToolCallStream, call_deltas, output_format
 from .replies import make_settings, paced
 from .request_models import ChatCompletionRequest, parse_json
 from .stop_strings import StopFollower, StopStrings
@@ -111,8 +114,9 @@ def register_openai_api(app: FastAPI | APIRouter, engine: Engine,
             log.info("openai chat: %d messages, stream=%s, %d stop strings, settings %s",
                      len(call.messages), call.stream, len(call.stops.stops),
                      call.settings.as_dict())
+            extra = {"output_format": call.output_format} if call.output_format else {}
             updates = engine.chat(call.messages, call.settings, system_prompt=call.system,
-                                  thinking=call.thinking, stop=call.stop)
+                                  thinking=call.thinking, stop=call.stop, **extra)
             # The first update is awaited here, so that refused input becomes an HTTP error.
             first = await anyio.to_thread.run_sync(next, updates)
         except Exception as error:  # noqa: BLE001 - mapped: 4xx for input, 503, else 500
@@ -154,6 +158,7 @@ class ChatCall:
         self.include_usage = bool(body.stream_options and body.stream_options.include_usage)
         self.stops = StopStrings(body.stop or [])
         self.max_tokens_field = body.max_tokens_field()
+        self.output_format = output_format(body)
         self.id = f"chatcmpl-{uuid.uuid4().hex[:24]}"
         self.created = int(time.time())
         self.stop = threading.Event()
@@ -163,15 +168,21 @@ class ChatCall:
         if not isinstance(data, dict):
             raise ClientError(400, "the body must be a JSON object")
         body = ChatCompletionRequest.model_validate(data)
-        turns = validate_history([
-            {"role": "system" if m.role == "developer" else m.role, "content": m.content}
-            for m in body.messages])
+        if len(body.messages) > MAX_TURNS:
+            raise ClientError(400, f"messages has {len(body.messages)} messages; at most "
+                              f"{MAX_TURNS}", param="messages")
+        turns = [m.engine_message() for m in body.messages]
         system = turns.pop(0)["content"] if turns and turns[0]["role"] == "system" else None
-        if not turns or turns[-1]["role"] != "user":
-            raise ClientError(400, "messages must end with a user message", param="messages")
-        if not turns[-1]["content"].strip():
+        late = next((i for i, t in enumerate(turns) if t["role"] == "system"), None)
+        if late is not None:
+            raise ClientError(400, f"message {late + (system is not None)}: a system message "
+                              "may only come first", param="messages")
+        if not turns or turns[-1]["role"] not in ("user", "tool"):
+            raise ClientError(400, "messages must end with a user message (or a tool result)",
+                              param="messages")
+        if turns[-1]["role"] == "user" and not turns[-1]["content"].strip():
             raise ClientError(400, "the last user message is empty", param="messages")
-        return cls(body, [{"role": t["role"], "content": t["content"]} for t in turns], system)
+        return cls(body, turns, system)
 
 
 # -- the reply ----------------------------------------------------------------------------------
@@ -183,9 +194,11 @@ class Reply:
     def __init__(self, call: ChatCall):
         self.call = call
         self.stops = StopFollower(call.stops)
+        self.tools = ToolCallStream(call.output_format)
         self._reasoning: list[str] = []
         self._answer: list[str] = []
         self.new_reasoning = self.new_answer = ""
+        self.new_calls: list[ToolCall] = []
 
     @property
     def hit_stop(self) -> bool:
@@ -213,12 +226,20 @@ class Reply:
                 self.call.stop.set()  # frees the reply's place within a decode step
             elif update.done:
                 self.new_answer += self.stops.finish()
+        self.new_answer, self.new_calls = self.tools.feed(
+            self.new_answer, done=update.done or self.hit_stop)
         if self.new_reasoning:
             self._reasoning.append(self.new_reasoning)
         if self.new_answer:
             self._answer.append(self.new_answer)
 
+    @property
+    def calls(self) -> list[ToolCall]:
+        return self.tools.calls
+
     def finish_reason(self, update: ChatUpdate) -> str:
+        if self.calls and (self.hit_stop or update.stats.finish_reason in ("eos", "stop")):
+            return "tool_calls"
         return "stop" if self.hit_stop else _FINISH.get(update.stats.finish_reason, "stop")
 
 
@@ -233,6 +254,9 @@ def whole_reply(call: ChatCall, first: ChatUpdate, updates: Iterator[ChatUpdate]
 def completion(call: ChatCall, model: str, result) -> dict:
     reply, final = result
     message = {"role": "assistant", "content": reply.answer}
+    if reply.calls:
+        message["content"] = reply.answer or None
+        message["tool_calls"] = [c.as_openai() for c in reply.calls]
     if reply.reasoning:
         message["reasoning_content"] = reply.reasoning
     return {"id": call.id, "object": "chat.completion", "created": call.created, "model": model,
@@ -278,6 +302,9 @@ async def stream_events(call: ChatCall, model: str, first: ChatUpdate,
                 delta["reasoning_content"] = reply.new_reasoning
             if reply.new_answer:
                 delta["content"] = reply.new_answer
+            if reply.new_calls:
+                delta["tool_calls"] = call_deltas(reply.new_calls,
+                                                  len(reply.calls) - len(reply.new_calls))
             if delta:
                 yield chunk(delta)
             if update.done and update.stats.finish_reason == "error":

@@ -14,7 +14,15 @@ from __future__ import annotations
 from typing import Annotated, Any, ClassVar, Literal
 
 import pydantic_core
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, create_model, field_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    create_model,
+    field_validator,
+    model_validator,
+)
 
 from model_utils.runtime.generation_settings import SETTINGS, Setting, public
 
@@ -71,13 +79,43 @@ class _Strict(BaseModel):
 
 
 # -- the OpenAI chat request ------------------------------------------------------------------
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    name: Text
+    arguments: Any = "{}"  # JSON text (OpenAI) or an object (some clients)
+
+
+class ToolCallIn(BaseModel):
+    """A tool call of an earlier assistant turn, as the client sends it back."""
+    model_config = ConfigDict(strict=True, extra="ignore")
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class Message(BaseModel):
-    # Clients add fields of their own (name, tool_call_id...): ignored, not refused.
+    # Clients add fields of their own (name...): ignored, not refused.
     model_config = ConfigDict(strict=True, extra="ignore")
 
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Any = None
     reasoning_content: Any = None
+    tool_calls: list[ToolCallIn] | None = None  # an assistant turn's calls
+    tool_call_id: str | None = None  # a tool turn: the call it answers
+
+    def engine_message(self) -> dict:
+        """The message as the engine takes it (chat/prompt.py normalises it further)."""
+        role = "system" if self.role == "developer" else self.role
+        message = {"role": role, "content": self.content}
+        if self.reasoning_content:
+            message["reasoning_content"] = self.reasoning_content
+        if self.tool_calls:
+            message["tool_calls"] = [{"id": c.id, "type": "function",
+                                      "function": c.function.model_dump()}
+                                     for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        return message
 
     @field_validator("content", "reasoning_content", mode="before")
     @classmethod
@@ -95,9 +133,54 @@ class ChatTemplateKwargs(BaseModel):
     enable_thinking: bool | None = None
 
 
+class FunctionTool(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    name: Text = Field(min_length=1, max_length=64)
+    description: Text | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    type: Literal["function"]
+    function: FunctionTool
+
+
+class NamedFunction(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    name: Text
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class JSONSchemaSpec(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    name: Text | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+    description: Text | None = None
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaSpec | None = None
+
+
+# Fields of OpenAI's request this server refuses when they ask for something (a 400 naming the
+# field) rather than ignore: a client that sends them relies on them.
+UNSUPPORTED_WHEN_SET = ("logprobs", "top_logprobs", "logit_bias", "prediction", "audio")
+
+
 class _ChatCompletionFields(BaseModel):
-    # Fields other servers accept and this one does not use (user, logprobs, presence_penalty,
-    # ...) are ignored rather than refused, as common clients send some of them by default.
+    # Fields other servers accept and this one does not use (user, presence_penalty, ...) are
+    # ignored rather than refused, as common clients send some of them by default; those of
+    # UNSUPPORTED_WHEN_SET are refused when given a value that asks for something.
     model_config = ConfigDict(strict=True, extra="ignore")
     SETTINGS: ClassVar[tuple[Setting, ...]] = SETTINGS  # the schema the fields were built from
 
@@ -109,7 +192,23 @@ class _ChatCompletionFields(BaseModel):
     stop: Any = None
     enable_thinking: bool | None = None
     chat_template_kwargs: ChatTemplateKwargs | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: ResponseFormat | None = None
+    logprobs: Any = None
+    top_logprobs: Any = None
+    logit_bias: Any = None
+    prediction: Any = None
+    audio: Any = None
     # + one field per generation setting (by its OpenAI names): request_model below
+
+    @model_validator(mode="after")
+    def _refuse_unsupported(self):
+        for name in UNSUPPORTED_WHEN_SET:
+            if getattr(self, name) not in (None, False, {}, []):
+                raise ClientError(400, f"{name} is not supported by this server", param=name)
+        return self
 
     @field_validator("n")
     @classmethod

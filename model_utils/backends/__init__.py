@@ -21,6 +21,7 @@ if TYPE_CHECKING:  # the types only: importing them would import torch
     from model_utils.loading.placement import FitEstimate
     from model_utils.memory import MemorySnapshot
     from model_utils.runtime.generation import GenerationSettings
+    from model_utils.runtime.grammar import OutputFormat
 
 
 @runtime_checkable
@@ -56,10 +57,12 @@ class ChatBackend(Protocol):
 
     def chat(self, messages: list[dict], settings: GenerationSettings | None = None, *,
              system_prompt: str | None = None, thinking: bool = True,
-             stop: threading.Event | None = None) -> Iterator[ChatUpdate]:
+             stop: threading.Event | None = None,
+             output_format: OutputFormat | None = None) -> Iterator[ChatUpdate]:
         """Stream one reply. Input refused before anything is generated raises one of
         server.replies.INPUT_ERRORS on the first next(); setting `stop` or closing the iterator
-        ends the reply and frees its place."""
+        ends the reply and frees its place. `output_format`: tools and a format the reply must
+        follow (runtime/grammar.py); tool calls come in the answer as <tool_call> blocks."""
 
     def generate_text(self, messages: list[dict], settings: GenerationSettings | None = None,
                       **kwargs) -> ChatUpdate:

@@ -9,6 +9,7 @@ ends (closing the connection, so that the server frees the slot) on Stop.
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
@@ -17,10 +18,12 @@ from dataclasses import replace
 
 from model_utils.chat.prompt import ChatInputError, normalize_messages
 from model_utils.chat.reasoning import EMPTY_TEXT, ReplyText, SeparatedReasoning
+from model_utils.chat.tool_calls import TOOL_CLOSE, TOOL_OPEN
 from model_utils.chat.updates import ChatUpdate
 from model_utils.loading.manager import LoadError
 from model_utils.memory import MemoryHistory, MemorySnapshot
 from model_utils.runtime.generation import GenerationSettings, ReplyStats
+from model_utils.runtime.grammar import OutputFormat
 
 from . import openai_client as api
 from .errors import EXTENSIONS, BackendBusy, BackendError, BackendRejected, BackendUnavailable
@@ -30,7 +33,7 @@ log = logging.getLogger(__name__)
 
 NOT_HERE = ("this app is the front end of the model server at {url}: models, modes and "
             "placements are chosen there (restart that server to change them)")
-_FINISH = {"stop": "eos", "length": "length"}  # OpenAI finish_reason -> ReplyStats'
+_FINISH = {"stop": "eos", "length": "length", "tool_calls": "eos"}  # OpenAI finish_reason -> ReplyStats
 UNBOUNDED_CONTEXT = 1 << 20  # max_tokens bound when the server does not say its context
 
 
@@ -152,19 +155,22 @@ class RemoteEngine:
 
     def chat(self, messages: list[dict], settings: GenerationSettings | None = None, *,
              system_prompt: str | None = None, thinking: bool = True,
-             stop: threading.Event | None = None) -> Iterator[ChatUpdate]:
+             stop: threading.Event | None = None,
+             output_format: OutputFormat | None = None) -> Iterator[ChatUpdate]:
         """Stream one reply from the server. Refusals before the first token raise (a
         BackendError with the HTTP status to answer); a failure after it ends the reply with
-        a notice (finish_reason "error"), keeping what arrived."""
+        a notice (finish_reason "error"), keeping what arrived. `output_format` (tools, a
+        tool choice, a response format) is sent on as the server's own fields; the tool calls
+        it returns come back in the answer as <tool_call> blocks, as a local model writes
+        them, for the caller to read the same way."""
         stop = stop or threading.Event()
         settings = settings or GenerationSettings()
-        wire = [{"role": m["role"], "content": m["content"]}  # earlier reasoning is not sent
-                for m in normalize_messages(messages, system_prompt)]
-        if not wire or wire[-1]["role"] != "user":
+        wire = [_wire_message(m) for m in normalize_messages(messages, system_prompt)]
+        if not wire or wire[-1]["role"] not in ("user", "tool"):
             raise ChatInputError("the conversation must end with a user message")
         model, context = self._current_model()
         _validated(settings, context)
-        options = _options(settings)
+        options = {**_options(settings), **_format_options(output_format)}
         with self._lock:
             if self._in_flight >= self.max_batch + self.max_queue:
                 raise BackendBusy(f"{self._in_flight} replies are already in flight to the "
@@ -189,6 +195,7 @@ class RemoteEngine:
         split, reply, text = SeparatedReasoning(), ReplyText(), EMPTY_TEXT
         first_at = last_at = None
         pieces, finish, usage = 0, "", None
+        calls = _StreamedCalls()
         chunks = self._chunks(model, wire, options, thinking, stop, deadline)
         try:
             for event in chunks:
@@ -202,7 +209,10 @@ class RemoteEngine:
                     # as reasoning); a server that does not parse it leaves <think> in content.
                     more = delta.get("reasoning_content") or delta.get("reasoning") or ""
                     piece = delta.get("content") or ""
+                    calls.add(delta.get("tool_calls"))
                     finish = choice.get("finish_reason") or finish
+                    if finish == "tool_calls":
+                        piece += calls.as_text()
                     if more or piece:
                         last_at = time.perf_counter()
                         if first_at is None:
@@ -228,6 +238,10 @@ class RemoteEngine:
         if not finish and not stop.is_set():
             finish = "error"
             notice = _join(notice, "The model server ended the reply without finishing it.")
+        if calls.pending:  # calls the server ended without "tool_calls": still the reply's
+            added = split.feed("", calls.as_text())
+            text = reply.add(added)
+            yield ChatUpdate.of(added, text, notice=notice)
         stats.stopped = stop.is_set() and finish != "error" and not _FINISH.get(finish)
         stats.finish_reason = "stop" if stats.stopped else _FINISH.get(finish, finish)
         stats.prompt_tokens = int((usage or {}).get("prompt_tokens") or 0)
@@ -301,6 +315,76 @@ def _options(settings: GenerationSettings) -> dict:
     if settings.repetition_penalty not in (None, 1.0):
         out["repetition_penalty"] = settings.repetition_penalty
     return {k: v for k, v in out.items() if v is not None}
+
+
+def _wire_message(message: dict) -> dict:
+    """A normalised message as OpenAI's API takes it (earlier reasoning is not sent; a tool
+    call's arguments are JSON text)."""
+    out = {"role": message["role"], "content": message["content"]}
+    if message.get("tool_calls"):
+        out["tool_calls"] = [
+            {"id": call.get("id") or f"call_{i}", "type": "function",
+             "function": {"name": call["function"]["name"],
+                          "arguments": call["function"]["arguments"]
+                          if isinstance(call["function"]["arguments"], str)
+                          else json.dumps(call["function"]["arguments"])}}
+            for i, call in enumerate(message["tool_calls"])]
+    if message["role"] == "tool" and message.get("tool_call_id"):
+        out["tool_call_id"] = message["tool_call_id"]
+    return out
+
+
+def _format_options(fmt: OutputFormat | None) -> dict:
+    """An OutputFormat as the fields of OpenAI's request."""
+    if fmt is None:
+        return {}
+    out = {}
+    if fmt.tools:
+        out["tools"] = list(fmt.tools)
+        out["tool_choice"] = fmt.tool_choice
+        out["parallel_tool_calls"] = fmt.parallel_tool_calls
+    if fmt.response_format == "json_object":
+        out["response_format"] = {"type": "json_object"}
+    elif fmt.response_format == "json_schema":
+        out["response_format"] = {"type": "json_schema",
+                                  "json_schema": {"name": "response", "schema": fmt.schema}}
+    return out
+
+
+class _StreamedCalls:
+    """delta.tool_calls as a server streams them (an entry per call index: its name once,
+    its arguments in pieces), given back as <tool_call> blocks once complete."""
+
+    def __init__(self):
+        self._calls: dict[int, dict] = {}
+
+    @property
+    def pending(self) -> bool:
+        return bool(self._calls)
+
+    def add(self, deltas) -> None:
+        for delta in deltas or ():
+            if not isinstance(delta, dict):
+                continue
+            entry = self._calls.setdefault(delta.get("index", len(self._calls)),
+                                           {"name": "", "arguments": ""})
+            function = delta.get("function") or {}
+            entry["name"] += function.get("name") or ""
+            entry["arguments"] += function.get("arguments") or ""
+
+    def as_text(self) -> str:
+        calls, self._calls = self._calls, {}
+        blocks = []
+        for index in sorted(calls):
+            call = calls[index]
+            try:
+                arguments = json.loads(call["arguments"] or "{}")
+            except ValueError:
+                arguments = call["arguments"]
+            blocks.append(f"{TOOL_OPEN}\n" + json.dumps({"name": call["name"],
+                                                          "arguments": arguments}) +
+                          f"\n{TOOL_CLOSE}")
+        return "\n".join(blocks)
 
 
 def _join(*notices: str) -> str:

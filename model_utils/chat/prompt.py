@@ -9,6 +9,7 @@ oldest turns when the conversation outgrows the context window.
 from __future__ import annotations
 
 import bisect
+import json
 from dataclasses import dataclass
 
 from model_utils.errors import ChatInputError
@@ -138,6 +139,12 @@ def normalize_messages(messages: list[dict], system_prompt: str | None = None) -
         if role == "assistant" and message.get("reasoning_content"):
             item["reasoning_content"] = _text(message["reasoning_content"],
                                               f"message {i}'s reasoning_content")
+        if role == "assistant" and message.get("tool_calls"):
+            item["tool_calls"] = _tool_calls(message["tool_calls"], f"message {i}")
+        if role == "tool":
+            for key in ("tool_call_id", "name"):
+                if isinstance(message.get(key), str):
+                    item[key] = message[key]
         out.append(item)
     if system_prompt and system_prompt.strip():
         _check_text(system_prompt, "the system prompt")
@@ -150,6 +157,33 @@ def normalize_messages(messages: list[dict], system_prompt: str | None = None) -
     return out
 
 
+def _tool_calls(calls, where: str) -> list[dict]:
+    """An assistant turn's OpenAI tool_calls -> what chat templates read: {"type": "function",
+    "function": {"name", "arguments"}}, the arguments as an object where they are JSON text
+    (Qwen2.5's template writes `arguments | tojson`, which would quote a string again)."""
+    if not isinstance(calls, list):
+        raise ChatInputError(f"{where}: tool_calls must be a list, got {_kind(calls)}")
+    out = []
+    for j, call in enumerate(calls):
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise ChatInputError(f'{where}: tool call {j} must be {{"type": "function", '
+                                 '"function": {"name": ..., "arguments": ...}}')
+        arguments = function.get("arguments", {})
+        if isinstance(arguments, str):
+            try:
+                parsed = json.loads(arguments) if arguments.strip() else {}
+            except ValueError:
+                parsed = None
+            arguments = parsed if isinstance(parsed, dict) else arguments
+        entry = {"type": "function", "function": {"name": _check_text(function["name"], where),
+                                                  "arguments": arguments}}
+        if isinstance(call.get("id"), str):
+            entry["id"] = call["id"]
+        out.append(entry)
+    return out
+
+
 def _check_template(tokenizer) -> None:
     if not tokenizer.chat_template:
         raise ChatInputError(
@@ -157,24 +191,27 @@ def _check_template(tokenizer) -> None:
             "model or its tokenizer files are incomplete; pick an instruct/chat model")
 
 
-def _render(tokenizer, msgs: list[dict], thinking: bool) -> str:
-    """Normalised messages -> the prompt text, through the model's own template."""
+def _render(tokenizer, msgs: list[dict], thinking: bool, tools: list[dict] | None = None) -> str:
+    """Normalised messages -> the prompt text, through the model's own template (which
+    describes `tools`, OpenAI's function tools, to the model in its own words)."""
     if not msgs or msgs[-1]["role"] not in ("user", "tool"):
         raise ChatInputError("the conversation must end with a user message")
     kwargs = {"enable_thinking": thinking} if supports_thinking(tokenizer) else {}
+    if tools:
+        kwargs["tools"] = tools
     return tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True,
                                          **kwargs)
 
 
 def render_prompt(tokenizer, messages: list[dict], *, system_prompt: str | None = None,
-                  thinking: bool = True) -> str:
+                  thinking: bool = True, tools: list[dict] | None = None) -> str:
     _check_template(tokenizer)
-    return _render(tokenizer, normalize_messages(messages, system_prompt), thinking)
+    return _render(tokenizer, normalize_messages(messages, system_prompt), thinking, tools)
 
 
 def prepare_prompt(tokenizer, messages: list[dict], *, context_tokens: int,
                    reserve_tokens: int | None, system_prompt: str | None = None,
-                   thinking: bool = True) -> PreparedPrompt:
+                   thinking: bool = True, tools: list[dict] | None = None) -> PreparedPrompt:
     """Render and tokenize, leaving out the oldest turns until prompt + reply fit the context.
 
     The system message and the newest user turn are always kept. The reply keeps the room it
@@ -201,7 +238,7 @@ def prepare_prompt(tokenizer, messages: list[dict], *, context_tokens: int,
 
     def encode(cut: int) -> tuple[str, list[int]]:  # the prompt without turns[:cut]
         if cut not in encoded:
-            text = _render(tokenizer, system + turns[cut:], thinking)
+            text = _render(tokenizer, system + turns[cut:], thinking, tools)
             encoded[cut] = text, tokenizer(text, add_special_tokens=False)["input_ids"]
         return encoded[cut]
 

@@ -22,8 +22,8 @@ from .updates import ChatUpdate
 
 
 def prepare_reply(tokenizer, messages: list[dict], settings: GenerationSettings, *,
-                  context_tokens: int, system_prompt: str | None,
-                  thinking: bool) -> tuple[PreparedPrompt, GenerationSettings]:
+                  context_tokens: int, system_prompt: str | None, thinking: bool,
+                  tools: list[dict] | None = None) -> tuple[PreparedPrompt, GenerationSettings]:
     """The prompt, and the settings with max_new_tokens cut to what the context leaves (the
     prompt's notice says so when a longer reply was asked for). A max_new_tokens of exactly
     the context window (the default where the model's generation_config sets none, and the
@@ -31,20 +31,33 @@ def prepare_reply(tokenizer, messages: list[dict], settings: GenerationSettings,
     open_ended = settings.max_new_tokens == context_tokens
     prompt = prepare_prompt(tokenizer, messages, context_tokens=context_tokens,
                             reserve_tokens=None if open_ended else settings.max_new_tokens,
-                            system_prompt=system_prompt, thinking=thinking)
+                            system_prompt=system_prompt, thinking=thinking, tools=tools)
     if open_ended or prompt.reply_clamped:
         settings = replace(settings, max_new_tokens=prompt.max_new_tokens,
                            min_new_tokens=min(settings.min_new_tokens, prompt.max_new_tokens))
     return prompt, settings
 
 
+class _AllAnswer:
+    """The splitter of a reply that has no reasoning block (its format has none: a
+    "</think>" in it is text, inside a JSON string say)."""
+
+    def feed(self, piece: str) -> ReasoningDelta:
+        return ReasoningDelta(answer=piece)
+
+    def finish(self) -> ReasoningDelta:
+        return ReasoningDelta()
+
+
 def reply_updates(tokens: Iterable[int], tokenizer, prompt: PreparedPrompt, stats: ReplyStats,
-                  *, before_end: Callable[[], None] = lambda: None) -> Iterator[ChatUpdate]:
+                  *, before_end: Callable[[], None] = lambda: None,
+                  reasoning: bool = True) -> Iterator[ChatUpdate]:
     """One update per token that adds text, then the last one (done, with the stats).
     `before_end` runs when the tokens have run out, before the last update (a shutting-down
-    engine raises there)."""
+    engine raises there). reasoning False: the reply is all answer."""
     detok = IncrementalDetokenizer(tokenizer)
-    splitter = ReasoningSplitter(opened=prompt_opens_thinking(prompt.text))
+    splitter = ReasoningSplitter(opened=prompt_opens_thinking(prompt.text)) if reasoning \
+        else _AllAnswer()
     reply, text = ReplyText(), EMPTY_TEXT
     for token in tokens:
         piece = detok.push(token)

@@ -18,11 +18,12 @@ from dataclasses import replace
 from ..chat.prompt import render_prompt, supports_thinking
 from ..chat.reply_stream import prepare_reply, reply_updates
 from ..chat.updates import ChatUpdate
-from ..errors import LoadError
+from ..errors import InvalidParameter, LoadError
 from ..loading import preflight
 from ..loading.modes import get_mode
 from ..loading.registry import ModelRegistry
 from ..runtime.generation import GenerationSettings, ReplyStats
+from ..runtime.grammar import OutputFormat
 from ..runtime.sampling import is_greedy
 from .group import WorkerGroup
 
@@ -143,10 +144,16 @@ class TensorParallelEngine:
 
     def chat(self, messages: list[dict], settings: GenerationSettings | None = None, *,
              system_prompt: str | None = None, thinking: bool = True,
-             stop: threading.Event | None = None) -> Iterator[ChatUpdate]:
+             stop: threading.Event | None = None,
+             output_format: OutputFormat | None = None) -> Iterator[ChatUpdate]:
         """Stream one reply, as Engine.chat does. A worker that dies ends it with WorkerLost
-        and unloads the model (the others are stopped too)."""
+        and unloads the model (the others are stopped too). Tools are described to the model;
+        a format it must follow is refused (the workers sample without constraints)."""
         stop = stop or threading.Event()
+        fmt = output_format or OutputFormat()
+        if fmt.constrained:
+            raise InvalidParameter(fmt.param, "constrained output is not supported with --tp; "
+                                   'use tool_choice "auto" and no response_format')
         info = self._require()
         settings = (settings or GenerationSettings()).resolved(
             info["generation_config"], context_tokens=info["context_tokens"])
@@ -155,7 +162,8 @@ class TensorParallelEngine:
             settings = replace(settings, seed=random.getrandbits(63))
         prompt, settings = prepare_reply(info["tokenizer"], messages, settings,
                                          context_tokens=info["context_tokens"],
-                                         system_prompt=system_prompt, thinking=thinking)
+                                         system_prompt=system_prompt, thinking=thinking,
+                                         tools=fmt.rendered_tools)
         if self.log_prompts:
             log.info("prompt: %r", prompt.text)
         stats = ReplyStats()

@@ -28,7 +28,9 @@ from .generation_settings import (  # noqa: F401
 
 if TYPE_CHECKING:
     from .decoders import EagerDecoder
+    from .grammar import Constraint
 
+from .grammar import mask_logits
 from .sampling import (
     is_greedy,
     sample_next,
@@ -129,8 +131,10 @@ class ReplyStats:
 
 def decode_tokens(decoder: EagerDecoder, input_ids: list[int], settings: GenerationSettings, *,
                   eos_ids: set[int], stop: threading.Event | None = None,
-                  stats: ReplyStats | None = None) -> Iterator[int]:
-    """Yield new token ids until EOS, max_new_tokens, or the stop signal.
+                  stats: ReplyStats | None = None,
+                  constraint: Constraint | None = None) -> Iterator[int]:
+    """Yield new token ids until EOS, max_new_tokens, or the stop signal; with a
+    `constraint` (grammar.py), only tokens that keep the reply in its format.
 
     `decoder` owns the model and the cache: prefill(ids) -> logits[V], step(token) -> logits[V].
     """
@@ -152,6 +156,8 @@ def decode_tokens(decoder: EagerDecoder, input_ids: list[int], settings: Generat
             break
         if n < settings.min_new_tokens and eos_ids:
             logits = suppress(logits, eos_ids)
+        if constraint is not None:
+            logits = mask_logits(logits[None], [constraint])[0]
         token = sample_next(logits, settings, seen, generator)
         now = time.perf_counter()
         if n == 0:
@@ -165,6 +171,8 @@ def decode_tokens(decoder: EagerDecoder, input_ids: list[int], settings: Generat
             stats.new_tokens = n  # EOS is not part of the reply
             finish = "eos"
             break
+        if constraint is not None:
+            constraint.accept(token)
         yield token
         if settings.repetition_penalty != 1.0:
             seen = torch.cat([seen, seen.new_tensor([token])])

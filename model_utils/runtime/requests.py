@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from .generation import GenerationSettings, ReplyStats
+    from .grammar import Constraint
     from .sampling import TopK
 
 
@@ -39,6 +40,9 @@ class Request:
     # Logprob checks (bench/logprob_check.py): when a list, the runner appends for each sampled
     # token the top sampling.LOGPROBS_K (log-probabilities, token ids) of its raw logits.
     logprobs: list[TopK] | None = None
+    # A format the reply must follow (grammar.py): the runner masks its logits with it, and
+    # each token handed out moves it on, before the next one is sampled.
+    constraint: Constraint | None = None
     new_tokens: int = 0  # handed to the reader
     sampled: int = 0  # sampled on the device: new_tokens plus those of a step in flight
     first_at: float = 0.0
@@ -81,6 +85,8 @@ class Request:
         stats.total_s = now - self.arrived
         if token in self.eos_ids:
             return "eos"
+        if self.constraint is not None:
+            self.constraint.accept(token)
         self.new_tokens = stats.new_tokens = n + 1
         self.output.append(token)
         self.out.put(token)

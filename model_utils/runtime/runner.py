@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .decoders import input_device
+from .grammar import mask_logits
 from .kv_blocks import BlockPool, blocks_for
 from .kv_cache import BLOCK_TOKENS, PagedKV, bucket, probe_layers
 from .linear_states import LinearStates, linear_layers
@@ -266,6 +267,7 @@ class BatchRunner:
     def _sample(self, logits: torch.Tensor,
                 requests: list[Request]) -> tuple[torch.Tensor, Failures]:
         # A request that ended is released (no sampler): its row's token is void.
+        logits = mask_logits(logits, [None if r.finished else r.constraint for r in requests])
         return sample_rows(logits, [self._samplers.get(r) for r in requests],
                            hold_eos=[r.sampled < r.settings.min_new_tokens for r in requests])
 

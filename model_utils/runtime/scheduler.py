@@ -50,6 +50,7 @@ from .runner_protocol import Failures, Runner, check_limits
 
 if TYPE_CHECKING:
     from .generation import GenerationSettings, ReplyStats
+    from .grammar import Constraint
     from .runner import Prefilled
     from .sampling import TopK
 
@@ -81,18 +82,20 @@ class Scheduler:
     # -- any thread ---------------------------------------------------------------------------
     def submit(self, input_ids: list[int], settings: GenerationSettings, *, eos_ids: set[int],
                stop: threading.Event, stats: ReplyStats,
-               logprobs: list[TopK] | None = None) -> Iterator[int]:
+               logprobs: list[TopK] | None = None,
+               constraint: Constraint | None = None) -> Iterator[int]:
         """Queue one reply; returns the iterator of its token ids. Raises QueueFull when
         max_batch replies are decoding and max_queue more are waiting. `logprobs`: a list that
         receives each token's top-k log-probabilities (see Request.logprobs); it may hold one
-        entry more than the reply has tokens (a step in flight when the reply ended)."""
+        entry more than the reply has tokens (a step in flight when the reply ended). `constraint`:
+        the format the reply must follow (grammar.Constraint)."""
         if not input_ids or len(input_ids) + settings.max_new_tokens > self.context_tokens:
             # Checked here: the KV cache is sized for one whole context at least.
             raise ValueError(f"{len(input_ids)} prompt tokens + max_new_tokens "
                              f"{settings.max_new_tokens} do not fit the context window "
                              f"({self.context_tokens}), or the prompt is empty")
         request = Request(list(input_ids), settings, set(eos_ids), stop, stats,
-                          logprobs=logprobs)
+                          logprobs=logprobs, constraint=constraint)
         stats.prompt_tokens = len(input_ids)
         stats.decode_path = self.path_name
         if self.queue.put(request):
@@ -301,10 +304,11 @@ class Scheduler:
 
     def _may_go_on(self) -> bool:
         """Launch another step before reading the one in flight? Not when that one ends a row
-        (its last token by max_new_tokens), a row was stopped, or a request waits."""
+        (its last token by max_new_tokens), a row was stopped, a request waits, or a row is
+        constrained (its next mask needs the token in flight)."""
         return not self.queue and not any(
             r.finished or r.sampled >= r.settings.max_new_tokens or r.stop.is_set()
-            for r in self.rows)
+            or r.constraint is not None for r in self.rows)
 
     def _must_regroup(self) -> bool:
         return bool(self.queue) or any(r.finished or r.stop.is_set() for r in self.rows)

@@ -1,0 +1,191 @@
+"""Tools and structured output through /v1/chat/completions, with clients nobody here wrote: the
+openai package (tool calls whole and streamed, json_schema, json_object, a tool result in the
+history) and langchain-openai (bind_tools and a ToolMessage round trip, with_structured_output
+in json_schema and function_calling modes). The real app, the demo model, the CPU.
+
+The demo model is tiny: it calls a tool or writes JSON only because constrained decoding makes
+it, which is what these tests check (a value it may write freely is bounded by its schema, so
+that the reply closes within the token limit)."""
+
+from __future__ import annotations
+
+import json
+from typing import Literal
+
+import httpx
+import openai
+import pytest
+from pydantic import BaseModel, Field
+
+WEATHER = {"type": "object",
+           "properties": {"city": {"type": "string", "enum": ["Paris", "Rome", "Oslo"]},
+                          "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+           "required": ["city", "days"]}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description":
+                                           "The weather in a city", "parameters": WEATHER}},
+         {"type": "function", "function": {"name": "get_time", "description": "The time now",
+                                           "parameters": {"type": "object", "properties": {}}}}]
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+NO_THINKING = {"enable_thinking": False}
+
+
+class Forecast(BaseModel):
+    """A forecast."""
+
+    city: Literal["Paris", "Rome", "Oslo"]
+    days: int = Field(ge=1, le=7)
+    sunny: bool
+
+
+@pytest.fixture(scope="module")
+def app(start_app):
+    return start_app("--model", "demo", "--mode", "fp32", "--placement", "cpu")
+
+
+@pytest.fixture(scope="module")
+def client(app):
+    return openai.OpenAI(base_url=app.url + "/v1", api_key="unused", timeout=120,
+                         max_retries=0)
+
+
+def create(client, **kwargs):
+    options = {"model": "demo", "messages": ASK, "temperature": 0, "max_tokens": 120,
+               "extra_body": NO_THINKING, **kwargs}
+    return client.chat.completions.create(**options)
+
+
+def weather_args(arguments: str) -> dict:
+    args = json.loads(arguments)
+    assert args["city"] in ("Paris", "Rome", "Oslo") and 1 <= args["days"] <= 7, args
+    return args
+
+
+def test_a_required_tool_call_comes_back_as_tool_calls(client):
+    reply = create(client, tools=TOOLS, tool_choice="required")
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.tool_calls  # (text may come around the calls, as OpenAI's may)
+    call = choice.message.tool_calls[0]
+    assert call.type == "function" and call.id.startswith("call_")
+    assert call.function.name in ("get_weather", "get_time")
+
+
+def test_a_named_tool_is_the_one_called_with_valid_arguments(client):
+    reply = create(client, tools=TOOLS,
+                   tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    calls = reply.choices[0].message.tool_calls
+    assert [c.function.name for c in calls] == ["get_weather"]
+    weather_args(calls[0].function.arguments)
+
+
+def test_a_streamed_tool_call_assembles_as_the_client_does(client):
+    stream = create(client, tools=TOOLS, stream=True,
+                    tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    calls: dict[int, dict] = {}
+    finish = None
+    for chunk in stream:
+        if not chunk.choices:
+            continue
+        choice = chunk.choices[0]
+        finish = choice.finish_reason or finish
+        for delta in choice.delta.tool_calls or ():
+            entry = calls.setdefault(delta.index, {"name": "", "arguments": "", "id": None})
+            entry["id"] = delta.id or entry["id"]
+            entry["name"] += delta.function.name or ""
+            entry["arguments"] += delta.function.arguments or ""
+    assert finish == "tool_calls"
+    assert [c["name"] for c in calls.values()] == ["get_weather"] and calls[0]["id"]
+    weather_args(calls[0]["arguments"])
+
+
+def test_a_tool_result_in_the_history_is_answered(client):
+    first = create(client, tools=TOOLS,
+                   tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    call = first.choices[0].message.tool_calls[0]
+    history = ASK + [first.choices[0].message.model_dump(exclude_none=True),
+                     {"role": "tool", "tool_call_id": call.id,
+                      "content": json.dumps({"forecast": "sunny", "celsius": 21})}]
+    reply = create(client, messages=history, tools=TOOLS, max_tokens=16)
+    assert reply.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    assert reply.usage.prompt_tokens > first.usage.prompt_tokens
+
+
+def test_json_schema_and_json_object_replies_parse(client):
+    parsed = client.chat.completions.parse(model="demo", messages=ASK, temperature=0,
+                                           max_tokens=120, response_format=Forecast,
+                                           extra_body=NO_THINKING)
+    forecast = parsed.choices[0].message.parsed
+    assert isinstance(forecast, Forecast), parsed.choices[0].message.content
+    reply = create(client, response_format={"type": "json_object"})
+    assert isinstance(json.loads(reply.choices[0].message.content), dict)
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"tool_choice": {"type": "function", "function": {"name": "nope"}}, "tools": TOOLS},
+     "tool_choice"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+     "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "object", "properties": {"a": {"$ref": "#/definitions/none"}}}}}},
+     "response_format"),
+    ({"logprobs": True}, "logprobs"),
+])
+def test_what_cannot_be_met_is_a_400_naming_the_field(app, body, param):
+    with httpx.Client(base_url=app.url, timeout=60) as http:
+        response = http.post("/v1/chat/completions", json={"messages": ASK, **body})
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == param, response.text
+
+
+def test_langchain_bind_tools_and_a_tool_message_round_trip(app):
+    from langchain_core.messages import HumanMessage, ToolMessage
+    from langchain_core.tools import tool
+    from langchain_openai import ChatOpenAI
+
+    @tool
+    def get_weather(city: Literal["Paris", "Rome", "Oslo"], days: int) -> str:
+        """The weather in a city for some days."""
+        return "sunny"
+
+    llm = ChatOpenAI(base_url=app.url + "/v1", api_key="unused", model="demo", temperature=0,
+                     max_tokens=120, max_retries=0, extra_body=NO_THINKING)
+    bound = llm.bind_tools([get_weather], tool_choice="get_weather")
+    question = HumanMessage("What is the weather in Paris?")
+    message = bound.invoke([question])
+    assert [c["name"] for c in message.tool_calls] == ["get_weather"], message
+    call = message.tool_calls[0]
+    assert call["args"]["city"] in ("Paris", "Rome", "Oslo")
+    answer = llm.bind_tools([get_weather]).invoke(
+        [question, message, ToolMessage("sunny, 21 C", tool_call_id=call["id"])])
+    assert answer.response_metadata["finish_reason"] in ("stop", "length", "tool_calls")
+
+
+@pytest.mark.parametrize("method", ["json_schema", "function_calling"])
+def test_langchain_structured_output(app, method):
+    from langchain_openai import ChatOpenAI
+
+    llm = ChatOpenAI(base_url=app.url + "/v1", api_key="unused", model="demo", temperature=0,
+                     max_tokens=120, max_retries=0, extra_body=NO_THINKING)
+    forecast = llm.with_structured_output(Forecast, method=method).invoke(
+        "What is the weather in Paris?")
+    assert isinstance(forecast, Forecast)
+
+
+def test_through_a_front_with_backend_tools_and_formats_pass_through(start_app, app):
+    front = start_app("--backend", app.url + "/v1")
+    client = openai.OpenAI(base_url=front.url + "/v1", api_key="unused", timeout=120,
+                           max_retries=0)
+    reply = create(client, tools=TOOLS,
+                   tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    assert reply.choices[0].finish_reason == "tool_calls"
+    calls = reply.choices[0].message.tool_calls
+    assert [c.function.name for c in calls] == ["get_weather"]
+    weather_args(calls[0].function.arguments)
+    history = ASK + [reply.choices[0].message.model_dump(exclude_none=True),
+                     {"role": "tool", "tool_call_id": calls[0].id, "content": "sunny"}]
+    assert create(client, messages=history, tools=TOOLS, max_tokens=8).choices
+    parsed = client.chat.completions.parse(model="demo", messages=ASK, temperature=0,
+                                           max_tokens=120, response_format=Forecast,
+                                           extra_body=NO_THINKING)
+    assert isinstance(parsed.choices[0].message.parsed, Forecast)
