@@ -16,7 +16,7 @@ import torch
 from .chat.prompt import render_prompt, supports_thinking
 from .chat.reasoning import prompt_opens_thinking
 from .chat.reply_stream import prepare_reply, reply_updates
-from .chat.updates import ChatUpdate
+from .chat.updates import ChatUpdate, TokenLogprob
 from .errors import LoadError, ShuttingDown
 from .loading.manager import LoadedModel, LoadRequest, ModelManager, Progress
 from .loading.placement import FitEstimate
@@ -25,6 +25,7 @@ from .memory import GB, MemoryHistory, MemorySnapshot
 from .runtime.decoders import EagerDecoder
 from .runtime.generation import (
     GenerationSettings,
+    LogprobRecord,
     ReplyStats,
     decode_tokens,
 )
@@ -190,11 +191,13 @@ class Engine:
     def chat(self, messages: list[dict], settings: GenerationSettings | None = None, *,
              system_prompt: str | None = None, thinking: bool = True,
              stop: threading.Event | None = None,
-             output_format: OutputFormat | None = None) -> Iterator[ChatUpdate]:
+             output_format: OutputFormat | None = None,
+             logprobs: int | None = None) -> Iterator[ChatUpdate]:
         """Stream one reply. Raises ChatInputError / InvalidParameter / LoadError on bad input
         before anything is generated; the model and the conversation are left as they were.
         `output_format`: tools the template describes to the model, and a format the reply
-        must follow (JSON, a schema, a forced tool call: grammar.py)."""
+        must follow (JSON, a schema, a forced tool call: grammar.py). `logprobs`: each token's
+        log-probability and this many alternatives in the updates (None: none)."""
         stop = stop or threading.Event()
         if self._closing is not None:
             raise ShuttingDown(self._closing)
@@ -202,15 +205,18 @@ class Engine:
             self._open.add(stop)
         try:
             yield from self._chat(messages, settings, system_prompt=system_prompt,
-                                  thinking=thinking, stop=stop, output_format=output_format)
+                                  thinking=thinking, stop=stop, output_format=output_format,
+                                  logprobs=logprobs)
         finally:
             with self._open_lock:
                 self._open.discard(stop)
 
     def _chat(self, messages: list[dict], settings: GenerationSettings | None, *,
               system_prompt: str | None, thinking: bool, stop: threading.Event,
-              output_format: OutputFormat | None) -> Iterator[ChatUpdate]:
+              output_format: OutputFormat | None,
+              logprobs: int | None) -> Iterator[ChatUpdate]:
         fmt = output_format or OutputFormat()
+        record = LogprobRecord(logprobs) if logprobs is not None else None
         with self.manager.use() as loaded:
             settings = (settings or GenerationSettings()).resolved(
                 loaded.model.generation_config, context_tokens=loaded.context_tokens)
@@ -226,7 +232,12 @@ class Engine:
                 reasoning = reasoning_mode(thinks, prompt_opens_thinking(prompt.text))
                 constraint = self._grammars(loaded).constraint(fmt, reasoning)
             stats = ReplyStats()
-            tokens = self._tokens(loaded, prompt.input_ids, settings, stop, stats, constraint)
+            tokens = self._tokens(loaded, prompt.input_ids, settings, stop, stats, constraint,
+                                  record)
+            logprob_of = None
+            if record is not None:
+                logprob_of = token_logprobs(record, loaded.tokenizer, 0 if logprobs == 0
+                                            else record.k)
 
             def before_end():
                 if self._ending is not None and stats.stopped:
@@ -236,7 +247,8 @@ class Engine:
             try:
                 for update in reply_updates(tokens, loaded.tokenizer, prompt, stats,
                                             before_end=before_end,
-                                            reasoning=reasoning != "disabled"):
+                                            reasoning=reasoning != "disabled",
+                                            logprob_of=logprob_of):
                     yield update
             finally:
                 # Runs on normal end, on error and when the consumer goes away (closed tab):
@@ -252,18 +264,22 @@ class Engine:
 
     def _tokens(self, loaded: LoadedModel, input_ids: list[int], settings: GenerationSettings,
                 stop: threading.Event, stats: ReplyStats,
-                constraint: Constraint | None = None) -> Iterator[int]:
+                constraint: Constraint | None = None,
+                record: LogprobRecord | None = None) -> Iterator[int]:
         """The reply's token ids: from the batch scheduler, or (a model it cannot batch) from
         the single-stream decoder, one reply at a time. Raises QueueFull when too busy."""
         if loaded.batcher is not None:
+            lists = {} if record is None else {"logprobs": record.top, "logprob_k": record.k,
+                                               "chosen": record.chosen}
             return loaded.batcher.submit(input_ids, settings, eos_ids=eos_ids(loaded),
-                                         stop=stop, stats=stats, constraint=constraint)
+                                         stop=stop, stats=stats, constraint=constraint,
+                                         **lists)
 
         def produce():  # runs on the decode worker
             if not stop.is_set():
                 yield from decode_tokens(self.decoder_for(loaded), input_ids, settings,
                                          eos_ids=eos_ids(loaded), stop=stop, stats=stats,
-                                         constraint=constraint)
+                                         constraint=constraint, record=record)
 
         return self.worker.stream(produce)
 
@@ -286,3 +302,17 @@ class Engine:
         for final in self.chat(messages, settings, **kwargs):
             pass
         return final
+
+
+def token_logprobs(record: LogprobRecord, tokenizer, alternatives: int):
+    """logprob_of(i, token) for reply_updates: the i-th token's TokenLogprob from `record`,
+    each token's text as the tokenizer decodes it alone."""
+    def text(token_id: int) -> str:
+        return tokenizer.decode([token_id])
+
+    def logprob_of(i: int, token: int) -> TokenLogprob:
+        chosen, top = record.entry(i)
+        return TokenLogprob(text(token), chosen,
+                            tuple((text(t), lp) for t, lp in top[:alternatives]))
+
+    return logprob_of

@@ -36,6 +36,7 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from model_utils.chat.tool_calls import ToolCall
+from model_utils.chat.updates import TokenLogprob
 from model_utils.engine import ChatUpdate, Engine
 
 from .conversation import MAX_TURNS
@@ -115,6 +116,8 @@ def register_openai_api(app: FastAPI | APIRouter, engine: Engine,
                      len(call.messages), call.stream, len(call.stops.stops),
                      call.settings.as_dict())
             extra = {"output_format": call.output_format} if call.output_format else {}
+            if call.logprobs is not None:
+                extra["logprobs"] = call.logprobs
             updates = engine.chat(call.messages, call.settings, system_prompt=call.system,
                                   thinking=call.thinking, stop=call.stop, **extra)
             # The first update is awaited here, so that refused input becomes an HTTP error.
@@ -159,6 +162,7 @@ class ChatCall:
         self.stops = StopStrings(body.stop or [])
         self.max_tokens_field = body.max_tokens_field()
         self.output_format = output_format(body)
+        self.logprobs = body.logprob_alternatives()
         self.id = f"chatcmpl-{uuid.uuid4().hex[:24]}"
         self.created = int(time.time())
         self.stop = threading.Event()
@@ -195,6 +199,8 @@ class Reply:
         self.call = call
         self.stops = StopFollower(call.stops)
         self.tools = ToolCallStream(call.output_format)
+        self.logprobs: list[dict] = []  # every token's, in OpenAI's shape
+        self.new_logprobs: list[dict] = []
         self._reasoning: list[str] = []
         self._answer: list[str] = []
         self.new_reasoning = self.new_answer = ""
@@ -226,6 +232,8 @@ class Reply:
                 self.call.stop.set()  # frees the reply's place within a decode step
             elif update.done:
                 self.new_answer += self.stops.finish()
+        self.new_logprobs = [logprob_entry(t) for t in update.logprobs]
+        self.logprobs += self.new_logprobs
         self.new_answer, self.new_calls = self.tools.feed(
             self.new_answer, done=update.done or self.hit_stop)
         if self.new_reasoning:
@@ -260,9 +268,24 @@ def completion(call: ChatCall, model: str, result) -> dict:
     if reply.reasoning:
         message["reasoning_content"] = reply.reasoning
     return {"id": call.id, "object": "chat.completion", "created": call.created, "model": model,
-            "choices": [{"index": 0, "message": message,
+            "choices": [{"index": 0, "message": message, "logprobs": logprobs_of(call, reply),
                          "finish_reason": reply.finish_reason(final)}],
             "usage": usage(final.stats)}
+
+
+def logprob_entry(token: TokenLogprob) -> dict:
+    """One token in OpenAI's logprobs shape (its text, log-probability, UTF-8 bytes, and the
+    alternatives alike)."""
+    def one(text: str, logprob: float) -> dict:
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+    return {**one(token.token, token.logprob),
+            "top_logprobs": [one(text, lp) for text, lp in token.top]}
+
+
+def logprobs_of(call: ChatCall, reply: Reply) -> dict | None:
+    """choices[].logprobs: every token of the reply (reasoning and answer), when asked for."""
+    return {"content": reply.logprobs} if call.logprobs is not None else None
 
 
 def usage(stats) -> dict:
@@ -283,10 +306,12 @@ async def stream_events(call: ChatCall, model: str, first: ChatUpdate,
     def event(data: dict) -> str:
         return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
 
-    def chunk(delta: dict, finish: str | None = None) -> str:
+    def chunk(delta: dict, finish: str | None = None, logprobs: list | None = None) -> str:
+        choice = {"index": 0, "delta": delta, "finish_reason": finish}
+        if call.logprobs is not None:
+            choice["logprobs"] = {"content": logprobs or []}
         return event({"id": call.id, "object": "chat.completion.chunk",
-                      "created": call.created, "model": model,
-                      "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]})
+                      "created": call.created, "model": model, "choices": [choice]})
 
     reply = Reply(call)
     paced_updates = paced(_prepend(first, updates))
@@ -305,8 +330,8 @@ async def stream_events(call: ChatCall, model: str, first: ChatUpdate,
             if reply.new_calls:
                 delta["tool_calls"] = call_deltas(reply.new_calls,
                                                   len(reply.calls) - len(reply.new_calls))
-            if delta:
-                yield chunk(delta)
+            if delta or reply.new_logprobs:
+                yield chunk(delta, logprobs=reply.new_logprobs)
             if update.done and update.stats.finish_reason == "error":
                 # A model server that failed mid-reply: reported in band, as other failures.
                 yield event(error_body(ClientError(502, update.notice, kind="backend_error")))

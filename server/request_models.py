@@ -174,7 +174,7 @@ class ResponseFormat(BaseModel):
 
 # Fields of OpenAI's request this server refuses when they ask for something (a 400 naming the
 # field) rather than ignore: a client that sends them relies on them.
-UNSUPPORTED_WHEN_SET = ("logprobs", "top_logprobs", "logit_bias", "prediction", "audio")
+UNSUPPORTED_WHEN_SET = ("logit_bias", "prediction", "audio")
 
 
 class _ChatCompletionFields(BaseModel):
@@ -196,8 +196,8 @@ class _ChatCompletionFields(BaseModel):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     response_format: ResponseFormat | None = None
-    logprobs: Any = None
-    top_logprobs: Any = None
+    logprobs: bool | None = None
+    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     logit_bias: Any = None
     prediction: Any = None
     audio: Any = None
@@ -208,7 +208,13 @@ class _ChatCompletionFields(BaseModel):
         for name in UNSUPPORTED_WHEN_SET:
             if getattr(self, name) not in (None, False, {}, []):
                 raise ClientError(400, f"{name} is not supported by this server", param=name)
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ClientError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         return self
+
+    def logprob_alternatives(self) -> int | None:
+        """Alternatives per token when logprobs are asked for (0: the token's own only)."""
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     @field_validator("n")
     @classmethod

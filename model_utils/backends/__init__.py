@@ -58,11 +58,13 @@ class ChatBackend(Protocol):
     def chat(self, messages: list[dict], settings: GenerationSettings | None = None, *,
              system_prompt: str | None = None, thinking: bool = True,
              stop: threading.Event | None = None,
-             output_format: OutputFormat | None = None) -> Iterator[ChatUpdate]:
+             output_format: OutputFormat | None = None,
+             logprobs: int | None = None) -> Iterator[ChatUpdate]:
         """Stream one reply. Input refused before anything is generated raises one of
         server.replies.INPUT_ERRORS on the first next(); setting `stop` or closing the iterator
         ends the reply and frees its place. `output_format`: tools and a format the reply must
-        follow (runtime/grammar.py); tool calls come in the answer as <tool_call> blocks."""
+        follow (runtime/grammar.py); tool calls come in the answer as <tool_call> blocks.
+        `logprobs`: each token's log-probability and this many alternatives, in the updates."""
 
     def generate_text(self, messages: list[dict], settings: GenerationSettings | None = None,
                       **kwargs) -> ChatUpdate:

@@ -19,7 +19,7 @@ from dataclasses import replace
 from model_utils.chat.prompt import ChatInputError, normalize_messages
 from model_utils.chat.reasoning import EMPTY_TEXT, ReplyText, SeparatedReasoning
 from model_utils.chat.tool_calls import TOOL_CLOSE, TOOL_OPEN
-from model_utils.chat.updates import ChatUpdate
+from model_utils.chat.updates import ChatUpdate, TokenLogprob
 from model_utils.loading.manager import LoadError
 from model_utils.memory import MemoryHistory, MemorySnapshot
 from model_utils.runtime.generation import GenerationSettings, ReplyStats
@@ -156,7 +156,8 @@ class RemoteEngine:
     def chat(self, messages: list[dict], settings: GenerationSettings | None = None, *,
              system_prompt: str | None = None, thinking: bool = True,
              stop: threading.Event | None = None,
-             output_format: OutputFormat | None = None) -> Iterator[ChatUpdate]:
+             output_format: OutputFormat | None = None,
+             logprobs: int | None = None) -> Iterator[ChatUpdate]:
         """Stream one reply from the server. Refusals before the first token raise (a
         BackendError with the HTTP status to answer); a failure after it ends the reply with
         a notice (finish_reason "error"), keeping what arrived. `output_format` (tools, a
@@ -171,6 +172,8 @@ class RemoteEngine:
         model, context = self._current_model()
         _validated(settings, context)
         options = {**_options(settings), **_format_options(output_format)}
+        if logprobs is not None:
+            options.update(logprobs=True, top_logprobs=logprobs)
         with self._lock:
             if self._in_flight >= self.max_batch + self.max_queue:
                 raise BackendBusy(f"{self._in_flight} replies are already in flight to the "
@@ -196,6 +199,7 @@ class RemoteEngine:
         first_at = last_at = None
         pieces, finish, usage = 0, "", None
         calls = _StreamedCalls()
+        token_logprobs: list[TokenLogprob] = []  # the server's, not given out yet
         chunks = self._chunks(model, wire, options, thinking, stop, deadline)
         try:
             for event in chunks:
@@ -210,6 +214,7 @@ class RemoteEngine:
                     more = delta.get("reasoning_content") or delta.get("reasoning") or ""
                     piece = delta.get("content") or ""
                     calls.add(delta.get("tool_calls"))
+                    token_logprobs += _token_logprobs(choice.get("logprobs"))
                     finish = choice.get("finish_reason") or finish
                     if finish == "tool_calls":
                         piece += calls.as_text()
@@ -224,7 +229,9 @@ class RemoteEngine:
                         added = split.feed(more, piece)
                         if added:
                             text = reply.add(added)
-                            yield ChatUpdate.of(added, text, notice=notice)
+                            yield ChatUpdate.of(added, text, notice=notice,
+                                                logprobs=token_logprobs)
+                            token_logprobs = []
         except BackendError as error:
             if first_at is None:
                 raise  # nothing shown yet: the caller answers with the error itself
@@ -258,7 +265,8 @@ class RemoteEngine:
         text = reply.add(last)
         if self.log_prompts:
             log.info("reply text: reasoning %r, answer %r", text.reasoning, text.answer)
-        yield ChatUpdate.of(last, text, done=True, stats=stats, notice=notice)
+        yield ChatUpdate.of(last, text, done=True, stats=stats, notice=notice,
+                            logprobs=token_logprobs)
 
     def _chunks(self, model, wire, options, thinking, stop, deadline):
         """The server's events. A 400 naming extensions it was sent is retried once without
@@ -331,6 +339,20 @@ def _wire_message(message: dict) -> dict:
             for i, call in enumerate(message["tool_calls"])]
     if message["role"] == "tool" and message.get("tool_call_id"):
         out["tool_call_id"] = message["tool_call_id"]
+    return out
+
+
+def _token_logprobs(logprobs) -> list[TokenLogprob]:
+    """choices[].logprobs.content of a server's chunk -> TokenLogprobs (malformed: none)."""
+    entries = logprobs.get("content") if isinstance(logprobs, dict) else None
+    out = []
+    for entry in entries if isinstance(entries, list) else ():
+        try:
+            top = tuple((str(t["token"]), float(t["logprob"]))
+                        for t in entry.get("top_logprobs") or ())
+            out.append(TokenLogprob(str(entry["token"]), float(entry["logprob"]), top))
+        except (KeyError, TypeError, ValueError, AttributeError):
+            continue
     return out
 
 

@@ -18,7 +18,7 @@ from .reasoning import (
     ReplyText,
     prompt_opens_thinking,
 )
-from .updates import ChatUpdate
+from .updates import ChatUpdate, TokenLogprob
 
 
 def prepare_reply(tokenizer, messages: list[dict], settings: GenerationSettings, *,
@@ -51,21 +51,30 @@ class _AllAnswer:
 
 def reply_updates(tokens: Iterable[int], tokenizer, prompt: PreparedPrompt, stats: ReplyStats,
                   *, before_end: Callable[[], None] = lambda: None,
-                  reasoning: bool = True) -> Iterator[ChatUpdate]:
+                  reasoning: bool = True,
+                  logprob_of: Callable[[int, int], TokenLogprob] | None = None
+                  ) -> Iterator[ChatUpdate]:
     """One update per token that adds text, then the last one (done, with the stats).
     `before_end` runs when the tokens have run out, before the last update (a shutting-down
-    engine raises there). reasoning False: the reply is all answer."""
+    engine raises there). reasoning False: the reply is all answer. logprob_of(i, token): the
+    i-th token's TokenLogprob, for each update's `logprobs` (a token that adds no text yet
+    goes with the next update that does)."""
     detok = IncrementalDetokenizer(tokenizer)
     splitter = ReasoningSplitter(opened=prompt_opens_thinking(prompt.text)) if reasoning \
         else _AllAnswer()
     reply, text = ReplyText(), EMPTY_TEXT
-    for token in tokens:
+    pending: list[TokenLogprob] = []
+    for i, token in enumerate(tokens):
+        if logprob_of is not None:
+            pending.append(logprob_of(i, token))
         piece = detok.push(token)
         delta = splitter.feed(piece) if piece else None
         if delta:
             text = reply.add(delta)
-            yield ChatUpdate.of(delta, text, notice=prompt.notice)
+            yield ChatUpdate.of(delta, text, notice=prompt.notice, logprobs=pending)
+            pending = []
     before_end()
     rest = detok.flush()  # a character the reply's last tokens left unfinished
     last = (splitter.feed(rest) if rest else ReasoningDelta()).then(splitter.finish())
-    yield ChatUpdate.of(last, reply.add(last), done=True, stats=stats, notice=prompt.notice)
+    yield ChatUpdate.of(last, reply.add(last), done=True, stats=stats, notice=prompt.notice,
+                        logprobs=pending)

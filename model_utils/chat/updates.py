@@ -13,6 +13,15 @@ if TYPE_CHECKING:  # the type only: runtime.generation imports torch
     from model_utils.runtime.generation import ReplyStats
 
 
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One reply token's log-probability and its likeliest alternatives (text, logprob)."""
+
+    token: str
+    logprob: float
+    top: tuple[tuple[str, float], ...] = ()
+
+
 @dataclass
 class ChatUpdate:
     """One step of a streamed reply: the text it added (reasoning_delta, answer_delta) and, for
@@ -28,6 +37,8 @@ class ChatUpdate:
     notice: str = ""
     resplit: bool = False
     text: TextSoFar = field(default=EMPTY_TEXT, repr=False)
+    # With logprobs asked for: the tokens this update's text came from (reasoning and answer).
+    logprobs: list[TokenLogprob] = field(default_factory=list, repr=False)
 
     @classmethod
     def of(cls, delta: ReasoningDelta, text: TextSoFar, **fields) -> ChatUpdate:
@@ -46,4 +57,4 @@ class ChatUpdate:
         delta = ReasoningDelta(self.reasoning_delta, self.answer_delta, self.resplit).then(
             ReasoningDelta(later.reasoning_delta, later.answer_delta, later.resplit))
         return replace(later, reasoning_delta=delta.reasoning, answer_delta=delta.answer,
-                       resplit=delta.resplit)
+                       resplit=delta.resplit, logprobs=self.logprobs + later.logprobs)

@@ -145,12 +145,15 @@ class TensorParallelEngine:
     def chat(self, messages: list[dict], settings: GenerationSettings | None = None, *,
              system_prompt: str | None = None, thinking: bool = True,
              stop: threading.Event | None = None,
-             output_format: OutputFormat | None = None) -> Iterator[ChatUpdate]:
+             output_format: OutputFormat | None = None,
+             logprobs: int | None = None) -> Iterator[ChatUpdate]:
         """Stream one reply, as Engine.chat does. A worker that dies ends it with WorkerLost
         and unloads the model (the others are stopped too). Tools are described to the model;
         a format it must follow is refused (the workers sample without constraints)."""
         stop = stop or threading.Event()
         fmt = output_format or OutputFormat()
+        if logprobs is not None:
+            raise InvalidParameter("logprobs", "not supported with --tp")
         if fmt.constrained:
             raise InvalidParameter(fmt.param, "constrained output is not supported with --tp; "
                                    'use tool_choice "auto" and no response_format')

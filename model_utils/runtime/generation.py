@@ -132,9 +132,11 @@ class ReplyStats:
 def decode_tokens(decoder: EagerDecoder, input_ids: list[int], settings: GenerationSettings, *,
                   eos_ids: set[int], stop: threading.Event | None = None,
                   stats: ReplyStats | None = None,
-                  constraint: Constraint | None = None) -> Iterator[int]:
+                  constraint: Constraint | None = None,
+                  record: LogprobRecord | None = None) -> Iterator[int]:
     """Yield new token ids until EOS, max_new_tokens, or the stop signal; with a
-    `constraint` (grammar.py), only tokens that keep the reply in its format.
+    `constraint` (grammar.py), only tokens that keep the reply in its format; with a
+    `record`, each token's log-probabilities kept there.
 
     `decoder` owns the model and the cache: prefill(ids) -> logits[V], step(token) -> logits[V].
     """
@@ -159,6 +161,8 @@ def decode_tokens(decoder: EagerDecoder, input_ids: list[int], settings: Generat
         if constraint is not None:
             logits = mask_logits(logits[None], [constraint])[0]
         token = sample_next(logits, settings, seen, generator)
+        if record is not None:
+            record.add(logits, token)
         now = time.perf_counter()
         if n == 0:
             first = now
@@ -181,3 +185,24 @@ def decode_tokens(decoder: EagerDecoder, input_ids: list[int], settings: Generat
     stats.finish_reason = finish
     stats.stopped = finish == "stop"
     stats.total_s = time.perf_counter() - start
+
+
+class LogprobRecord:
+    """Each sampled token's log-probability and its `k` likeliest alternatives, kept on the
+    device as they are sampled (the batch runner appends to `top` and `chosen` itself, the
+    single-stream decoder through add) and read on the host one token at a time."""
+
+    def __init__(self, k: int):
+        self.k = max(1, k)
+        self.top: list = []  # torch.topk results, one per sampled token
+        self.chosen: list[torch.Tensor] = []  # 0-d log-probabilities of the drawn tokens
+
+    def add(self, logits: torch.Tensor, token: int) -> None:
+        logp = torch.log_softmax(logits.float(), -1)
+        self.top.append(logp.topk(self.k))
+        self.chosen.append(logp[token])
+
+    def entry(self, i: int) -> tuple[float, list[tuple[int, float]]]:
+        """(the i-th token's log-probability, [(alternative id, its log-probability), ...])."""
+        values, ids = self.top[i]
+        return float(self.chosen[i]), list(zip(ids.tolist(), values.tolist()))

@@ -40,6 +40,8 @@ class Request:
     # Logprob checks (bench/logprob_check.py): when a list, the runner appends for each sampled
     # token the top sampling.LOGPROBS_K (log-probabilities, token ids) of its raw logits.
     logprobs: list[TopK] | None = None
+    logprob_k: int = 5  # alternatives per token in `logprobs` (sampling.LOGPROBS_K)
+    chosen: list | None = None  # with `logprobs`: each drawn token's log-probability
     # A format the reply must follow (grammar.py): the runner masks its logits with it, and
     # each token handed out moves it on, before the next one is sampled.
     constraint: Constraint | None = None

@@ -184,7 +184,9 @@ class BatchRunner:
         """A request's own sampling state on the device; raises for settings it cannot take."""
         self._samplers[request] = RowSampler.set_up(request.settings, request.input_ids,
                                                     request.eos_ids, self.device,
-                                                    request.logprobs)
+                                                    request.logprobs,
+                                                    logprob_k=request.logprob_k,
+                                                    chosen=request.chosen)
 
     def is_set_up(self, request: Request) -> bool:
         return request in self._samplers

@@ -101,16 +101,21 @@ class RowSampler:
     generator: torch.Generator | None = None
     seen: torch.Tensor | None = None  # prompt + reply ids
     eos: torch.Tensor | None = None
-    # When a list, each sampled token appends the top LOGPROBS_K (log-probabilities, token
-    # ids) of its raw logits, on the device (bench/logprob_check.py).
+    # When a list, each sampled token appends the top `logprob_k` (log-probabilities, token
+    # ids) of its logits, on the device (bench/logprob_check.py, the API's top_logprobs); and
+    # when `chosen` is a list too, the log-probability of the token drawn (0-d, on the device).
     logprobs: list[TopK] | None = None
+    logprob_k: int = LOGPROBS_K
+    chosen: list[torch.Tensor] | None = None
 
     @classmethod
     def set_up(cls, settings: GenerationSettings, input_ids: list[int], eos_ids: set[int],
-               device: torch.device, logprobs: list[TopK] | None = None) -> RowSampler:
+               device: torch.device, logprobs: list[TopK] | None = None, *,
+               logprob_k: int = LOGPROBS_K,
+               chosen: list[torch.Tensor] | None = None) -> RowSampler:
         """Raises for settings torch cannot take (a seed past 64 bits, say): that request
         fails alone."""
-        sampler = cls(settings, logprobs=logprobs)
+        sampler = cls(settings, logprobs=logprobs, logprob_k=logprob_k, chosen=chosen)
         if settings.seed is not None and not is_greedy(settings):
             sampler.generator = torch.Generator(device=device).manual_seed(settings.seed)
         if settings.repetition_penalty != 1.0:
@@ -137,9 +142,13 @@ def sample_rows(logits: torch.Tensor, rows: list[RowSampler | None], *,
     sampling raises keeps the greedy token in its slot so the step's tensors stay whole; the
     caller ends that row alone.
     """
+    drawn_from = {}  # row -> its log-probabilities, for the drawn token's
     for i, row in enumerate(rows):
         if row is not None and row.logprobs is not None:
-            row.logprobs.append(torch.log_softmax(logits[i].float(), -1).topk(LOGPROBS_K))
+            logp = torch.log_softmax(logits[i].float(), -1)
+            row.logprobs.append(logp.topk(row.logprob_k))
+            if row.chosen is not None:
+                drawn_from[i] = logp
     masked = [i for i, row in enumerate(rows)
               if hold_eos[i] and row is not None and row.eos is not None]
     if masked:
@@ -161,4 +170,6 @@ def sample_rows(logits: torch.Tensor, rows: list[RowSampler | None], *,
                 row.seen = torch.cat([row.seen, tokens[i:i + 1]])
         except Exception as error:  # noqa: BLE001 - this row fails, the others go on
             failures.append((i, error))
+    for i, logp in drawn_from.items():
+        rows[i].chosen.append(logp[tokens[i]])
     return tokens, failures

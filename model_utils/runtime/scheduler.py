@@ -82,12 +82,14 @@ class Scheduler:
     # -- any thread ---------------------------------------------------------------------------
     def submit(self, input_ids: list[int], settings: GenerationSettings, *, eos_ids: set[int],
                stop: threading.Event, stats: ReplyStats,
-               logprobs: list[TopK] | None = None,
+               logprobs: list[TopK] | None = None, logprob_k: int = 5,
+               chosen: list | None = None,
                constraint: Constraint | None = None) -> Iterator[int]:
         """Queue one reply; returns the iterator of its token ids. Raises QueueFull when
         max_batch replies are decoding and max_queue more are waiting. `logprobs`: a list that
         receives each token's top-k log-probabilities (see Request.logprobs); it may hold one
-        entry more than the reply has tokens (a step in flight when the reply ended). `constraint`:
+        entry more than the reply has tokens (a step in flight when the reply ended); `logprob_k`
+        alternatives each, and in `chosen` the drawn token's log-probability. `constraint`:
         the format the reply must follow (grammar.Constraint)."""
         if not input_ids or len(input_ids) + settings.max_new_tokens > self.context_tokens:
             # Checked here: the KV cache is sized for one whole context at least.
@@ -95,7 +97,8 @@ class Scheduler:
                              f"{settings.max_new_tokens} do not fit the context window "
                              f"({self.context_tokens}), or the prompt is empty")
         request = Request(list(input_ids), settings, set(eos_ids), stop, stats,
-                          logprobs=logprobs, constraint=constraint)
+                          logprobs=logprobs, logprob_k=logprob_k, chosen=chosen,
+                          constraint=constraint)
         stats.prompt_tokens = len(input_ids)
         stats.decode_path = self.path_name
         if self.queue.put(request):

@@ -1,6 +1,6 @@
-"""Tools and structured output through /v1/chat/completions, with clients nobody here wrote: the
-openai package (tool calls whole and streamed, json_schema, json_object, a tool result in the
-history) and langchain-openai (bind_tools and a ToolMessage round trip, with_structured_output
+"""Tools, structured output and logprobs through /v1/chat/completions, with clients nobody here
+wrote: the openai package (tool calls whole and streamed, json_schema, json_object, a tool
+result in the history, logprobs whole and streamed) and langchain-openai (bind_tools and a ToolMessage round trip, with_structured_output
 in json_schema and function_calling modes). The real app, the demo model, the CPU.
 
 The demo model is tiny: it calls a tool or writes JSON only because constrained decoding makes
@@ -129,13 +129,35 @@ def test_json_schema_and_json_object_replies_parse(client):
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
         "type": "object", "properties": {"a": {"$ref": "#/definitions/none"}}}}}},
      "response_format"),
-    ({"logprobs": True}, "logprobs"),
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ({"top_logprobs": 2}, "top_logprobs"),
+    ({"logit_bias": {"5": 10}}, "logit_bias"),
 ])
 def test_what_cannot_be_met_is_a_400_naming_the_field(app, body, param):
     with httpx.Client(base_url=app.url, timeout=60) as http:
         response = http.post("/v1/chat/completions", json={"messages": ASK, **body})
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == param, response.text
+
+
+def test_logprobs_whole_and_streamed(client):
+    reply = create(client, messages=[{"role": "user", "content": "What is bf16?"}],
+                   max_tokens=12, logprobs=True, top_logprobs=3)
+    content = reply.choices[0].logprobs.content
+    assert len(content) == reply.usage.completion_tokens
+    assert "".join(t.token for t in content) == reply.choices[0].message.content
+    for token in content:  # greedy: the token drawn is the likeliest
+        assert len(token.top_logprobs) == 3 and token.logprob <= 0
+        assert token.top_logprobs[0].token == token.token
+        assert token.top_logprobs[0].logprob == pytest.approx(token.logprob)
+        assert bytes(token.bytes).decode() == token.token
+    streamed = []
+    for chunk in create(client, messages=[{"role": "user", "content": "What is bf16?"}],
+                        max_tokens=12, logprobs=True, top_logprobs=3, stream=True):
+        if chunk.choices and chunk.choices[0].logprobs:
+            streamed += chunk.choices[0].logprobs.content or []
+    assert [(t.token, round(t.logprob, 4)) for t in streamed] == \
+        [(t.token, round(t.logprob, 4)) for t in content]
 
 
 def test_langchain_bind_tools_and_a_tool_message_round_trip(app):
@@ -189,3 +211,9 @@ def test_through_a_front_with_backend_tools_and_formats_pass_through(start_app, 
                                            max_tokens=120, response_format=Forecast,
                                            extra_body=NO_THINKING)
     assert isinstance(parsed.choices[0].message.parsed, Forecast)
+    asked = {"messages": [{"role": "user", "content": "What is bf16?"}], "max_tokens": 6,
+             "logprobs": True, "top_logprobs": 2}
+    there, here = create(client, **asked), create(openai.OpenAI(
+        base_url=app.url + "/v1", api_key="unused", max_retries=0), **asked)
+    assert [t.token for t in there.choices[0].logprobs.content] == \
+        [t.token for t in here.choices[0].logprobs.content]
