@@ -34,12 +34,16 @@ def make_settings(values: dict | None) -> GenerationSettings:
     return GenerationSettings.from_values(values)
 
 
-def stats_line(stats: ReplyStats | None, mode: str) -> str:
+def stats_line(stats: ReplyStats | None, mode: str, *, no_answer: bool = False) -> str:
+    """The line under a reply. `no_answer`: it reasoned and wrote no answer, which a reply
+    cut by max_new_tokens says in words (raising the limit is the fix)."""
     if stats is None:
         return ""
     line = f"{stats.line()} · {mode}"
     if stats.stopped:
         line += " · stopped"
+    elif stats.finish_reason == "length" and no_answer:
+        line += " · hit max_new_tokens while reasoning: no answer yet (raise max_new_tokens)"
     elif stats.finish_reason == "length":
         line += " · hit max_new_tokens"
     return line

@@ -159,7 +159,8 @@ def _wire(c: dict, engine: Engine, signals: StopSignals, export_dir: Path, demo:
             else:
                 turns.append({"role": "assistant", "content": update.answer,
                               "reasoning": update.reasoning,
-                              "stats": stats_line(update.stats, mode) or "stopped"})
+                              "stats": stats_line(update.stats, mode, no_answer=bool(
+                                  update.reasoning and not update.answer.strip())) or "stopped"})
             yield (chatbot_messages(turns), turns, gr.skip(), update.notice if update else "",
                    *buttons(generating=False))
         finally:

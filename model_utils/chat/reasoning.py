@@ -9,10 +9,12 @@ split_reasoning of the whole text (of THINK_OPEN + the text when the prompt open
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, replace
 from functools import cached_property
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+_STRAY_CLOSE = re.compile(re.escape(THINK_CLOSE) + r"\s*")
 
 
 def split_reasoning(text: str) -> tuple[str, str]:
@@ -24,10 +26,16 @@ def split_reasoning(text: str) -> tuple[str, str]:
     stripped = text.lstrip()
     if THINK_CLOSE in text:
         before, after = text.split(THINK_CLOSE, 1)
-        return before.split(THINK_OPEN, 1)[-1].strip("\n"), after.lstrip("\n")
+        return before.split(THINK_OPEN, 1)[-1].strip("\n"), drop_stray_closes(after).lstrip("\n")
     if stripped.startswith(THINK_OPEN):
         return stripped[len(THINK_OPEN):].lstrip("\n"), ""
     return "", text
+
+
+def drop_stray_closes(answer: str) -> str:
+    """The answer without the further </think> tags a model may write after its reasoning
+    ended (each with the blanks after it): they close nothing, and are not the answer."""
+    return _STRAY_CLOSE.sub("", answer)
 
 
 def prompt_opens_thinking(prompt: str) -> bool:
@@ -113,6 +121,7 @@ class ReasoningSplitter:
         self._answer = _Trimmed(hold_end=False)
         self._untagged: list[str] = []  # the answer shown without a tag (for a late </think>)
         self._tail = ""  # its last characters: a </think> split over two pieces
+        self._after_close = False  # the answer's last text was a stray </think>: blanks go
         self.scanned = 0
 
     def feed(self, piece: str) -> ReasoningDelta:
@@ -135,7 +144,7 @@ class ReasoningSplitter:
             return self._in_reasoning(text)
         if self._state == self._UNTAGGED:
             return self._in_untagged(text)
-        return ReasoningDelta(answer=self._answer.add(text))
+        return ReasoningDelta(answer=self._in_answer(text))
 
     def finish(self) -> ReasoningDelta:
         """The end of the reply: what was held back is what it is."""
@@ -158,7 +167,24 @@ class ReasoningSplitter:
         self._reasoning.newlines = 0  # a closed block ends without its newlines
         self._state = self._ANSWER
         return ReasoningDelta(reasoning=reasoning,
-                              answer=self._answer.add(text[at + len(THINK_CLOSE):]))
+                              answer=self._in_answer(text[at + len(THINK_CLOSE):]))
+
+    def _in_answer(self, text: str) -> str:
+        """Answer text with stray </think> tags and the blanks after them dropped, as
+        drop_stray_closes drops them from the whole text: a tag split over two pieces is held
+        until the next shows what it is, and blanks after a tag are dropped however the
+        pieces fall."""
+        if self._after_close:
+            stripped = text.lstrip()
+            self._after_close = not stripped
+            text = stripped
+        cleaned = drop_stray_closes(text)
+        if cleaned != text and text.rstrip().endswith(THINK_CLOSE):
+            self._after_close = True
+        keep = _partial_tag(cleaned, THINK_CLOSE)
+        if keep:
+            cleaned, self._held = cleaned[:-keep], cleaned[-keep:]
+        return self._answer.add(cleaned)
 
     def _first_untagged(self, text: str) -> ReasoningDelta:
         """The reply's first text, not a tag: the answer, after the blank before it (which
@@ -180,8 +206,8 @@ class ReasoningSplitter:
         whole = shown + text
         self.scanned = len(whole)
         self._untagged, self._tail, self._state = [], "", self._ANSWER
-        reasoning, answer = split_reasoning(whole)
-        self._answer.started = bool(answer)
+        reasoning = split_reasoning(whole)[0]
+        answer = self._in_answer(whole.split(THINK_CLOSE, 1)[1])
         return ReasoningDelta(reasoning=reasoning, answer=answer, resplit=bool(shown))
 
 

@@ -326,7 +326,8 @@ def test_a_close_tag_after_untagged_text_resplits_once():
     before it as reasoning, and so does the stream, with one delta that says so."""
     pieces = ["abc", " def\n</thi", "nk>\n\nghi", " jkl</think>x"]
     deltas, joined = _split_stream(pieces)
-    assert joined == split_reasoning("".join(pieces)) == ("abc def", "ghi jkl</think>x")
+    # (a further </think> closes nothing: it is not part of the answer)
+    assert joined == split_reasoning("".join(pieces)) == ("abc def", "ghi jklx")
     assert [d.resplit for d in deltas] == [False, False, True, False, False]
     assert deltas[2].reasoning == "abc def" and deltas[2].answer == "ghi"
 
@@ -497,3 +498,12 @@ def test_the_engine_applies_the_bounds_on_its_own_path(load_demo):
     reply = engine.generate_text(turns[:MAX_MESSAGES - 1],
                                  GenerationSettings(max_new_tokens=2, min_new_tokens=2))
     assert reply.stats.new_tokens == 2 and "left out of the prompt" in reply.notice
+
+
+def test_stray_close_tags_after_the_reasoning_never_reach_the_answer():
+    """A model that writes </think> again after its block closed (seen in multi-turn chats):
+    those tags close nothing and are left out, streamed or whole."""
+    text = "<think>\nwhy\n</think>\n\n</think> </think> </think> The Thinking switch"
+    assert split_reasoning(text) == ("why", "The Thinking switch")
+    deltas, joined = _split_stream(list(text))
+    assert joined == ("why", "The Thinking switch")

@@ -85,3 +85,4 @@ def test_stats_line_says_when_a_reply_was_cut():
     assert stats_line(stopped, "nf4").endswith("· nf4 · stopped")
     full = ReplyStats(new_tokens=5, finish_reason="length")
     assert "hit max_new_tokens" in stats_line(full, "bf16")
+    assert "while reasoning: no answer yet" in stats_line(full, "bf16", no_answer=True)
