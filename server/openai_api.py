@@ -42,6 +42,7 @@ from model_utils.engine import ChatUpdate, Engine
 from .conversation import MAX_TURNS
 from .errors import ClientError, client_error, hide_paths, models_dir_of
 from .guards import REALM, login_user
+from .openai_completions import register_completions
 from .openai_tools import ToolCallStream, call_deltas, output_format
 from .replies import make_settings, paced
 from .request_models import ChatCompletionRequest, parse_json
@@ -144,6 +145,7 @@ def register_openai_api(app: FastAPI | APIRouter, engine: Engine,
 
     app.add_api_route("/v1/models", models, methods=["GET"])
     app.add_api_route("/v1/chat/completions", chat_completions, methods=["POST"])
+    register_completions(app, engine, check_login, refused)
 
 
 # -- the request --------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ class TokenLogprob:
     """One reply token's log-probability and its likeliest alternatives (text, logprob)."""
 
     token: str
-    logprob: float
+    logprob: float | None  # None: a prompt's first token, which nothing predicts
     top: tuple[tuple[str, float], ...] = ()
 
 

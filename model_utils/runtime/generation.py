@@ -195,14 +195,21 @@ class LogprobRecord:
     def __init__(self, k: int):
         self.k = max(1, k)
         self.top: list = []  # torch.topk results, one per sampled token
-        self.chosen: list[torch.Tensor] = []  # 0-d log-probabilities of the drawn tokens
+        self.chosen: list = []  # (log-probability, id) of each drawn token, 0-d tensors
 
     def add(self, logits: torch.Tensor, token: int) -> None:
         logp = torch.log_softmax(logits.float(), -1)
         self.top.append(logp.topk(self.k))
-        self.chosen.append(logp[token])
+        self.chosen.append((logp[token], torch.tensor(token)))
+
+    def __len__(self) -> int:
+        return len(self.chosen)
+
+    def drawn(self, i: int) -> int:
+        """The i-th sampled token's id (an EOS too, which the reply's tokens leave out)."""
+        return int(self.chosen[i][1])
 
     def entry(self, i: int) -> tuple[float, list[tuple[int, float]]]:
         """(the i-th token's log-probability, [(alternative id, its log-probability), ...])."""
         values, ids = self.top[i]
-        return float(self.chosen[i]), list(zip(ids.tolist(), values.tolist()))
+        return float(self.chosen[i][0]), list(zip(ids.tolist(), values.tolist()))

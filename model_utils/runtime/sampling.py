@@ -103,16 +103,17 @@ class RowSampler:
     eos: torch.Tensor | None = None
     # When a list, each sampled token appends the top `logprob_k` (log-probabilities, token
     # ids) of its logits, on the device (bench/logprob_check.py, the API's top_logprobs); and
-    # when `chosen` is a list too, the log-probability of the token drawn (0-d, on the device).
+    # when `chosen` is a list too, (the log-probability of the token drawn, its id), 0-d tensors
+    # on the device.
     logprobs: list[TopK] | None = None
     logprob_k: int = LOGPROBS_K
-    chosen: list[torch.Tensor] | None = None
+    chosen: list[tuple[torch.Tensor, torch.Tensor]] | None = None
 
     @classmethod
     def set_up(cls, settings: GenerationSettings, input_ids: list[int], eos_ids: set[int],
                device: torch.device, logprobs: list[TopK] | None = None, *,
                logprob_k: int = LOGPROBS_K,
-               chosen: list[torch.Tensor] | None = None) -> RowSampler:
+               chosen: list | None = None) -> RowSampler:
         """Raises for settings torch cannot take (a seed past 64 bits, say): that request
         fails alone."""
         sampler = cls(settings, logprobs=logprobs, logprob_k=logprob_k, chosen=chosen)
@@ -171,5 +172,5 @@ def sample_rows(logits: torch.Tensor, rows: list[RowSampler | None], *,
         except Exception as error:  # noqa: BLE001 - this row fails, the others go on
             failures.append((i, error))
     for i, logp in drawn_from.items():
-        rows[i].chosen.append(logp[tokens[i]])
+        rows[i].chosen.append((logp[tokens[i]], tokens[i].clone()))
     return tokens, failures

@@ -217,3 +217,39 @@ def test_through_a_front_with_backend_tools_and_formats_pass_through(start_app, 
         base_url=app.url + "/v1", api_key="unused", max_retries=0), **asked)
     assert [t.token for t in there.choices[0].logprobs.content] == \
         [t.token for t in here.choices[0].logprobs.content]
+
+
+def test_completions_with_logprobs_agree_with_the_prompt_scored_by_echo(client):
+    reply = client.completions.create(model="demo", prompt="bf16 is", max_tokens=6,
+                                      temperature=0, logprobs=2)
+    choice = reply.choices[0]
+    assert choice.finish_reason in ("length", "stop")
+    generated = choice.logprobs
+    assert "".join(generated.tokens) == choice.text
+    assert len(generated.tokens) == reply.usage.completion_tokens
+    for value, top in zip(generated.token_logprobs, generated.top_logprobs):
+        assert value == pytest.approx(max(top.values()))  # greedy: the likeliest
+    scored = client.completions.create(model="demo", prompt="bf16 is" + choice.text,
+                                       max_tokens=0, echo=True, logprobs=1).choices[0]
+    assert scored.text == "bf16 is" + choice.text and scored.logprobs.token_logprobs[0] is None
+    n = len(generated.tokens)
+    assert scored.logprobs.tokens[-n:] == generated.tokens
+    # The continuation's tokens scored with the prompt = their log-probabilities when drawn.
+    assert scored.logprobs.token_logprobs[-n:] == pytest.approx(generated.token_logprobs,
+                                                                abs=1e-3)
+
+
+def test_a_log_likelihood_request_as_lm_eval_sends_it(app):
+    """Token ids (one list per prompt), max_tokens 1, echo, logprobs 1: every prompt token
+    scored and the one drawn after them, one choice per prompt."""
+    body = {"model": "demo", "prompt": [[5, 6, 7, 8], [9, 10, 11]], "max_tokens": 1,
+            "temperature": 0, "logprobs": 1, "echo": True, "seed": 1234}
+    with httpx.Client(base_url=app.url, timeout=60) as http:
+        out = http.post("/v1/completions", json=body).json()
+        assert [c["index"] for c in out["choices"]] == [0, 1]
+        for choice, prompt in zip(out["choices"], body["prompt"]):
+            values = choice["logprobs"]["token_logprobs"]
+            assert len(values) == len(prompt) + 1 and values[0] is None
+            assert all(v <= 0 for v in values[1:])
+        refused = http.post("/v1/completions", json={**body, "stream": True})
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "stream"

@@ -1,0 +1,181 @@
+"""POST /v1/completions: OpenAI's text completion, for clients that send a prompt without a chat
+template (lm-eval's local-completions, scripts that score text).
+
+    curl http://127.0.0.1:7860/v1/completions -H 'Content-Type: application/json' \\
+        -d '{"prompt": "The capital of France is", "max_tokens": 8, "logprobs": 2}'
+
+It takes `prompt` (a string, or token ids; a list of either for several prompts, each its own
+choice), `max_tokens` (default 16; 0 with `echo`: the prompt scored, nothing generated),
+`temperature`, `top_p`, `seed`, `stop`, `logprobs` (0-20 alternatives per token) and `echo`
+(the prompt is given back before the continuation, and with `logprobs` its tokens are scored
+too: the first one's log-probability is null, as OpenAI's is). Not streamed: `stream: true` is a
+400. The same logins, limits and error shapes as /v1/chat/completions.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Annotated, Any
+
+import anyio
+from fastapi import Request
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from model_utils import completion
+from model_utils.chat.updates import TokenLogprob
+
+from .errors import ClientError
+from .replies import make_settings
+from .request_models import check_text, parse_json
+from .stop_strings import StopFollower, StopStrings
+
+MAX_PROMPTS = 64
+
+
+class CompletionRequest(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    model: str | None = None
+    prompt: Any
+    max_tokens: Annotated[int, Field(ge=0)] = 16
+    temperature: Annotated[float, Field(ge=0, le=100)] | None = None
+    top_p: Annotated[float, Field(gt=0, le=1)] | None = None
+    top_k: Annotated[int, Field(ge=0)] | None = None
+    repetition_penalty: Annotated[float, Field(gt=0)] | None = None
+    seed: int | None = None
+    stop: Any = None
+    logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    echo: bool = False
+    stream: bool = False
+    n: int | None = None
+    suffix: Any = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompts(cls, value: Any) -> list:
+        """A string, token ids, or a list of either -> a list of prompts (str or list[int])."""
+        def one(p):
+            if isinstance(p, str):
+                return check_text(p)
+            if isinstance(p, list) and p and all(isinstance(t, int) and t >= 0 for t in p):
+                return p
+            raise ValueError("must be a string, a list of token ids, or a list of those")
+
+        if isinstance(value, list) and value and all(isinstance(t, int) for t in value):
+            return [one(value)]
+        prompts = [one(p) for p in value] if isinstance(value, list) else [one(value)]
+        if not 1 <= len(prompts) <= MAX_PROMPTS:
+            raise ValueError(f"give 1 to {MAX_PROMPTS} prompts")
+        return prompts
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop(cls, value: Any) -> list[str]:
+        values = [] if value is None else [value] if isinstance(value, str) else value
+        if not isinstance(values, list) or not all(isinstance(v, str) and v for v in values):
+            raise ValueError("must be a string or a list of non-empty strings")
+        return values[:16]
+
+    def refuse_unsupported(self) -> None:
+        for name, asks in (("stream", self.stream), ("n", self.n not in (None, 1)),
+                           ("suffix", self.suffix is not None)):
+            if asks:
+                raise ClientError(400, f"{name} is not supported on /v1/completions",
+                                  param=name)
+
+
+def register_completions(app, engine, check_login, refused) -> None:
+    """Add the route; `check_login` and `refused` are the chat endpoint's own."""
+
+    async def completions(request: Request):
+        try:
+            check_login(request)
+            data = parse_json(await request.body())
+            if not isinstance(data, dict):
+                raise ClientError(400, "the body must be a JSON object")
+            body = CompletionRequest.model_validate(data)
+            body.refuse_unsupported()
+            settings = make_settings({
+                "max_new_tokens": max(body.max_tokens, 1), "temperature": body.temperature,
+                "top_p": body.top_p, "top_k": body.top_k, "seed": body.seed,
+                "repetition_penalty": body.repetition_penalty})
+            choices, usage = [], {"prompt_tokens": 0, "completion_tokens": 0}
+            for index, prompt in enumerate(body.prompt):
+                choice, prompt_tokens, new_tokens = await anyio.to_thread.run_sync(
+                    one_choice, engine, body, settings, prompt)
+                choices.append({"index": index, **choice})
+                usage["prompt_tokens"] += prompt_tokens
+                usage["completion_tokens"] += new_tokens
+        except Exception as error:  # noqa: BLE001 - mapped: 4xx for input, 503, else 500
+            return refused(error)
+        usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
+        from .openai_api import model_id
+
+        return {"id": f"cmpl-{uuid.uuid4().hex[:24]}", "object": "text_completion",
+                "created": int(time.time()), "model": model_id(engine.status()),
+                "choices": choices, "usage": usage}
+
+    app.add_api_route("/v1/completions", completions, methods=["POST"])
+
+
+def one_choice(engine, body: CompletionRequest, settings, prompt) -> tuple[dict, int, int]:
+    """(the choice, its prompt's tokens, the tokens generated)."""
+    import threading
+
+    ids = completion.encode(engine, prompt) if isinstance(prompt, str) else list(prompt)
+    scored: list[TokenLogprob] = []
+    if body.echo and body.logprobs is not None:
+        scored = completion.prompt_logprobs(engine, ids, body.logprobs)
+    text, generated, finish, new_tokens = "", [], "length", 0
+    if body.max_tokens > 0:
+        stop = threading.Event()
+        follower = StopFollower(StopStrings(body.stop or []))
+        pieces = []
+        for update in completion.complete(engine, ids, settings, stop=stop,
+                                          logprobs=body.logprobs):
+            generated += update.logprobs
+            if not follower.hit:
+                pieces.append(follower.feed(update.answer_delta))
+                if follower.hit:
+                    stop.set()
+                elif update.done:
+                    pieces.append(follower.finish())
+            if update.done:
+                new_tokens = update.stats.new_tokens
+                finish = "stop" if follower.hit or update.stats.finish_reason == "eos" \
+                    else "length"
+        text = "".join(pieces)
+    prompt_text = (prompt if isinstance(prompt, str) else _decode(engine, ids)) if body.echo \
+        else ""
+    choice = {"text": prompt_text + text, "finish_reason": finish, "logprobs": None}
+    if body.logprobs is not None:
+        entries = (scored if body.echo else []) + list(generated)
+        choice["logprobs"] = legacy_logprobs(entries, body.logprobs)
+    return choice, len(ids), new_tokens
+
+
+def _decode(engine, ids: list[int]) -> str:
+    with engine.manager.use() as loaded:
+        return loaded.tokenizer.decode(ids)
+
+
+def legacy_logprobs(entries: list[TokenLogprob], alternatives: int) -> dict:
+    """The completions API's logprobs: parallel lists of tokens, their log-probabilities, the
+    top alternatives as {token: logprob}, and each token's offset in the text."""
+    tokens, values, tops, offsets, at = [], [], [], [], 0
+    for entry in entries:
+        if entry.logprob is None:  # the prompt's first token: nothing predicts it
+            tokens.append(entry.token), values.append(None), tops.append(None)
+            offsets.append(at)
+            at += len(entry.token)
+            continue
+        tokens.append(entry.token)
+        values.append(entry.logprob)
+        top = dict(entry.top[:alternatives]) if alternatives else {}
+        top.setdefault(entry.token, entry.logprob)
+        tops.append(top)
+        offsets.append(at)
+        at += len(entry.token)
+    return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops,
+            "text_offset": offsets}
