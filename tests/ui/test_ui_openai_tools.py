@@ -253,3 +253,60 @@ def test_a_log_likelihood_request_as_lm_eval_sends_it(app):
             assert all(v <= 0 for v in values[1:])
         refused = http.post("/v1/completions", json={**body, "stream": True})
         assert refused.status_code == 400 and refused.json()["error"]["param"] == "stream"
+
+
+TINY_TASK = """task: tiny_choice
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: multiple_choice
+doc_to_text: "{{{{question}}}}"
+doc_to_choice: "{{{{choices}}}}"
+doc_to_target: "{{{{answer}}}}"
+metric_list:
+  - metric: acc
+    aggregation: mean
+    higher_is_better: true
+"""
+TINY_DOCS = [{"question": "Which mode uses 4-bit weights?", "choices": [" nf4", " bf16"],
+              "answer": 0},
+             {"question": "What does the Memory tab show?",
+              "choices": [" GPU memory", " the weather"], "answer": 0}]
+
+
+def test_lm_eval_local_completions_log_likelihoods_are_the_models(app, tmp_path):
+    """lm-eval's local-completions on a small local task: each log-likelihood it reads from
+    /v1/completions is the one transformers computes from the same checkpoint."""
+    import lm_eval
+    import torch
+    from lm_eval.tasks import TaskManager
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from model_utils.loading.demo_model import demo_model_path
+
+    data = tmp_path / "docs.jsonl"
+    data.write_text("\n".join(json.dumps(d) for d in TINY_DOCS) + "\n")
+    (tmp_path / "tiny.yaml").write_text(TINY_TASK.format(data=data))
+    folder = str(demo_model_path())
+    result = lm_eval.simple_evaluate(
+        model="local-completions",
+        model_args={"base_url": app.url + "/v1/completions", "model": "demo",
+                    "tokenizer": folder, "tokenizer_backend": "huggingface",
+                    "num_concurrent": 1, "max_retries": 1},
+        tasks=["tiny_choice"], task_manager=TaskManager(include_path=str(tmp_path)),
+        log_samples=True)
+    assert 0 <= result["results"]["tiny_choice"]["acc,none"] <= 1
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    pairs = [(args, resp[0][0]) for sample in result["samples"]["tiny_choice"]
+             for args, resp in zip(sample["arguments"], sample["resps"])]
+    assert len(pairs) == 4
+    for (context, continuation), got in pairs:
+        start = len(tokenizer(context, add_special_tokens=False)["input_ids"])
+        ids = tokenizer(context + continuation, add_special_tokens=False)["input_ids"]
+        with torch.no_grad():
+            logp = torch.log_softmax(model(torch.tensor([ids])).logits[0], -1)
+        want = sum(logp[i - 1, ids[i]].item() for i in range(start, len(ids)))
+        assert got == pytest.approx(want, abs=1e-3), (context, continuation)
