@@ -79,15 +79,18 @@ class _Strict(BaseModel):
 
 
 # -- the OpenAI chat request ------------------------------------------------------------------
-class FunctionCall(BaseModel):
+class _Lenient(BaseModel):
+    # Strict types; fields of the client's own (name, description, ...) ignored, not refused.
     model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class FunctionCall(_Lenient):
     name: Text
     arguments: Any = "{}"  # JSON text (OpenAI) or an object (some clients)
 
 
-class ToolCallIn(BaseModel):
+class ToolCallIn(_Lenient):
     """A tool call of an earlier assistant turn, as the client sends it back."""
-    model_config = ConfigDict(strict=True, extra="ignore")
     id: str | None = None
     type: Literal["function"] = "function"
     function: FunctionCall
@@ -133,41 +136,35 @@ class ChatTemplateKwargs(BaseModel):
     enable_thinking: bool | None = None
 
 
-class FunctionTool(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+class FunctionTool(_Lenient):
     name: Text = Field(min_length=1, max_length=64)
     description: Text | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
 
 
-class Tool(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+class Tool(_Lenient):
     type: Literal["function"]
     function: FunctionTool
 
 
-class NamedFunction(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+class NamedFunction(_Lenient):
     name: Text
 
 
-class NamedToolChoice(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+class NamedToolChoice(_Lenient):
     type: Literal["function"]
     function: NamedFunction
 
 
-class JSONSchemaSpec(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+class JSONSchemaSpec(_Lenient):
     name: Text | None = None
     schema_: dict[str, Any] | None = Field(default=None, alias="schema")
     strict: bool | None = None
     description: Text | None = None
 
 
-class ResponseFormat(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+class ResponseFormat(_Lenient):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JSONSchemaSpec | None = None
 

@@ -229,6 +229,10 @@ def test_with_logins_a_login_is_required(start_app):
         basic = base64.b64encode(b"ann:secret").decode()
         assert client.get("/v1/models", headers={"Authorization": f"Basic {basic}"}) \
             .status_code == 200
+        text = {"prompt": "Hello", "max_tokens": 2}
+        assert client.post("/v1/completions", json=text).status_code == 401
+        assert client.post("/v1/completions", json=text,
+                           headers={"Authorization": "Bearer ann:secret"}).status_code == 200
 
 
 def test_without_a_model_a_reply_is_503_and_no_model_is_listed(start_app):
