@@ -171,13 +171,15 @@ class ResponseFormat(_Lenient):
 
 # Fields of OpenAI's request this server refuses when they ask for something (a 400 naming the
 # field) rather than ignore: a client that sends them relies on them.
-UNSUPPORTED_WHEN_SET = ("logit_bias", "prediction", "audio")
+UNSUPPORTED_WHEN_SET = ("logit_bias", "prediction", "audio", "frequency_penalty",
+                        "presence_penalty")
 
 
 class _ChatCompletionFields(BaseModel):
-    # Fields other servers accept and this one does not use (user, presence_penalty, ...) are
+    # Fields other servers accept and this one does not use (user, store, metadata, ...) are
     # ignored rather than refused, as common clients send some of them by default; those of
-    # UNSUPPORTED_WHEN_SET are refused when given a value that asks for something.
+    # UNSUPPORTED_WHEN_SET are refused when given a value that asks for something (a penalty
+    # of 0 asks for nothing).
     model_config = ConfigDict(strict=True, extra="ignore")
     SETTINGS: ClassVar[tuple[Setting, ...]] = SETTINGS  # the schema the fields were built from
 
@@ -198,6 +200,8 @@ class _ChatCompletionFields(BaseModel):
     logit_bias: Any = None
     prediction: Any = None
     audio: Any = None
+    frequency_penalty: Any = None
+    presence_penalty: Any = None
     # + one field per generation setting (by its OpenAI names): request_model below
 
     @model_validator(mode="after")

@@ -132,6 +132,7 @@ def test_json_schema_and_json_object_replies_parse(client):
     ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ({"top_logprobs": 2}, "top_logprobs"),
     ({"logit_bias": {"5": 10}}, "logit_bias"),
+    ({"presence_penalty": 0.5}, "presence_penalty"),
 ])
 def test_what_cannot_be_met_is_a_400_naming_the_field(app, body, param):
     with httpx.Client(base_url=app.url, timeout=60) as http:
