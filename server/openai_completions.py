@@ -8,18 +8,24 @@ It takes `prompt` (a string, or token ids; a list of either for several prompts,
 choice), `max_tokens` (default 16; 0 with `echo`: the prompt scored, nothing generated),
 `temperature`, `top_p`, `seed`, `stop`, `logprobs` (0-20 alternatives per token) and `echo`
 (the prompt is given back before the continuation, and with `logprobs` its tokens are scored
-too: the first one's log-probability is null, as OpenAI's is). Not streamed: `stream: true` is a
-400. The same logins, limits and error shapes as /v1/chat/completions.
+too: the first one's log-probability is null, as OpenAI's is), `stream` (one prompt: server-sent
+events, a chunk per piece of text). The same logins, limits and error shapes as
+/v1/chat/completions.
 """
 
 from __future__ import annotations
 
+import json
+import threading
 import time
 import uuid
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
 from typing import Annotated, Any
 
 import anyio
 from fastapi import Request
+from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from model_utils import completion
@@ -78,10 +84,11 @@ class CompletionRequest(BaseModel):
         return values[:16]
 
     def refuse_unsupported(self) -> None:
-        for name, asks in (("stream", self.stream), ("n", self.n not in (None, 1)),
-                           ("suffix", self.suffix is not None)):
+        for name, asks in (("stream", self.stream and len(self.prompt) > 1),
+                           ("n", self.n not in (None, 1)), ("suffix", self.suffix is not None)):
             if asks:
-                raise ClientError(400, f"{name} is not supported on /v1/completions",
+                raise ClientError(400, f"{name} is not supported on /v1/completions"
+                                  + (" with several prompts" if name == "stream" else ""),
                                   param=name)
 
 
@@ -100,6 +107,12 @@ def register_completions(app, engine, check_login, refused) -> None:
                 "max_new_tokens": max(body.max_tokens, 1), "temperature": body.temperature,
                 "top_p": body.top_p, "top_k": body.top_k, "seed": body.seed,
                 "repetition_penalty": body.repetition_penalty})
+            if body.stream:
+                from .openai_api import model_id
+
+                return StreamingResponse(
+                    stream_choice(engine, body, settings, model_id(engine.status()), refused),
+                    media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
             choices, usage = [], {"prompt_tokens": 0, "completion_tokens": 0}
             for index, prompt in enumerate(body.prompt):
                 choice, prompt_tokens, new_tokens = await anyio.to_thread.run_sync(
@@ -119,40 +132,86 @@ def register_completions(app, engine, check_login, refused) -> None:
     app.add_api_route("/v1/completions", completions, methods=["POST"])
 
 
-def one_choice(engine, body: CompletionRequest, settings, prompt) -> tuple[dict, int, int]:
-    """(the choice, its prompt's tokens, the tokens generated)."""
-    import threading
+@dataclass
+class Piece:
+    """What one step of a choice adds: text, its tokens' logprobs, and at the end its finish
+    reason and token counts."""
 
+    text: str
+    entries: list[TokenLogprob]
+    finish: str | None = None
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+
+
+def choice_pieces(engine, body: CompletionRequest, settings, prompt,
+                  stop: threading.Event) -> Iterator[Piece]:
+    """One prompt's choice as it is made: the prompt first (with echo), then the continuation,
+    cut at the first stop string; the last piece has the finish reason."""
     ids = completion.encode(engine, prompt) if isinstance(prompt, str) else list(prompt)
-    scored: list[TokenLogprob] = []
-    if body.echo and body.logprobs is not None:
-        scored = completion.prompt_logprobs(engine, ids, body.logprobs)
-    text, generated, finish, new_tokens = "", [], "length", 0
-    if body.max_tokens > 0:
-        stop = threading.Event()
-        follower = StopFollower(StopStrings(body.stop or []))
-        pieces = []
-        for update in completion.complete(engine, ids, settings, stop=stop,
-                                          logprobs=body.logprobs):
-            generated += update.logprobs
-            if not follower.hit:
-                pieces.append(follower.feed(update.answer_delta))
-                if follower.hit:
-                    stop.set()
-                elif update.done:
-                    pieces.append(follower.finish())
-            if update.done:
-                new_tokens = update.stats.new_tokens
-                finish = "stop" if follower.hit or update.stats.finish_reason == "eos" \
-                    else "length"
-        text = "".join(pieces)
-    prompt_text = (prompt if isinstance(prompt, str) else _decode(engine, ids)) if body.echo \
-        else ""
-    choice = {"text": prompt_text + text, "finish_reason": finish, "logprobs": None}
+    if body.echo:
+        scored = completion.prompt_logprobs(engine, ids, body.logprobs) \
+            if body.logprobs is not None else []
+        yield Piece(prompt if isinstance(prompt, str) else _decode(engine, ids), scored)
+    if body.max_tokens == 0:
+        yield Piece("", [], "length", len(ids))
+        return
+    follower = StopFollower(StopStrings(body.stop or []))
+    for update in completion.complete(engine, ids, settings, stop=stop,
+                                      logprobs=body.logprobs):
+        text = ""
+        if not follower.hit:
+            text = follower.feed(update.answer_delta)
+            if follower.hit:
+                stop.set()
+            elif update.done:
+                text += follower.finish()
+        finish = None
+        if update.done:
+            finish = "stop" if follower.hit or update.stats.finish_reason == "eos" else "length"
+        yield Piece(text, list(update.logprobs), finish, len(ids),
+                    update.stats.new_tokens if update.done else 0)
+
+
+def one_choice(engine, body: CompletionRequest, settings, prompt) -> tuple[dict, int, int]:
+    """(the whole choice, its prompt's tokens, the tokens generated)."""
+    pieces = list(choice_pieces(engine, body, settings, prompt, threading.Event()))
+    choice = {"text": "".join(p.text for p in pieces), "finish_reason": pieces[-1].finish,
+              "logprobs": None}
     if body.logprobs is not None:
-        entries = (scored if body.echo else []) + list(generated)
-        choice["logprobs"] = legacy_logprobs(entries, body.logprobs)
-    return choice, len(ids), new_tokens
+        choice["logprobs"] = legacy_logprobs([e for p in pieces for e in p.entries],
+                                             body.logprobs)
+    return choice, pieces[-1].prompt_tokens, pieces[-1].new_tokens
+
+
+async def stream_choice(engine, body: CompletionRequest, settings, model: str,
+                        refused) -> AsyncIterator[str]:
+    """Server-sent events of one prompt's choice: a chunk per piece (its text, and with
+    logprobs its tokens'), the finish, then [DONE]; a failure after the start is an error
+    event. Leaving early stops the reply."""
+    stop = threading.Event()
+    pieces = choice_pieces(engine, body, settings, body.prompt[0], stop)
+    head = {"id": f"cmpl-{uuid.uuid4().hex[:24]}", "object": "text_completion",
+            "created": int(time.time()), "model": model}
+    offset = 0
+    try:
+        while True:
+            piece = await anyio.to_thread.run_sync(next, pieces, None)
+            if piece is None:
+                break
+            choice = {"index": 0, "text": piece.text, "finish_reason": piece.finish,
+                      "logprobs": None}
+            if body.logprobs is not None:
+                choice["logprobs"] = legacy_logprobs(piece.entries, body.logprobs, offset)
+            offset += len(piece.text)
+            if piece.text or piece.entries or piece.finish:
+                yield f"data: {json.dumps({**head, 'choices': [choice]})}\n\n"
+    except Exception as error:  # noqa: BLE001 - the stream has started: report in band
+        yield f"data: {refused(error).body.decode()}\n\n"
+    finally:
+        stop.set()
+        pieces.close()
+    yield "data: [DONE]\n\n"
 
 
 def _decode(engine, ids: list[int]) -> str:
@@ -160,10 +219,11 @@ def _decode(engine, ids: list[int]) -> str:
         return loaded.tokenizer.decode(ids)
 
 
-def legacy_logprobs(entries: list[TokenLogprob], alternatives: int) -> dict:
+def legacy_logprobs(entries: list[TokenLogprob], alternatives: int, start: int = 0) -> dict:
     """The completions API's logprobs: parallel lists of tokens, their log-probabilities, the
-    top alternatives as {token: logprob}, and each token's offset in the text."""
-    tokens, values, tops, offsets, at = [], [], [], [], 0
+    top alternatives as {token: logprob}, and each token's offset in the text (from `start`,
+    the offset of a streamed piece)."""
+    tokens, values, tops, offsets, at = [], [], [], [], start
     for entry in entries:
         if entry.logprob is None:  # the prompt's first token: nothing predicts it
             tokens.append(entry.token), values.append(None), tops.append(None)

@@ -311,3 +311,17 @@ def test_lm_eval_local_completions_log_likelihoods_are_the_models(app, tmp_path)
             logp = torch.log_softmax(model(torch.tensor([ids])).logits[0], -1)
         want = sum(logp[i - 1, ids[i]].item() for i in range(start, len(ids)))
         assert got == pytest.approx(want, abs=1e-3), (context, continuation)
+
+
+def test_a_streamed_completion_adds_up_to_the_whole_one(client):
+    asked = {"model": "demo", "prompt": "bf16 is", "max_tokens": 8, "temperature": 0,
+             "logprobs": 1, "echo": True}
+    whole = client.completions.create(**asked).choices[0]
+    text, tokens, finish = "", [], None
+    for chunk in client.completions.create(stream=True, **asked):
+        choice = chunk.choices[0]
+        text += choice.text
+        tokens += choice.logprobs.tokens if choice.logprobs else []
+        finish = choice.finish_reason or finish
+    assert text == whole.text and text.startswith("bf16 is")
+    assert tokens == whole.logprobs.tokens and finish == whole.finish_reason
