@@ -1,4 +1,4 @@
-"""An OpenAI-compatible chat endpoint beside the page: /v1/chat/completions and /v1/models.
+"""An OpenAI-compatible API beside the page: /v1/chat/completions, /v1/completions, /v1/models.
 
     curl http://127.0.0.1:7860/v1/chat/completions -H 'Content-Type: application/json' \\
         -d '{"messages": [{"role": "user", "content": "Hello"}], "stream": true}'
@@ -12,10 +12,11 @@ events straight from the engine, which batches concurrent replies the same way.
 What it takes (request_models.ChatCompletionRequest): messages (an optional leading system or
 developer message, then user/assistant/tool turns ending with a user or tool one; content a
 string or a list of text parts; an assistant turn's tool_calls), tools, tool_choice,
-parallel_tool_calls and response_format (openai_tools.py), stream, stream_options.include_usage, max_tokens (or
-max_completion_tokens), temperature, top_p, seed, stop (a string or a list of strings), and the
-extensions top_k, repetition_penalty and enable_thinking (or chat_template_kwargs
-{"enable_thinking": ...}, as other Qwen servers take it). The model field is ignored: the
+parallel_tool_calls and response_format (openai_tools.py), logprobs and top_logprobs, stream,
+stream_options.include_usage, max_tokens (or max_completion_tokens), temperature, top_p, seed,
+stop (a string or a list of strings), and the extensions top_k, repetition_penalty and
+enable_thinking (or chat_template_kwargs {"enable_thinking": ...}, as other Qwen servers take
+it). /v1/completions: openai_completions.py. The model field is ignored: the
 loaded model answers, under the id /v1/models lists ("demo" or its folder's name). Reasoning
 (Qwen3 thinking) comes as reasoning_content beside content. With logins (--auth), send one as
 a bearer token "user:password" or as HTTP basic auth.
