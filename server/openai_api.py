@@ -146,7 +146,8 @@ def register_openai_api(app: FastAPI | APIRouter, engine: Engine,
 
     app.add_api_route("/v1/models", models, methods=["GET"])
     app.add_api_route("/v1/chat/completions", chat_completions, methods=["POST"])
-    register_completions(app, engine, check_login, refused)
+    register_completions(app, engine, check_login, refused,
+                         lambda: model_id(engine.status()))
 
 
 # -- the request --------------------------------------------------------------------------------

@@ -92,8 +92,9 @@ class CompletionRequest(BaseModel):
                                   param=name)
 
 
-def register_completions(app, engine, check_login, refused) -> None:
-    """Add the route; `check_login` and `refused` are the chat endpoint's own."""
+def register_completions(app, engine, check_login, refused, model_name) -> None:
+    """Add the route; `check_login`, `refused` and `model_name()` (the id replies carry) are
+    the chat endpoint's own."""
 
     async def completions(request: Request):
         try:
@@ -108,10 +109,8 @@ def register_completions(app, engine, check_login, refused) -> None:
                 "top_p": body.top_p, "top_k": body.top_k, "seed": body.seed,
                 "repetition_penalty": body.repetition_penalty})
             if body.stream:
-                from .openai_api import model_id
-
                 return StreamingResponse(
-                    stream_choice(engine, body, settings, model_id(engine.status()), refused),
+                    stream_choice(engine, body, settings, model_name(), refused),
                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
             choices, usage = [], {"prompt_tokens": 0, "completion_tokens": 0}
             for index, prompt in enumerate(body.prompt):
@@ -123,10 +122,8 @@ def register_completions(app, engine, check_login, refused) -> None:
         except Exception as error:  # noqa: BLE001 - mapped: 4xx for input, 503, else 500
             return refused(error)
         usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
-        from .openai_api import model_id
-
         return {"id": f"cmpl-{uuid.uuid4().hex[:24]}", "object": "text_completion",
-                "created": int(time.time()), "model": model_id(engine.status()),
+                "created": int(time.time()), "model": model_name(),
                 "choices": choices, "usage": usage}
 
     app.add_api_route("/v1/completions", completions, methods=["POST"])

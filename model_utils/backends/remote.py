@@ -9,7 +9,6 @@ ends (closing the connection, so that the server frees the slot) on Stop.
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
@@ -18,7 +17,6 @@ from dataclasses import replace
 
 from model_utils.chat.prompt import ChatInputError, normalize_messages
 from model_utils.chat.reasoning import EMPTY_TEXT, ReplyText, SeparatedReasoning
-from model_utils.chat.tool_calls import TOOL_CLOSE, TOOL_OPEN
 from model_utils.chat.updates import ChatUpdate, TokenLogprob
 from model_utils.loading.manager import LoadError
 from model_utils.memory import MemoryHistory, MemorySnapshot
@@ -28,6 +26,7 @@ from model_utils.runtime.grammar import OutputFormat
 from . import openai_client as api
 from .errors import EXTENSIONS, BackendBusy, BackendError, BackendRejected, BackendUnavailable
 from .health import HealthMonitor
+from .wire_extras import StreamedCalls, format_options, token_logprobs, wire_message
 
 log = logging.getLogger(__name__)
 
@@ -166,12 +165,12 @@ class RemoteEngine:
         them, for the caller to read the same way."""
         stop = stop or threading.Event()
         settings = settings or GenerationSettings()
-        wire = [_wire_message(m) for m in normalize_messages(messages, system_prompt)]
+        wire = [wire_message(m) for m in normalize_messages(messages, system_prompt)]
         if not wire or wire[-1]["role"] not in ("user", "tool"):
             raise ChatInputError("the conversation must end with a user message")
         model, context = self._current_model()
         _validated(settings, context)
-        options = {**_options(settings), **_format_options(output_format)}
+        options = {**_options(settings), **format_options(output_format)}
         if logprobs is not None:
             options.update(logprobs=True, top_logprobs=logprobs)
         with self._lock:
@@ -198,8 +197,8 @@ class RemoteEngine:
         split, reply, text = SeparatedReasoning(), ReplyText(), EMPTY_TEXT
         first_at = last_at = None
         pieces, finish, usage = 0, "", None
-        calls = _StreamedCalls()
-        token_logprobs: list[TokenLogprob] = []  # the server's, not given out yet
+        calls = StreamedCalls()
+        held_logprobs: list[TokenLogprob] = []  # the server's, not given out yet
         chunks = self._chunks(model, wire, options, thinking, stop, deadline)
         try:
             for event in chunks:
@@ -214,7 +213,7 @@ class RemoteEngine:
                     more = delta.get("reasoning_content") or delta.get("reasoning") or ""
                     piece = delta.get("content") or ""
                     calls.add(delta.get("tool_calls"))
-                    token_logprobs += _token_logprobs(choice.get("logprobs"))
+                    held_logprobs += token_logprobs(choice.get("logprobs"))
                     finish = choice.get("finish_reason") or finish
                     if finish == "tool_calls":
                         piece += calls.as_text()
@@ -230,8 +229,8 @@ class RemoteEngine:
                         if added:
                             text = reply.add(added)
                             yield ChatUpdate.of(added, text, notice=notice,
-                                                logprobs=token_logprobs)
-                            token_logprobs = []
+                                                logprobs=held_logprobs)
+                            held_logprobs = []
         except BackendError as error:
             if first_at is None:
                 raise  # nothing shown yet: the caller answers with the error itself
@@ -266,7 +265,7 @@ class RemoteEngine:
         if self.log_prompts:
             log.info("reply text: reasoning %r, answer %r", text.reasoning, text.answer)
         yield ChatUpdate.of(last, text, done=True, stats=stats, notice=notice,
-                            logprobs=token_logprobs)
+                            logprobs=held_logprobs)
 
     def _chunks(self, model, wire, options, thinking, stop, deadline):
         """The server's events. A 400 naming extensions it was sent is retried once without
@@ -323,90 +322,6 @@ def _options(settings: GenerationSettings) -> dict:
     if settings.repetition_penalty not in (None, 1.0):
         out["repetition_penalty"] = settings.repetition_penalty
     return {k: v for k, v in out.items() if v is not None}
-
-
-def _wire_message(message: dict) -> dict:
-    """A normalised message as OpenAI's API takes it (earlier reasoning is not sent; a tool
-    call's arguments are JSON text)."""
-    out = {"role": message["role"], "content": message["content"]}
-    if message.get("tool_calls"):
-        out["tool_calls"] = [
-            {"id": call.get("id") or f"call_{i}", "type": "function",
-             "function": {"name": call["function"]["name"],
-                          "arguments": call["function"]["arguments"]
-                          if isinstance(call["function"]["arguments"], str)
-                          else json.dumps(call["function"]["arguments"])}}
-            for i, call in enumerate(message["tool_calls"])]
-    if message["role"] == "tool" and message.get("tool_call_id"):
-        out["tool_call_id"] = message["tool_call_id"]
-    return out
-
-
-def _token_logprobs(logprobs) -> list[TokenLogprob]:
-    """choices[].logprobs.content of a server's chunk -> TokenLogprobs (malformed: none)."""
-    entries = logprobs.get("content") if isinstance(logprobs, dict) else None
-    out = []
-    for entry in entries if isinstance(entries, list) else ():
-        try:
-            top = tuple((str(t["token"]), float(t["logprob"]))
-                        for t in entry.get("top_logprobs") or ())
-            out.append(TokenLogprob(str(entry["token"]), float(entry["logprob"]), top))
-        except (KeyError, TypeError, ValueError, AttributeError):
-            continue
-    return out
-
-
-def _format_options(fmt: OutputFormat | None) -> dict:
-    """An OutputFormat as the fields of OpenAI's request."""
-    if fmt is None:
-        return {}
-    out = {}
-    if fmt.tools:
-        out["tools"] = list(fmt.tools)
-        out["tool_choice"] = fmt.tool_choice
-        out["parallel_tool_calls"] = fmt.parallel_tool_calls
-    if fmt.response_format == "json_object":
-        out["response_format"] = {"type": "json_object"}
-    elif fmt.response_format == "json_schema":
-        out["response_format"] = {"type": "json_schema",
-                                  "json_schema": {"name": "response", "schema": fmt.schema}}
-    return out
-
-
-class _StreamedCalls:
-    """delta.tool_calls as a server streams them (an entry per call index: its name once,
-    its arguments in pieces), given back as <tool_call> blocks once complete."""
-
-    def __init__(self):
-        self._calls: dict[int, dict] = {}
-
-    @property
-    def pending(self) -> bool:
-        return bool(self._calls)
-
-    def add(self, deltas) -> None:
-        for delta in deltas or ():
-            if not isinstance(delta, dict):
-                continue
-            entry = self._calls.setdefault(delta.get("index", len(self._calls)),
-                                           {"name": "", "arguments": ""})
-            function = delta.get("function") or {}
-            entry["name"] += function.get("name") or ""
-            entry["arguments"] += function.get("arguments") or ""
-
-    def as_text(self) -> str:
-        calls, self._calls = self._calls, {}
-        blocks = []
-        for index in sorted(calls):
-            call = calls[index]
-            try:
-                arguments = json.loads(call["arguments"] or "{}")
-            except ValueError:
-                arguments = call["arguments"]
-            blocks.append(f"{TOOL_OPEN}\n" + json.dumps({"name": call["name"],
-                                                          "arguments": arguments}) +
-                          f"\n{TOOL_CLOSE}")
-        return "\n".join(blocks)
 
 
 def _join(*notices: str) -> str:

@@ -1,11 +1,10 @@
 """Continuous batching, the deciding half: the queue, admission, rows, the KV blocks each reply
 holds, when a reply ends.
 
-Why our own scheduler: transformers' continuous batching (generate_batch, paged attention) was
-measured on an H200 at 332 tok/s aggregate for 32 requests, against a target of 3000; it also
-runs its own thread and cache, where our CUDA graphs must stay on the engine's decode worker. So
-the loop below is ours (its shape is vLLM's: a scheduler that owns the KV-cache accounting and a
-runner that owns the tensors); the model is transformers' own.
+Why our own scheduler: transformers' continuous batching ran 332 tok/s for 32 requests on an
+H200 (BENCHMARKS.md) and keeps its own thread and cache, where our CUDA graphs must stay on the
+decode worker. Its shape is vLLM's: a scheduler that owns the KV-cache accounting, a runner that
+owns the tensors; the model is transformers' own.
 
 Pure Python: every forward pass, tensor and the KV cache's memory belong to the runner
 (runner.py, the `Runner` protocol in runner_protocol.py), which this loop drives on the engine's DecodeWorker
@@ -19,18 +18,16 @@ while there is work:
     drop    requests whose stop event is set (Stop, a closed tab, a vanished client) leave
     step    one step for all active rows, each row sampled with its own settings on the device:
             the sampled tokens are the next step's inputs there, and the next step is launched
-            before the host reads them (it pushes each token to its request's queue while the
-            GPU runs the step after), so the GPU does not wait for Python between steps; a row
-            whose next token starts a block gets one first; finished rows leave
+            before the host reads them (not with a constrained row, whose mask needs its
+            token); a row whose next token starts a block gets one first; finished rows leave
 
 so a request joins or leaves between two steps and never waits for the batch to finish. When
 the cache is full, a waiting request waits for blocks (the queue status says so) and a growing
 reply that finds none takes them from the reply admitted last, which is sent back to wait at
 the head of the queue and resumes later from its tokens so far (most of them found in the
-cache again): never an out-of-memory error. The number of requests admitted or waiting is
-bounded (max_batch + max_queue): one more gets QueueFull at once, never a hang. One request's
-failure (its prefill, its sampling) ends that request only; a group whose prefill fails is
-prefilled again request by request, so the one that cannot be ends by itself.
+cache again): never an out-of-memory error. At most max_batch + max_queue requests are
+admitted or waiting: one more gets QueueFull at once. One request's failure ends that request
+only (a group whose prefill fails is prefilled again one by one).
 """
 
 from __future__ import annotations
@@ -256,12 +253,10 @@ class Scheduler:
     def _decode(self) -> None:
         """Decode the current rows until one finishes, is stopped, or a request waits to join.
 
-        Each step is launched before the previous one's tokens are read, so the GPU runs step
-        n + 1 while the host hands out step n's tokens. When the rows must change, the step in
-        flight is read too (its tokens count for the rows still going on; a row that finished
-        one step earlier wastes that one step) and the finished rows leave. A step that needs
-        more blocks than the cache has free is not launched ahead: with no step in flight,
-        rows are preempted until it has them.
+        Step n + 1 is launched before step n's tokens are read. When the rows must change,
+        the step in flight is read too (a row that finished one step earlier wastes it) and
+        the finished rows leave. A step that needs more blocks than are free is not launched
+        ahead: with no step in flight, rows are preempted until it has them.
         """
         self._grow_or_preempt()
         launched = self._launch()
@@ -306,9 +301,8 @@ class Scheduler:
         self.queue.put_back(request)
 
     def _may_go_on(self) -> bool:
-        """Launch another step before reading the one in flight? Not when that one ends a row
-        (its last token by max_new_tokens), a row was stopped, a request waits, or a row is
-        constrained (its next mask needs the token in flight)."""
+        """Launch another step before reading the one in flight? Not when that one ends a row,
+        a row was stopped, a request waits, or a row is constrained (its mask needs it)."""
         return not self.queue and not any(
             r.finished or r.sampled >= r.settings.max_new_tokens or r.stop.is_set()
             or r.constraint is not None for r in self.rows)
