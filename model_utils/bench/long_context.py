@@ -22,6 +22,7 @@ writes JSON.
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import logging
@@ -250,7 +251,9 @@ def run(args) -> dict:
     path = str(loaded.source.path)
     vocab = loaded.model.config.get_text_config().vocab_size
     # Untimed: every row bucket's step and a first reply of each kind.
-    engine.worker.call(lambda: loaded.batcher.runner.warm_up(range(1, engine.max_batch + 1)))
+    engine.worker.call(functools.partial(loaded.batcher.runner.warm_up,
+                                         range(1, engine.max_batch + 1)))
+    del loaded  # a reference held here would keep the model and its cache past unload
     submit(engine, random_prompts(1, 64, vocab)[0], 16)
     together(engine, random_prompts(max(streams), 64, vocab), [16] * max(streams))
     result = {"engine": engine_sweep(engine, lengths, streams, args.new_tokens, vocab)}

@@ -4,6 +4,7 @@ first, see gate.py)."""
 
 from __future__ import annotations
 
+import functools
 import gc
 import time
 
@@ -86,6 +87,10 @@ def load_peer(path, mode: str):
     return AutoModelForCausalLM.from_pretrained(path, device_map=device_map, **kwargs)
 
 
+def _scores_against(model, reference) -> dict:
+    return quality.compare(reference[1], quality.next_token_logprobs(model, reference[0]))
+
+
 def bench_mode(engine: Engine, model_name: str, mode: str, placement: Placement,
                batches: list[int], prompt_tokens: int, new_tokens: int,
                match_prompts: int, *, logprobs: bool = True, reference=None) -> list[BenchRow]:
@@ -100,18 +105,19 @@ def bench_mode(engine: Engine, model_name: str, mode: str, placement: Placement,
     mine = measure_engine(engine, prompts, batches, new_tokens, match_prompts)
     stream_tok_s = engine_streaming_tok_s(engine, new_tokens) if 1 in batches else None
     peak, peak_reserved = peaks_gb(), peaks_gb(reserved=True)
-    scores = engine.worker.call(lambda: quality.compare(
-        reference[1], quality.next_token_logprobs(loaded.model, reference[0]))) \
+    scores = engine.worker.call(functools.partial(_scores_against, loaded.model, reference)) \
         if reference else {}
     status = engine.status()  # now with the caches allocated by the first reply (CPU)
     found = None
     if logprobs and loaded.batcher is not None:  # untimed, after the peaks were read
         found = bench_logprobs.engine_side(engine, prompts, batches, new_tokens, match_prompts)
+    path = loaded.source.path
+    del loaded  # held here, it would keep the whole model and its cache on the card for the peer
     engine.unload()
 
     # The peer: what the tutorials do, in the same process on the same prompts.
     start = time.perf_counter()
-    peer = load_peer(loaded.source.path, mode)
+    peer = load_peer(path, mode)
     peer_load_s = time.perf_counter() - start
     theirs = measure_peer(peer, prompts, batches, new_tokens, match_prompts)
     compared = bench_logprobs.compare(peer, found) if found else None

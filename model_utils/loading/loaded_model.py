@@ -100,9 +100,12 @@ class UnloadReport:
     freed: dict[str, float] = field(default_factory=dict)
     # Where a CUDA leftover is known: the largest tensors still referenced (largest_live_tensors)
     held_by: list[str] = field(default_factory=list)
+    # When the model object outlived the unload: what still refers to it (model_referrers)
+    model_kept_by: list[str] = field(default_factory=list)
 
     def as_dict(self) -> dict:
         return {"model": self.model, "leftover": self.leftover, "freed": self.freed,
-                **({"held_by": self.held_by} if self.held_by else {})}
+                **({"held_by": self.held_by} if self.held_by else {}),
+                **({"model_kept_by": self.model_kept_by} if self.model_kept_by else {})}
 
 

@@ -17,6 +17,7 @@ import contextlib
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator
 
 import torch
@@ -327,10 +328,11 @@ class ModelManager:
         name = f"{self._loaded.display_name} ({self._loaded.mode.name})"
         baseline = self._loaded.memory_before_load
         before = memory_counters()
+        model = weakref.ref(self._loaded.model)
         self._loaded = None  # the only strong reference to the model and its caches
         if self.on_unloaded is not None:
             self.on_unloaded()
-        report = unload_report(name, baseline, before)  # after the memory is released
+        report = unload_report(name, baseline, before, model)  # after the memory is released
         self.last_unload = report
         return report
 

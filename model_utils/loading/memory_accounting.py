@@ -8,6 +8,7 @@ import contextlib
 import ctypes
 import gc
 import logging
+import weakref
 
 import psutil
 import torch
@@ -43,10 +44,64 @@ def largest_live_tensors(device_type: str, *, top: int = 5) -> list[str]:
             f"{t.untyped_storage().nbytes() / GB:.3f} GB on {t.device}" for t in largest]
 
 
-def unload_report(name: str, baseline: dict[str, float], before: dict[str, float]):
+def model_referrers(obj: object, *, depth: int = 4, top: int = 5) -> list[str]:
+    """Who keeps `obj` alive, in words, each as a chain down to it: 'loaded, a local variable
+    of run (bench.py:12) -> a LoadedModel -> it'. An object alive after its unload is most
+    often kept by a caller's local variable, which this names. Looks `depth` referrers up
+    (the garbage collector's view), then for any of them in the local variables of every
+    thread's running functions (which that view does not show); without such a root, the
+    objects found furthest up."""
+    import sys
+    import types
+
+    containers = (dict, list, tuple, set, types.CellType, types.FunctionType)
+    seen, chain = {id(obj): obj}, {id(obj): "it"}  # what was looked at (and held here)
+    level = [obj]
+    for _ in range(depth):
+        above: list = []
+        for target in level:
+            for ref in gc.get_referrers(target):
+                if (id(ref) in seen or ref is level or ref is above or ref is seen
+                        or isinstance(ref, types.FrameType)):
+                    continue
+                name = chain[id(target)]
+                seen[id(ref)] = ref
+                chain[id(ref)] = name if isinstance(ref, containers) \
+                    else f"a {type(ref).__name__} -> {name}"
+                above.append(ref)
+        level = above
+    found = []
+    for frame in sys._current_frames().values():
+        while frame is not None and len(found) < top:
+            if frame.f_globals is not globals():  # not this module's frames, which ask
+                found += _locals_among(frame, seen, chain)
+            frame = frame.f_back
+    return found[:top] or [chain[id(o)] for o in level[:top]]
+
+
+def _locals_among(frame, seen: dict, chain: dict) -> list[str]:
+    """The local variables of `frame` that are among `seen`, in words."""
+    import sys
+
+    names = frame.f_locals
+    found = [f"{name}, a local variable of {frame.f_code.co_name} "
+             f"({frame.f_code.co_filename}:{frame.f_lineno}) -> {chain[id(value)]}"
+             for name, value in names.items() if id(value) in seen and seen[id(value)] is value]
+    # Before Python 3.13 a function's f_locals is a snapshot the frame keeps until it returns,
+    # which would keep what it found alive after the caller lets go; emptied, it is rebuilt
+    # from the frame's variables on the next read. (A module's or class body's f_locals is its
+    # namespace itself, left alone.)
+    if sys.version_info < (3, 13) and frame.f_code.co_flags & 0x1:  # CO_OPTIMIZED
+        names.clear()
+    return found
+
+
+def unload_report(name: str, baseline: dict[str, float], before: dict[str, float],
+                  model: weakref.ref | None = None):
     """Release what the unloaded model left to the garbage collector and the caches, then say
     what came back (an UnloadReport, also logged): `baseline` is memory_counters() before the
-    load, `before` just before the unload."""
+    load, `before` just before the unload, `model` a weak reference to the unloaded model,
+    to say who still keeps it when anyone does."""
     from .loaded_model import UnloadReport
 
     _release_freed_memory()
@@ -54,12 +109,18 @@ def unload_report(name: str, baseline: dict[str, float], before: dict[str, float
     leftover = leftover_after(baseline, after)
     freed = {k: round(max(0.0, before[k] - after.get(k, 0.0)), 4) for k in before}
     held_by = largest_live_tensors("cuda") if any("cuda" in k for k in leftover) else []
+    still = model() if model is not None else None
+    kept_by = model_referrers(still) if still is not None else []
+    del still
     log.info("unloaded %s; memory before %s after %s", name, _fmt(before), _fmt(after))
     if leftover:
         log.warning("after unloading %s, memory still held: %s%s", name, _fmt(leftover),
                     f" (largest tensors still referenced: {'; '.join(held_by)})"
                     if held_by else "")
-    return UnloadReport(name, before, after, leftover, freed, held_by)
+    if kept_by:
+        log.warning("after unloading %s, the model object is still alive, kept by: %s", name,
+                    "; ".join(kept_by))
+    return UnloadReport(name, before, after, leftover, freed, held_by, kept_by)
 
 
 def _fmt(counters: dict[str, float]) -> str:

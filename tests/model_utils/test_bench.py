@@ -22,6 +22,8 @@ def test_bench_writes_table_json_and_chart(tmp_path):
         cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     assert "| mode | batch |" in result.stdout  # the markdown table
+    # Each peer ran with the engine's model gone: nothing of the bench kept it past its unload.
+    assert "still alive" not in result.stderr, result.stderr[-2000:]
     rows = json.loads(out.read_text())["rows"]
     assert [(r["mode"], r["batch"]) for r in rows] == [("fp32", 1), ("fp32", 2),
                                                         ("int4-wo", 1), ("int4-wo", 2),

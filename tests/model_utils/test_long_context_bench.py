@@ -4,6 +4,7 @@ is there, the next turn finds its start in the cache, and --peer-only runs the p
 from __future__ import annotations
 
 import json
+import logging
 
 from model_utils.bench import long_context
 
@@ -11,8 +12,9 @@ TINY = ["--random-from-config", "benchmarks/configs/tiny-qwen2.config.json",
         "--context-tokens", "512", "--lengths", "32,300", "--new-tokens", "8"]
 
 
-def test_the_sweep_the_mixed_case_and_the_next_turns(tmp_path, capsys):
+def test_the_sweep_the_mixed_case_and_the_next_turns(tmp_path, capsys, caplog):
     out = tmp_path / "long.json"
+    caplog.set_level(logging.WARNING, "model_utils.loading.manager")
     assert long_context.main(TINY + ["--streams", "1,2", "--mixed-long", "300",
                                      "--mixed-short", "2", "--out", str(out)]) == 0
     result = json.loads(out.read_text())
@@ -26,6 +28,8 @@ def test_the_sweep_the_mixed_case_and_the_next_turns(tmp_path, capsys):
     assert [p["prompt_tokens"] for p in result["peer"]] == [32, 300]
     assert all(p.get("tok_s", 0) > 0 for p in result["peer"]), result["peer"]
     assert "| 300 | 1 |" in capsys.readouterr().out
+    # The peer ran with the engine's model gone: nothing of the bench kept it past its unload.
+    assert not [r for r in caplog.records if "still alive" in r.getMessage()], caplog.text
 
 
 def test_the_peer_alone(tmp_path, capsys):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import threading
 import weakref
 
 import psutil
@@ -96,6 +97,46 @@ def test_a_loaded_model_skips_full_gc_passes_and_is_still_freed_on_unload():
     model = weakref.ref(engine.manager.loaded.model)
     engine.unload()
     assert gc.get_freeze_count() == 0
+    assert model() is None
+
+
+def test_an_unload_after_batched_replies_drops_every_reference_the_engine_made():
+    engine = Engine(max_batch=4)
+    engine.load(cpu_request("fp32"))
+    replies = []
+    threads = [threading.Thread(target=lambda: replies.append(
+        engine.generate_text(HELLO, FEW_TOKENS))) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(replies) == 3 and max(r.stats.batched_with for r in replies) > 1
+    loaded = engine.manager.loaded
+    runner = loaded.batcher.runner
+    alive = {"model": weakref.ref(loaded.model), "scheduler": weakref.ref(loaded.batcher),
+             "runner": weakref.ref(runner), "kv cache": weakref.ref(runner.kv),
+             "first key pool": weakref.ref(runner.kv.keys[0]),
+             "tokenizer": weakref.ref(loaded.tokenizer)}
+    del loaded, runner
+    engine.unload()
+    assert engine.manager.last_unload.model_kept_by == []
+    assert [name for name, ref in alive.items() if ref() is not None] == []
+
+
+def test_an_unload_names_what_still_keeps_the_model():
+    engine = Engine()
+    engine.load(cpu_request("fp32"))
+    kept = engine.manager.loaded  # what a caller forgetting to let go would hold
+    engine.unload()
+    report = engine.manager.last_unload
+    assert len(report.model_kept_by) == 1, report.model_kept_by
+    assert report.model_kept_by[0].startswith(
+        "kept, a local variable of test_an_unload_names_what_still_keeps_the_model (")
+    assert report.model_kept_by[0].endswith("-> a LoadedModel -> it")
+    assert report.as_dict()["model_kept_by"] == report.model_kept_by
+    model = weakref.ref(kept.model)
+    del kept
+    gc.collect()
     assert model() is None
 
 
