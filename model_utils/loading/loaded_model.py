@@ -12,6 +12,7 @@ from .load_stages import Stage
 from .modes import Mode
 from .placement import FitEstimate, Placement
 from .registry import ModelSource
+from .tokenizer_reuse import TokenizerKey
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -58,6 +59,8 @@ class LoadedModel:
     context_note: str = ""
     # What a user should know of this load (the context made shorter, a vision tower skipped)
     notes: list[str] = field(default_factory=list)
+    # What the tokenizer was read from, so that a switch within the model can keep it
+    tokenizer_key: TokenizerKey | None = None
 
     @property
     def display_name(self) -> str:

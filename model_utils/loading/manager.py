@@ -50,6 +50,7 @@ from .placement import (
 )
 from .placement import unavailable_reason as placement_unavailable
 from .registry import ModelRegistry, ModelSource
+from .tokenizer_reuse import KeptTokenizer, tokenizer_key
 from .weight_only import load_quantized
 
 log = logging.getLogger(__name__)
@@ -147,12 +148,15 @@ class ModelManager:
 
     def _replace_locked(self, request: LoadRequest, progress: Progress) -> LoadedModel:
         previous = self._loaded.request if self._loaded else None
+        kept = None
         if previous is not None:
             last = self._loaded.ready_s
+            if self._loaded.tokenizer_key is not None:
+                kept = KeptTokenizer(self._loaded.tokenizer_key, self._loaded.tokenizer)
             progress(0.05, f"unloading {self._loaded.display_name} (its load took {last:.0f} s)")
             self._unload_locked()
         try:
-            return self._load_locked(request, progress)
+            return self._load_locked(request, progress, kept)
         except Exception as error:
             reason = _user_message(error)
             log.error("load of %s (%s, %s) failed: %s", request.model, request.mode,
@@ -163,7 +167,7 @@ class ModelManager:
                 raise LoadError(reason) from error
             progress(0.9, "load failed: restoring the previous model")
             try:
-                restored = self._load_locked(previous, progress)
+                restored = self._load_locked(previous, progress, kept)
             except Exception as restore_error:
                 log.exception("could not restore the previous model")
                 raise LoadError(f"{reason}; restoring the previous model failed too: "
@@ -258,7 +262,10 @@ class ModelManager:
         preflight.check_context(config, request.context_tokens)
         return source, mode, config
 
-    def _load_locked(self, request: LoadRequest, progress: Progress) -> LoadedModel:
+    def _load_locked(self, request: LoadRequest, progress: Progress,
+                     kept: KeptTokenizer | None = None) -> LoadedModel:
+        """Load `request` (nothing is loaded now); `kept`: the tokenizer of the model a
+        switch replaced, taken again when this load would read the same one."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         progress = clock = StageClock(progress)
@@ -280,10 +287,16 @@ class ModelManager:
                          for k, v in kwargs.items()}
         before = memory_counters()
         start = time.perf_counter()
-        progress(0.2, f"loading tokenizer of {source.label}")
         # An adapter folder carries the tokenizer it was trained with (chat template included).
-        tokenizer = AutoTokenizer.from_pretrained(source.adapter or source.path,
-                                                  trust_remote_code=self.trust_remote_code)
+        tokenizer_folder = source.adapter or source.path
+        key = tokenizer_key(tokenizer_folder, trust_remote_code=self.trust_remote_code)
+        tokenizer = kept.for_key(key) if kept is not None else None
+        if tokenizer is not None:
+            progress(0.2, f"keeping the tokenizer of {source.label}: its files are unchanged")
+        else:
+            progress(0.2, f"loading tokenizer of {source.label}")
+            tokenizer = AutoTokenizer.from_pretrained(tokenizer_folder,
+                                                      trust_remote_code=self.trust_remote_code)
         progress(0.3, f"loading weights in {mode.name} ({estimate.plan})")
         if mode.is_weight_only:  # quantized by the app as it loads, one layer at a time
             kwargs["dtype"] = torch_dtype(request.compute_dtype)
@@ -306,7 +319,7 @@ class ModelManager:
             footprint_gb=sum(stored_bytes(t) for t in [*model.parameters(),
                                                        *model.buffers()]) / GB,
             device_map=summarize_device_map(model), estimate=estimate,
-            from_pretrained_kwargs=logged_kwargs, memory_before_load=before,
+            from_pretrained_kwargs=logged_kwargs, memory_before_load=before, tokenizer_key=key,
         )
         self._loaded = loaded
         if self.on_loaded is not None:

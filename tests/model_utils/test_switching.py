@@ -239,3 +239,32 @@ def test_the_recommended_settings_are_read_at_once_during_a_switch(load_demo):
         reader.join(timeout=5)
         assert not reader.is_alive(), "the page load waited for the switch"
     assert got["top_k"] == 20  # the demo model's generation_config
+
+
+# -- a switch within one model keeps its tokenizer --------------------------------------------
+def _stage_names(engine) -> list[str]:
+    return [stage.name for stage in engine.manager.loaded.stages]
+
+
+def test_a_mode_switch_keeps_the_tokenizer_until_its_files_change(models_dir, demo_path):
+    copy_demo(demo_path, models_dir / "mine")
+    engine = Engine(models_dir=models_dir)
+    engine.load(cpu_request("fp32", model="mine"))
+    first = engine.manager.loaded.tokenizer
+    assert any(name.startswith("loading tokenizer") for name in _stage_names(engine))
+
+    engine.load(cpu_request("bf16", model="mine"))
+    assert engine.manager.loaded.tokenizer is first
+    assert any(name.startswith("keeping the tokenizer") for name in _stage_names(engine))
+    assert engine.generate_text(HELLO, FEW_TOKENS).stats.new_tokens == 4
+
+    # An edited chat template is read again, and so is everything after an unload.
+    template = models_dir / "mine" / "chat_template.jinja"
+    template.write_text(template.read_text() + "{# edited #}")
+    engine.load(cpu_request("fp32", model="mine"))
+    assert engine.manager.loaded.tokenizer is not first
+    second = engine.manager.loaded.tokenizer
+    engine.unload()
+    engine.load(cpu_request("fp32", model="mine"))
+    assert engine.manager.loaded.tokenizer is not second
+    engine.unload()
