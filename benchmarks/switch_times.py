@@ -1,23 +1,29 @@
 """Switching modes: the wait from a Load click to the first token, per mode, cold and warm, and
-the memory each unload leaves behind over many cycles.
+the memory each switch leaves behind over many cycles.
 
 Each phase runs in a new process (the app's own situation after a restart), through the engine
-as the Model tab drives it (load, one greedy token, unload):
+as the Model tab drives it: a load while another mode is loaded (the switch unloads it first),
+then one greedy token:
 
     cold    an empty compile cache: every mode compiles afresh
     warm    the same cache, a new process: "a mode used before, any earlier process"
             (the first cycle's figures), then the rest of --cycles cycles through the modes
+            ("back to a mode used earlier in the same process")
 
-After every unload the counters (torch's allocated and reserved memory per GPU, NVML's used
-memory per GPU, the process's RSS) are compared with those before the phase's first load: what
-a day of switching would eat. Targets (Qwen2.5-7B shape, H200): warm <= 15 s, cold <= 30 s,
-leftover within 64 MB after 20 cycles.
+After every switch's unload the counters (torch's allocated and reserved memory per GPU, the
+process's RSS) are compared with those before the phase's first load, and after the phase's
+last unload NVML's used memory per GPU too: what a day of switching would eat. Targets
+(Qwen2.5-7B shape, H200): back to a mode of the same process <= 3 s, a mode compiled in an
+earlier process <= 10 s, cold <= 25 s; leftover within 64 MB after 20 cycles.
 
-    python benchmarks/switch_times.py --model /tmp/r7b --modes bf16,nf4,int4-wo \
+    python benchmarks/switch_times.py --random-from-config \
+        benchmarks/configs/qwen2.5-7b-instruct.config.json --modes bf16,nf4,int4-wo \
         --cycles 20 --out "$OUT"                   # on the GPU host
+    python benchmarks/switch_times.py --model /models/Qwen2.5-7B-Instruct ...  # a folder
     python benchmarks/switch_times.py --out /tmp/st   # on a CPU: the demo model, eager
 
-Writes OUT/switch_times.json and OUT/switch_times.md.
+Writes OUT/rows.jsonl as it goes (a killed run keeps what it measured), then
+OUT/switch_times.json and OUT/switch_times.md.
 """
 
 from __future__ import annotations
@@ -49,8 +55,10 @@ def counters() -> dict[str, float]:
     return now
 
 
-def one_phase(model: str, modes: list[str], cycles: int, placement: str) -> list[dict]:
-    """In this process: `cycles` rounds of load -> first token -> unload for every mode."""
+def one_phase(model: str, modes: list[str], cycles: int, placement: str, rows_file: Path,
+              phase: str) -> None:
+    """In this process: `cycles` rounds of switching to every mode and its first token, each
+    row appended to `rows_file` as soon as it is measured."""
     from model_utils import process_tuning
     from model_utils.engine_config import EngineConfig
     from model_utils.loading.manager import LoadRequest
@@ -59,7 +67,14 @@ def one_phase(model: str, modes: list[str], cycles: int, placement: str) -> list
 
     process_tuning.tune_process()  # as app.py: the compile cache of TORCHINDUCTOR_CACHE_DIR
     engine = EngineConfig().build()
-    baseline, rows = counters(), []
+    if model != "demo":
+        engine.registry.allow_root(model)  # a folder given on the command line, as the bench
+    baseline = counters()
+
+    def write(row: dict) -> None:
+        with rows_file.open("a") as out:
+            out.write(json.dumps({**row, "phase": phase}) + "\n")
+
     for cycle in range(cycles):
         for mode in modes:
             start = time.perf_counter()
@@ -69,39 +84,57 @@ def one_phase(model: str, modes: list[str], cycles: int, placement: str) -> list
                                  GenerationSettings.greedy(max_new_tokens=1)):
                 break  # the first update: the first token is on its way to the page
             first_token_s = time.perf_counter() - start
-            engine.unload()
-            after = counters()
-            rows.append({
-                "cycle": cycle, "mode": mode, "click_to_first_token_s": round(first_token_s, 2),
-                "ready_s": status.get("ready_s"), "stages": status.get("load_stages"),
-                "compiled_graphs": status.get("compiled_graphs", {}),
-                "decode_path": status.get("decode_path"),
-                "leftover_gb": {k: round(after.get(k, 0.0) - v, 4) for k, v in baseline.items()},
-            })
-            print(json.dumps(rows[-1]), flush=True)
-    return rows
+            unload = engine.manager.last_unload  # the switch's own, when it replaced a mode
+            row = {"cycle": cycle, "mode": mode,
+                   "click_to_first_token_s": round(first_token_s, 2),
+                   "ready_s": status.get("ready_s"), "stages": status.get("load_stages"),
+                   "compiled_graphs": status.get("compiled_graphs", {}),
+                   "decode_path": status.get("decode_path")}
+            if unload is not None and (cycle, mode) != (0, modes[0]):
+                row["leftover_gb"] = {k: round(unload.after.get(k, 0.0) - v, 4)
+                                      for k, v in baseline.items() if k in unload.after}
+                if unload.model_kept_by:
+                    row["model_kept_by"] = unload.model_kept_by
+            write(row)
+    engine.unload()
+    after = counters()
+    write({"cycle": cycles, "mode": "(unloaded)",
+           "leftover_gb": {k: round(after.get(k, 0.0) - v, 4) for k, v in baseline.items()}})
 
 
 def run_phase(name: str, args, cache: Path) -> list[dict]:
     env_cache = {"TORCHINDUCTOR_CACHE_DIR": str(cache)}
     cycles = 1 if name == "cold" else args.cycles
-    command = [sys.executable, __file__, "--phase", "--model", args.model, "--modes", args.modes,
-               "--cycles", str(cycles), "--placement", args.placement]
-    done = subprocess.run(command, env={**os.environ, **env_cache}, capture_output=True,
-                          text=True, timeout=args.timeout, check=False)
-    (args.out / f"{name}.log").write_text(done.stdout + done.stderr)
-    if done.returncode != 0:
-        raise SystemExit(f"the {name} phase failed (see {args.out / f'{name}.log'}):\n"
-                         + done.stderr[-3000:])
-    rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
-    return [{**row, "phase": name} for row in rows]
+    rows_file = args.out / "rows.jsonl"
+    command = [sys.executable, __file__, "--phase", name, "--model", args.model,
+               "--modes", args.modes, "--cycles", str(cycles), "--placement", args.placement,
+               "--out", str(args.out)]
+    try:
+        done = subprocess.run(command, env={**os.environ, **env_cache}, capture_output=True,
+                              text=True, timeout=args.timeout, check=False)
+        failed = done.returncode != 0
+        log = done.stdout + done.stderr
+    except subprocess.TimeoutExpired as error:
+        failed, log = True, f"timed out after {args.timeout} s\n{error.stderr or ''}"
+    (args.out / f"{name}.log").write_text(log)
+    if failed:
+        raise SystemExit(f"the {name} phase failed (see {args.out / f'{name}.log'}; its rows so "
+                         f"far are in {rows_file}):\n" + log[-3000:])
+    return [row for row in read_rows(rows_file) if row["phase"] == name]
+
+
+def read_rows(rows_file: Path) -> list[dict]:
+    return [json.loads(line) for line in rows_file.read_text().splitlines() if line.strip()] \
+        if rows_file.exists() else []
 
 
 def report(rows: list[dict]) -> str:
     lines = ["| phase | cycle | mode | click to first token (s) | ready (s) | graphs cached / "
              "compiled | longest stages |", "|---|---|---|---|---|---|---|"]
-    for row in rows:
-        if row["phase"] == "warm" and 0 < row["cycle"] < max(r["cycle"] for r in rows):
+    switches = [r for r in rows if "click_to_first_token_s" in r]
+    last_cycle = max(r["cycle"] for r in switches)
+    for row in switches:
+        if row["phase"] == "warm" and 0 < row["cycle"] < last_cycle:
             continue  # the middle cycles: in the JSON
         graphs = row["compiled_graphs"]
         cached = f"{graphs.get('hits', 0)} / {graphs.get('misses', 0)}" if graphs else "-"
@@ -112,30 +145,46 @@ def report(rows: list[dict]) -> str:
                      f"{longest} |")
     last = rows[-1]["leftover_gb"]
     lines.append("")
-    lines.append("Left over after the last unload against before the warm phase's first load "
-                 "(GB): " + ", ".join(f"{k} {v:+.4f}" for k, v in last.items()))
+    lines.append(f"Left over after the {rows[-1]['phase']} phase's last unload against before its "
+                 "first load (GB): " + ", ".join(f"{k} {v:+.4f}" for k, v in last.items()))
+    kept = [r for r in rows if r.get("model_kept_by")]
+    if kept:
+        lines.append(f"The unloaded model was still alive after {len(kept)} switch(es), kept by: "
+                     + "; ".join(kept[0]["model_kept_by"]))
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="demo")
+    p.add_argument("--model", default="demo", help="'demo', a model folder, or a hub id in the "
+                   "local cache")
+    p.add_argument("--random-from-config", type=Path, default=None,
+                   help="config.json of a shape to build with random weights and switch on")
     p.add_argument("--modes", default="fp32,bf16", help="comma-separated, in switching order")
     p.add_argument("--cycles", type=int, default=2, help="warm cycles through the modes")
     p.add_argument("--placement", default="auto", help="cpu, cuda:0, auto (default)")
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--timeout", type=int, default=3600, help="seconds a phase may take")
-    p.add_argument("--phase", action="store_true", help=argparse.SUPPRESS)  # the child
+    p.add_argument("--phase", default=None, help=argparse.SUPPRESS)  # the child: its name
     args = p.parse_args(argv)
     if args.placement == "auto":
         import torch
 
         args.placement = "cuda:0" if torch.cuda.is_available() else "cpu"
     if args.phase:
-        one_phase(args.model, args.modes.split(","), args.cycles, args.placement)
+        one_phase(args.model, args.modes.split(","), args.cycles, args.placement,
+                  args.out / "rows.jsonl", args.phase)
         return 0
     args.out = args.out or Path(tempfile.mkdtemp(prefix="switch-times-"))
     args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "rows.jsonl").unlink(missing_ok=True)
+    if args.random_from_config:
+        from model_utils.bench.inputs import build_random_model
+
+        device = "cuda" if args.placement.startswith("cuda") else "cpu"
+        args.model = str(build_random_model(args.random_from_config,
+                                            Path(tempfile.mkdtemp(prefix="switch-model-")),
+                                            device))
     cache = Path(tempfile.mkdtemp(prefix="compile-cache-"))  # empty: the cold phase is cold
     rows = run_phase("cold", args, cache) + run_phase("warm", args, cache)
     (args.out / "switch_times.json").write_text(json.dumps(
