@@ -127,6 +127,8 @@ class GraphedBatchStep:
     compiled. Attention is the same paged decode kernel in both.
     """
 
+    replays_graphs = True  # see BatchRunner.tail_rows
+
     def __init__(self, model: PreTrainedModel, inductor_mode: str = "default",
                  compiled_rows: int = 1):
         self.model = model
@@ -160,7 +162,8 @@ class GraphedBatchStep:
         timing. Any other shape captures the plain forward alone: a new compilation (43-53 s on
         the H200) would stall every reply decoding.
         """
-        forwards = [self.compiled, self.model] if b <= self.compiled_rows else [self.model]
+        compiles = b <= self.compiled_rows and kv.may_compile
+        forwards = [self.compiled, self.model] if compiles else [self.model]
         captured = []
         reason = ""
         for forward in forwards:
@@ -169,7 +172,7 @@ class GraphedBatchStep:
             except Exception as error:  # noqa: BLE001 - serve eagerly rather than fail
                 log.exception("capturing the batched step (%d rows) failed", b)
                 reason = f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"
-        if not captured and b > self.compiled_rows:  # the compiled one, as a last resort
+        if not captured and b > self.compiled_rows and kv.may_compile:  # as a last resort
             try:
                 captured.append((self.compiled, self._capture(kv, b, self.compiled)))
             except Exception as error:  # noqa: BLE001

@@ -20,6 +20,7 @@ block and their position is kept at 0, so they write and read one slot of the nu
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -121,6 +122,22 @@ class PagedKV:
             v[NULL_BLOCK].zero_()
             self.keys.append(k)
             self.values.append(v)
+        self.no_masks = {kind: None for kind in set(layer_types(model))}
+        self._kv_heads = max(layer.kv_heads for layer in layers if layer is not None)
+        self._sms = torch.cuda.get_device_properties(device).multi_processor_count \
+            if device.type == "cuda" else 0
+        self._make_rows(rows)
+        self.may_compile = True  # a compiled step may run on these rows (see with_rows)
+        if device.type == "cuda":  # fixed addresses for torch.compile: a compiled step
+            pools = [t for t in (*self.keys, *self.values) if t is not None]  # writes into
+            for buffer in (*pools, self.table, self.pos, self.ids,  # them in place
+                           self.lengths, self.slots, self.split_tokens):
+                torch._dynamo.mark_static_address(buffer)
+
+    def _make_rows(self, rows: int) -> None:
+        """The rows' device state (see the module docstring), rows [0, rows)."""
+        device = self.device
+        self.rows = rows
         self.table = torch.zeros(rows, self.width, dtype=torch.int32, device=device)
         self.pos = torch.zeros(rows, dtype=torch.long, device=device)
         self.ids = torch.zeros(rows, 1, dtype=torch.long, device=device)
@@ -128,17 +145,21 @@ class PagedKV:
         self.slots = torch.zeros(rows, dtype=torch.long, device=device)
         self.split_tokens = torch.full((1,), 1 << 20, dtype=torch.int32, device=device)
         self._split = 0  # split_tokens' value, as the host last wrote it
-        if device.type == "cuda":  # fixed addresses for torch.compile: a compiled step
-            pools = [t for t in (*self.keys, *self.values) if t is not None]  # writes into
-            for buffer in (*pools, self.table, self.pos, self.ids,  # them in place
-                           self.lengths, self.slots, self.split_tokens):
-                torch._dynamo.mark_static_address(buffer)
-        self.no_masks = {kind: None for kind in set(layer_types(model))}
         self.row_buckets = tuple(b for b in ROW_BUCKETS if b < rows) + (rows,)
         self._steps: dict[int, PagedStep] = {}
-        self._kv_heads = max(layer.kv_heads for layer in layers if layer is not None)
-        self._sms = torch.cuda.get_device_properties(device).multi_processor_count \
-            if device.type == "cuda" else 0
+
+    def with_rows(self, rows: int) -> PagedKV:
+        """Rows of their own over the same pools (the same blocks), for a model without
+        linear layers: what a prompt's new tokens after a cached start are decoded in, each
+        token a row (BatchRunner.forward_prompt). Only the plain forward runs on them: a
+        compiled step meeting other buffers would compile again."""
+        if self.states is not None:
+            raise ValueError("rows over the same pools need a model without linear layers")
+        other = copy.copy(self)
+        other._make_rows(rows)
+        other.row_buckets = (rows,)  # one shape: a step of 64 rows reads the weights once,
+        other.may_compile = False  # as one of 8 does, so smaller ones would save little
+        return other
 
     @property
     def nbytes(self) -> int:

@@ -91,6 +91,7 @@ class DecodePreparation:
         progress(0.95, "preparing the prefill of prompts")
         capture = runner.step_fn.capture  # the decode steps' pool and warm-up stream
         self.engine.worker.call(lambda: runner.use_padded_prefill(capture))
+        self.engine.worker.call(runner.warm_up_tail)  # a next turn's new tokens
         padded = runner.padded_prefill
         if padded:
             note = (f"; prompts up to {padded.buckets[-1]} tokens prefilled by CUDA graphs, "

@@ -47,6 +47,12 @@ MIN_REUSE_TOKENS = 256
 # Prompt lengths prefilled once at load on a model with linear-attention layers: multiples of
 # 16 and not, of one chunk of the layers' kernels (64 tokens) and of many.
 LINEAR_WARM_UP_LENGTHS = (64, 72, 1000, 1024, 4096, 4104)
+# A prompt's new tokens after a cached start (a conversation's next turn), up to this many, are
+# decoded as rows of one captured decode step, each token a row over the prompt's blocks, where
+# the step replays CUDA graphs: one replay instead of the eager forward's kernels launched one
+# by one, which cost a next turn a fixed ~40 ms on a 7B model (BENCHMARKS.md). Each row reads
+# the whole context, so past a few dozen tokens the one-sequence forward is the better one.
+TAIL_ROWS = 64
 # step_fn(kv, b) -> logits [b, V] of one decode step for rows [0, b) of the cache.
 StepFn = Callable[[PagedKV, int], torch.Tensor]
 # Rows whose sampling raised: (index in the step's rows, the error).
@@ -88,6 +94,9 @@ class BatchRunner:
         self.device = input_device(model)
         self.kv_tokens = kv_tokens  # the pool's size in tokens; None: from free memory
         self.min_reuse_tokens = MIN_REUSE_TOKENS
+        # Most new tokens after a cached start decoded as rows (TAIL_ROWS; 0: never)
+        self.tail_rows = TAIL_ROWS if getattr(self.step_fn, "replays_graphs", False) else 0
+        self._tail: PagedKV | None = None  # their rows, over the cache's pools
         self.kv: PagedKV | None = None  # allocated on first use
         self.pool: BlockPool | None = None
         self.padded_prefill: PaddedPrefill | None = None  # see use_padded_prefill
@@ -211,6 +220,8 @@ class BatchRunner:
         """Logits [1, V] of the last of `tokens`, whose first `cached` are in `blocks` already;
         the rest are computed and written there, `chunk` tokens per forward."""
         kv = self._cache()
+        if 0 < cached and len(tokens) - cached <= self.tail_rows and kv.states is None:
+            return self._forward_tail_as_rows(tokens, blocks, cached)
         logits = None
         for start in range(cached, len(tokens), chunk):
             stop = min(start + chunk, len(tokens))
@@ -226,6 +237,43 @@ class BatchRunner:
                                 attention_mask=kv.no_masks, paged=step, use_cache=False,
                                 logits_to_keep=1, **states).logits[:, -1]
         return logits
+
+    def _forward_tail_as_rows(self, tokens: list[int], blocks: list[int],
+                              cached: int) -> torch.Tensor:
+        """forward_prompt for a short tail after `cached` tokens: token i of the tail is row
+        i of one decode step (its position cached + i, the prompt's blocks as its table row),
+        so it attends to the cached tokens and to the tail's tokens before it, whose keys the
+        same step writes first (paged_attention.decode_layer). Logits [1, V] of the last."""
+        new = len(tokens) - cached
+        tail = self._tail_cache()
+        b = bucket(new, tail.row_buckets)
+        table = torch.zeros(tail.width, dtype=torch.int32)
+        table[:len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+        tail.table[:new].copy_(table.to(self.device, non_blocking=True).expand(new, -1))
+        tail.pos[:new].copy_(torch.arange(cached, len(tokens)), non_blocking=True)
+        tail.ids[:new, 0].copy_(torch.tensor(tokens[cached:]), non_blocking=True)
+        tail.pad_rows(new, b)
+        tail.set_lengths(b, len(tokens), sum(range(cached + 1, len(tokens) + 1)) + b)
+        logits = self.step_fn(tail, b)[new - 1:new].clone()  # the graph's output is reused
+        tail.table[:new].zero_()  # back to the null block: padding rows of later tails
+        return logits
+
+    def _tail_cache(self) -> PagedKV:
+        if self._tail is None:
+            self._tail = self._cache().with_rows(self.tail_rows)
+        return self._tail
+
+    def warm_up_tail(self) -> None:
+        """Capture the step a short tail after a cached start is decoded in (see TAIL_ROWS)
+        now rather than at a conversation's first next turn. On the worker thread."""
+        if not self.tail_rows or self._cache().states is not None:
+            return
+        with torch.inference_mode():
+            tail = self._tail_cache()
+            b = tail.row_buckets[-1]
+            tail.pad_rows(0, b)  # every row on the null block
+            tail.set_lengths(b, 1, b)
+            self.step_fn(tail, b)
 
     def first_tokens(self, prefilled: Prefilled,
                      requests: list[Request]) -> tuple[list[int], Failures]:

@@ -386,3 +386,50 @@ def test_a_long_prompt_prefilled_in_chunks_gives_the_logits_of_one_forward(load_
     whole = logits(1000)
     for chunk in (64, 100):
         torch.testing.assert_close(logits(chunk), whole, rtol=1e-4, atol=1e-4)
+
+
+def test_a_short_tail_after_a_cached_start_decoded_as_rows_gives_the_same_logits(load_demo):
+    """The next turn's new tokens as rows of one decode step (what a GPU replays as one graph),
+    on the CPU's eager step: the logits of the one-sequence forward and of the whole prompt."""
+    engine = load_demo("fp32")
+    runner = engine.manager.loaded.batcher.runner
+    start = [(7 * i) % 450 + 5 for i in range(300)]
+
+    def extend(tail: list[int], tail_rows: int) -> torch.Tensor:
+        def run():
+            pool = runner.blocks()
+            tokens = start + tail
+            blocks = pool.allocate(-(-len(tokens) // pool.block_size))
+            saved, runner.tail_rows = runner.tail_rows, tail_rows
+            try:
+                with torch.inference_mode():
+                    runner.forward_prompt(start, blocks)  # the conversation so far, cached
+                    return runner.forward_prompt(tokens, blocks, cached=len(start))
+            finally:
+                runner.tail_rows = saved
+                pool.release(blocks)
+
+        return engine.worker.call(run)
+
+    for tail in ([9], [(3 * i) % 300 + 2 for i in range(40)]):  # 40: over three block edges
+        as_rows = extend(tail, 64)
+        torch.testing.assert_close(as_rows, extend(tail, 0), rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(as_rows, prefill_logits(engine, start + tail, 1000),
+                                   rtol=1e-4, atol=1e-4)
+    assert extend([4] * 65, 64).shape == (1, runner.model.config.vocab_size)  # too long: whole
+
+
+def test_a_next_turn_decoded_as_rows_gets_the_reply_it_gets_alone(load_demo):
+    engine = load_demo("fp32")
+    loaded = engine.manager.loaded
+    runner = loaded.batcher.runner
+    saved, runner.tail_rows = runner.tail_rows, 64
+    try:
+        first = [(13 * i) % 420 + 9 for i in range(290)]
+        reply, _ = submit(loaded, first, greedy(24))
+        follow = first + reply + [21, 22, 23, 24, 25]
+        again, stats = submit(loaded, follow, greedy(16))
+        assert stats.cached_tokens == 304  # 19 full blocks of the 313 fed tokens
+        assert again == alone(loaded, follow, greedy(16))
+    finally:
+        runner.tail_rows = saved
