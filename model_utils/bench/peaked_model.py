@@ -3,7 +3,7 @@ next-token distributions are peaked: a test model on which greedy tokens mean so
 
 Random weights give near-uniform distributions, where the top two tokens are often within
 rounding of each other and any change of kernel order flips the greedy choice. A model that has
-seen README.md and BENCHMARKS.md for a few hundred steps predicts most of their next tokens with
+seen the README, docs/ and BENCHMARKS.md for a few hundred steps predicts most of their next tokens with
 a clear margin, so a bf16 fast path and plain generate should agree on it for many tokens, and
 where they do not, the margin at the parting token says whether it was a near-tie.
 
@@ -26,7 +26,8 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
-DOCUMENTS = ("README.md", "BENCHMARKS.md")
+DOCUMENTS = ("README.md", *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md")),
+             "BENCHMARKS.md")
 
 
 def training_text() -> str:
