@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Many users through the HTTP APIs (BENCHMARKS.md, run F): the app serving a model of a published
+# Many users through the HTTP APIs (BENCHMARKS.md): the app serving a model of a published
 # shape with random weights, tools/load_test.py at 1, 8 and 32 clients through gradio's /chat
 # and through /v1/chat/completions, then one plain
 # model.generate stream on the same host, so that the ratio compares like with like.

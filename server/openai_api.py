@@ -6,7 +6,7 @@
 Why beside gradio's queue rather than through it: every request there joins a queue, gets a
 session state built from all the page's components and streams through the queue's message
 machinery, all on one event loop; with many clients that machinery, not the model, set the pace
-(BENCHMARKS.md, run F). Here a request is one HTTP call whose reply streams as server-sent
+(BENCHMARKS.md, many users through the HTTP APIs). Here a request is one HTTP call whose reply streams as server-sent
 events straight from the engine, which batches concurrent replies the same way.
 
 What it takes (request_models.ChatCompletionRequest): messages (an optional leading system or

@@ -93,7 +93,7 @@ def keep_input_dtype(model: nn.Module) -> None:
     peft casts each LoRA layer's input to the adapter's fp32 before lora_A, and autocast casts it
     straight back to bf16 for the matmul: two copies of every adapted activation, forward and
     backward, for an identical result (its gain was measured together with best-fit packing,
-    BENCHMARKS.md run V, not apart). Set once, not per call, so that activation
+    BENCHMARKS.md's fine-tuning section, not apart). Set once, not per call, so that activation
     checkpointing recomputes exactly what the forward computed.
     """
     from peft.tuners.tuners_utils import BaseTunerLayer

@@ -52,7 +52,7 @@ class Mode:
     weight_only_bits: int | None = None
     group_size: int | None = None
     # Whether the compiled CUDA-graph path applies on a GPU (bitsandbytes' int8 matmul breaks
-    # graph capture: BENCHMARKS.md, run O).
+    # graph capture, measured on an H200: BENCHMARKS.md).
     compiles: bool = True
 
     @property

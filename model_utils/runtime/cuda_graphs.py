@@ -72,8 +72,8 @@ class GraphCapture:
 
     One warm-up stream: each graph is first run on a side stream (compilation, autotuning, the
     allocator), and cuBLAS keeps a workspace for every stream it has run on for the life of the
-    process: a new side stream per capture held ~32 MB more GPU memory per graph (0.6 GB for the
-    20 graphs of a 32-row bf16 7B model on the H200, BENCHMARKS.md runs L and M).
+    process: a new side stream per capture held a workspace more per graph, most of a GB over
+    the graphs of a 32-row 7B model, measured on an H200.
     """
 
     def __init__(self) -> None:
@@ -100,7 +100,7 @@ class GraphCapture:
 
 # torch.compile modes offered for the decode step. The autotuned one benchmarks matmul kernels
 # for each shape while warming up: about a minute more per load (less once inductor's cache
-# has them), 200 against 192 tok/s for one bf16 7B stream on the H200 (BENCHMARKS.md, run E).
+# has them), and it was not reliably faster on an H200 (BENCHMARKS.md).
 COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")
 
 

@@ -67,7 +67,7 @@ class DecodePreparation:
     def _warm_up(self, loaded: LoadedModel, progress: Progress) -> None:
         """Compile and capture the decode step now, for one reply and for every batch size up
         to max_batch, so that no user waits for it: a shape first met while serving stalls
-        every reply decoding (capturing 32 rows took 1.3 s on the H200, run F)."""
+        every reply decoding for as long as its capture takes (seconds for the larger shapes)."""
         runner = loaded.batcher.runner
         progress(0.6, "compiling the batched decode step (one reply)")
         start, cached_before = time.perf_counter(), compile_cache.counts()
