@@ -50,10 +50,10 @@ from quant_swaps import LIBRARY_INDUCTOR_OPTIONS, SWAPS, missing  # beside this 
 from model_utils.bench import quality
 from model_utils.bench import run as bench
 from model_utils.engine import Engine
+from model_utils.layers.fused_qkv import fuse_qkv
 from model_utils.loading.manager import LoadRequest
 from model_utils.loading.placement import Placement
 from model_utils.memory import GB
-from model_utils.runtime.fused_qkv import fuse_qkv
 
 log = logging.getLogger("quant_candidates")
 DEFAULT = ("bf16,int4-wo,int8-wo,torchao-int4,gemlite-int4,int4-wo-head8,int8-wo-hybrid,"
@@ -67,7 +67,7 @@ class LoadLog(logging.Handler):
     what failed): kept with its results, since a GPU run is seldom repeated."""
 
     NAMES = ("model_utils.runtime.cuda_graphs", "model_utils.runtime.prefill", "model_utils.engine",
-             "model_utils.loading.weight_only", "model_utils.runtime.scheduler",
+             "model_utils.layers.weight_only", "model_utils.runtime.scheduler",
              "model_utils.runtime.runner")
 
     def __init__(self):

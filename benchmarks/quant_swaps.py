@@ -8,8 +8,8 @@ import types
 
 import torch
 
+from model_utils.layers.weight_only import quantize_int4
 from model_utils.loading.modes import MODES
-from model_utils.loading.weight_only import quantize_int4
 
 CUDA = torch.cuda.is_available()
 
@@ -67,7 +67,7 @@ def aten_int8(model, *, rows_from: int = 1):
     """The app's int8-wo numbers through PyTorch's own int8 weight-only kernel
     (torch._weight_int8pack_mm, CUDA and CPU) for inputs of at least `rows_from` rows, instead
     of the dequantize-and-multiply (which the one-row step compiles into one reduction)."""
-    from model_utils.loading.weight_only import Int8WeightOnlyLinear
+    from model_utils.layers.weight_only import Int8WeightOnlyLinear
 
     def forward(self, x):
         x2 = x.reshape(-1, self.in_features)
@@ -85,7 +85,7 @@ def aten_int8(model, *, rows_from: int = 1):
 def int8_head(model):
     """lm_head in int8 weight-only too (the app's modes keep it in bf16): on the 7B shape it is
     1.09 GB of the ~4.5 GB an int4 token reads."""
-    from model_utils.loading.weight_only import Int8WeightOnlyLinear
+    from model_utils.layers.weight_only import Int8WeightOnlyLinear
 
     head = model.get_output_embeddings()
     if type(head) is torch.nn.Linear and head.weight is not model.get_input_embeddings().weight:

@@ -18,7 +18,7 @@ from dataclasses import replace
 from model_utils.chat.prompt import ChatInputError, normalize_messages
 from model_utils.chat.reasoning import EMPTY_TEXT, ReplyText, SeparatedReasoning
 from model_utils.chat.updates import ChatUpdate, TokenLogprob
-from model_utils.loading.manager import LoadError
+from model_utils.errors import LoadError
 from model_utils.memory import MemoryHistory, MemorySnapshot
 from model_utils.runtime.generation import GenerationSettings, ReplyStats
 from model_utils.runtime.grammar import OutputFormat

@@ -11,10 +11,10 @@ import time
 import torch
 
 from model_utils.engine import Engine
+from model_utils.layers.weight_only import load_quantized
 from model_utils.loading.manager import LoadRequest
 from model_utils.loading.modes import get_mode, quantization_config
 from model_utils.loading.placement import Placement
-from model_utils.loading.weight_only import load_quantized
 
 from . import logprobs as bench_logprobs
 from . import quality

@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterator
 import torch
 
 from model_utils.errors import LoadError, ModelBusy
+from model_utils.layers.weight_only import load_quantized
 from model_utils.memory import GB
 
 from .. import process_tuning
@@ -51,7 +52,6 @@ from .placement import (
 from .placement import unavailable_reason as placement_unavailable
 from .registry import ModelRegistry, ModelSource
 from .tokenizer_reuse import KeptTokenizer, tokenizer_key
-from .weight_only import load_quantized
 
 log = logging.getLogger(__name__)
 

@@ -17,10 +17,10 @@ from dataclasses import dataclass, field
 import psutil
 import torch
 
+from model_utils.layers.weight_only import quantizable
 from model_utils.memory import GB
 
 from .modes import Mode
-from .weight_only import quantizable
 
 STRATEGIES = ("auto", "balanced", "balanced_low_0", "sequential")
 

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from model_utils.loading.weight_only import inductor_options
+from model_utils.layers.weight_only import inductor_options
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel

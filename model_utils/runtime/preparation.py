@@ -15,11 +15,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from model_utils.layers.fused_qkv import fuse_qkv
 from model_utils.loading.manager import LoadedModel, Progress
 from model_utils.memory import torch_cuda_gb
 
 from . import compile_cache, cuda_graphs, kv_cache, paged_attention
-from .fused_qkv import fuse_qkv
 from .runner import BatchRunner, EagerStep
 from .scheduler import Scheduler
 

@@ -1,4 +1,4 @@
-"""One q/k/v matmul (model_utils/runtime/fused_qkv.py): the same logits and greedy tokens as
+"""One q/k/v matmul (model_utils/layers/fused_qkv.py): the same logits and greedy tokens as
 transformers' own attention forward, with and without projection biases, and the same memory."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
-from model_utils.runtime.fused_qkv import fuse_qkv
+from model_utils.layers.fused_qkv import fuse_qkv
 
 
 def tiny(config_class, seed: int):

@@ -38,7 +38,7 @@ def _assert_precision(model, mode) -> None:
     """The weights are what the mode promises: the dtype, or quantized layers of its kind."""
     import bitsandbytes as bnb
 
-    from model_utils.loading.weight_only import Int4WeightOnlyLinear, Int8WeightOnlyLinear
+    from model_utils.layers.weight_only import Int4WeightOnlyLinear, Int8WeightOnlyLinear
 
     assert model.get_input_embeddings().weight.dtype == mode.dtype
     q_proj = model.model.layers[0].self_attn.q_proj

@@ -14,10 +14,7 @@ import torch
 from torch import nn
 
 from model_utils.engine import eos_ids
-from model_utils.loading.manager import LoadError, LoadRequest, stored_bytes
-from model_utils.loading.modes import MODES, dropdown_choices, get_mode
-from model_utils.loading.placement import Placement
-from model_utils.loading.weight_only import (
+from model_utils.layers.weight_only import (
     Int4WeightOnlyLinear,
     Int8WeightOnlyLinear,
     dequantize_int4,
@@ -26,6 +23,9 @@ from model_utils.loading.weight_only import (
     quantize_int8,
     unpack_nibbles,
 )
+from model_utils.loading.manager import LoadError, LoadRequest, stored_bytes
+from model_utils.loading.modes import MODES, dropdown_choices, get_mode
+from model_utils.loading.placement import Placement
 from model_utils.memory import GB
 from model_utils.runtime.decoders import EagerDecoder
 from model_utils.runtime.generation import GenerationSettings, ReplyStats, decode_tokens
@@ -216,7 +216,7 @@ def test_on_a_gpu_the_mode_decodes_on_the_compiled_path_with_the_cpus_distributi
     int8 product, bf16) are those of the CPU's dequantized fp32 forward, up to bf16 rounding."""
     from model_utils.bench import quality
     from model_utils.engine import Engine
-    from model_utils.loading.weight_only import load_quantized
+    from model_utils.layers.weight_only import load_quantized
 
     engine = Engine(max_batch=2)
     status = engine.load(LoadRequest(model="demo", mode=mode_name, placement=Placement("cuda:0")))
@@ -240,7 +240,7 @@ def test_a_checkpoint_larger_than_the_memory_available_is_refused_with_the_numbe
     anything is read (a sparse file of that size: no disk space is used)."""
     import psutil
 
-    from model_utils.loading.weight_only import check_staging_memory
+    from model_utils.layers.weight_only import check_staging_memory
 
     check_staging_memory(tmp_path)  # nothing to load: nothing refused
     weights = tmp_path / "model.safetensors"

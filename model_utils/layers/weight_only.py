@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from model_utils.runtime.fused_qkv import fuse_qkv
+from .fused_qkv import fuse_qkv
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,110 @@
+"""The packages import one way: no circle among them at module level (what runs on import), the
+engine never imports gradio, and the swapped-in layers import neither loading nor runtime.
+
+Read from the source (ast), not by importing: imports inside functions (deferred on purpose)
+and under TYPE_CHECKING are not counted."""
+
+from __future__ import annotations
+
+import ast
+from collections import defaultdict
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGES = ("model_utils", "server", "ui")
+
+
+def modules() -> dict[str, Path]:
+    found = {}
+    for package in PACKAGES:
+        for path in (ROOT / package).rglob("*.py"):
+            parts = path.relative_to(ROOT).with_suffix("").parts
+            found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return found
+
+
+def module_level_imports(name: str, path: Path, known: dict[str, Path]) -> set[str]:
+    """The project's modules `name` imports when it is imported."""
+    targets = set()
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module != "__future__":
+            base = node.module or ""
+            if node.level:
+                package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+                package = package[:len(package) - node.level + 1]
+                base = ".".join(package + ([node.module] if node.module else []))
+            names = [f"{base}.{alias.name}" for alias in node.names] + [base]
+        else:
+            continue
+        for target in names:
+            while target and target not in known:
+                target = target.rpartition(".")[0]
+            if target and target != name:
+                targets.add(target)
+    return targets
+
+
+def package_of(module: str) -> str:
+    """model_utils.loading.manager -> model_utils.loading; model_utils.engine -> itself."""
+    return ".".join(module.split(".")[:2])
+
+
+def package_graph() -> dict[str, dict[str, set[str]]]:
+    """package -> package it imports -> the modules that do."""
+    known = modules()
+    graph: dict[str, dict[str, set[str]]] = defaultdict(lambda: defaultdict(set))
+    for name, path in known.items():
+        for target in module_level_imports(name, path, known):
+            if package_of(target) != package_of(name):
+                graph[package_of(name)][package_of(target)].add(name)
+    return graph
+
+
+def circles(graph) -> list[list[str]]:
+    """Each import circle as the packages on it (depth-first search for back edges)."""
+    found, state = [], {}
+
+    def visit(node, path):
+        state[node] = "open"
+        for nxt in graph.get(node, {}):
+            if state.get(nxt) == "open":
+                found.append(path[path.index(nxt):] + [nxt])
+            elif nxt not in state:
+                visit(nxt, path + [nxt])
+        state[node] = "done"
+
+    for node in list(graph):
+        if node not in state:
+            visit(node, [node])
+    return found
+
+
+def test_no_import_circle_among_the_packages():
+    graph = package_graph()
+    described = [" -> ".join(c) + "  (" + "; ".join(
+        f"{a} -> {b} by {sorted(graph[a][b])}" for a, b in zip(c, c[1:])) + ")"
+        for c in circles(graph)]
+    assert described == []
+
+
+def test_the_engine_never_imports_gradio_and_the_layers_stay_below_loading():
+    known = modules()
+    for name, path in known.items():
+        if not name.startswith("model_utils"):
+            continue
+        every = {alias.name.split(".")[0] for node in ast.walk(ast.parse(path.read_text()))
+                 if isinstance(node, ast.Import) for alias in node.names}
+        every |= {node.module.split(".")[0] for node in ast.walk(ast.parse(path.read_text()))
+                  if isinstance(node, ast.ImportFrom) and node.module and not node.level}
+        assert "gradio" not in every, name
+    layers = {target for name, path in known.items() if name.startswith("model_utils.layers")
+              for target in module_level_imports(name, path, known)}
+    assert not {package_of(t) for t in layers} & {"model_utils.loading", "model_utils.runtime"}
+
+
+def test_a_circle_would_be_found():
+    assert circles({"a": {"b": set()}, "b": {"c": set()}, "c": {"a": set()}}) == [
+        ["a", "b", "c", "a"]]
+    assert circles({"a": {"b": set()}, "b": {}}) == []
