@@ -3,18 +3,21 @@
 NVML sees what the driver has handed out to every process (what nvidia-smi shows); torch sees
 what this process's caching allocator holds. Both matter: "reserved" that NVML still counts after
 an unload is memory the cache kept, and empty_cache gives it back.
+
+torch is not imported here: a process that never imported it (the app in front of a remote
+model server) holds no CUDA memory of its own, and its GPUs are listed from NVML alone.
 """
 
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 import time
 from collections import deque
 from dataclasses import asdict, dataclass, field
 
 import psutil
-import torch
 
 GB = 1024**3
 log = logging.getLogger(__name__)
@@ -94,7 +97,8 @@ def torch_cuda_gb() -> dict[str, float]:
     """This process's CUDA memory over every device: tensors (allocated), what the allocator
     holds including CUDA-graph pools (reserved), and the allocated peak since the last reset.
     Empty without CUDA."""
-    if not torch.cuda.is_available():
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_available():
         return {}
     devices = range(torch.cuda.device_count())
     return {"allocated_gb": round(sum(torch.cuda.memory_allocated(i) for i in devices) / GB, 3),
@@ -106,7 +110,14 @@ def torch_cuda_gb() -> dict[str, float]:
 def take_snapshot() -> MemorySnapshot:
     gpus = []
     note = ""
-    if torch.cuda.is_available():
+    torch = sys.modules.get("torch")  # see the module docstring
+    if torch is None:
+        gpus = [GpuMemory(index=i, name=f"GPU {i}", used_gb=used, total_gb=total,
+                          allocated_gb=0.0, reserved_gb=0.0)
+                for i, (used, total) in sorted(_nvml_usage().items())]
+        if not gpus:
+            note = "no CUDA GPU on this machine: only CPU memory is shown"
+    elif torch.cuda.is_available():
         # NVML numbers devices physically; with CUDA_VISIBLE_DEVICES set they may not match
         # torch's order, so NVML figures are only attached when the two counts agree.
         nvml = _nvml_usage()

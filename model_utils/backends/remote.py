@@ -20,8 +20,9 @@ from model_utils.chat.reasoning import EMPTY_TEXT, ReplyText, SeparatedReasoning
 from model_utils.chat.updates import ChatUpdate, TokenLogprob
 from model_utils.errors import LoadError
 from model_utils.memory import MemoryHistory, MemorySnapshot
-from model_utils.runtime.generation import GenerationSettings, ReplyStats
+from model_utils.runtime.generation_settings import GenerationSettings
 from model_utils.runtime.grammar import OutputFormat
+from model_utils.runtime.reply_stats import ReplyStats
 
 from . import openai_client as api
 from .errors import EXTENSIONS, BackendBusy, BackendError, BackendRejected, BackendUnavailable

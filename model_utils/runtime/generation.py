@@ -10,7 +10,6 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
 import tokenizers
@@ -31,6 +30,7 @@ if TYPE_CHECKING:
     from .grammar import Constraint
 
 from .grammar import mask_logits
+from .reply_stats import ReplyStats
 from .sampling import (
     is_greedy,
     sample_next,
@@ -107,28 +107,6 @@ class IncrementalDetokenizer:
 
 
 # -- the loop -----------------------------------------------------------------------------------
-@dataclass
-class ReplyStats:
-    prompt_tokens: int = 0
-    new_tokens: int = 0
-    ttft_ms: float = 0.0
-    tok_s: float = 0.0  # decode speed: tokens after the first / time after the first
-    total_s: float = 0.0
-    stopped: bool = False  # by the user's Stop
-    finish_reason: str = ""  # "eos" | "length" | "stop" ("error" when the batch step failed)
-    decode_path: str = ""
-    batched_with: int = 1  # the most replies decoded in one step together, this one included
-    cached_tokens: int = 0  # prompt tokens whose keys and values were found in the KV cache
-
-    def as_dict(self) -> dict:
-        return asdict(self)
-
-    def line(self) -> str:
-        cached = f" ({self.cached_tokens} cached)" if self.cached_tokens else ""
-        return (f"{self.ttft_ms:.0f} ms to first token · {self.tok_s:.1f} tok/s · "
-                f"{self.prompt_tokens} in{cached} / {self.new_tokens} out")
-
-
 def decode_tokens(decoder: EagerDecoder, input_ids: list[int], settings: GenerationSettings, *,
                   eos_ids: set[int], stop: threading.Event | None = None,
                   stats: ReplyStats | None = None,

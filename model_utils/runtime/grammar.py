@@ -19,11 +19,12 @@ from __future__ import annotations
 import json
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Literal
-
-import torch
+from typing import TYPE_CHECKING, Any, Literal
 
 from model_utils.errors import InvalidParameter
+
+if TYPE_CHECKING:
+    import torch
 
 Reasoning = Literal["enabled", "disabled", "auto"]
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"

@@ -108,3 +108,16 @@ def test_a_circle_would_be_found():
     assert circles({"a": {"b": set()}, "b": {"c": set()}, "c": {"a": set()}}) == [
         ["a", "b", "c", "a"]]
     assert circles({"a": {"b": set()}, "b": {}}) == []
+
+
+def test_the_remote_backend_engine_imports_no_torch():
+    """The engine in front of a model server loads no model: importing it leaves torch out."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", (
+        "import sys; import model_utils.backends.remote, model_utils.backends.flags, "
+        "model_utils.memory; sys.exit(sorted(m for m in sys.modules "
+        "if m.split('.')[0] in ('torch', 'transformers')) or 0)")],
+        cwd=ROOT, capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
