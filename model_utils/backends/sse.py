@@ -10,16 +10,17 @@ from __future__ import annotations
 
 import json
 import re
+import time
 
 import httpx
 
 from .errors import MalformedStream
 
-# One line of the event stream. A token's event is ~300 bytes, one with 20 logprob
-# alternatives a few KB, a whole tool call's arguments at once some KB more.
-MAX_LINE_BYTES = 1 << 20
-# One event's JSON (a "data:" line's payload): the same bound, said as an event's size.
-MAX_EVENT_BYTES = MAX_LINE_BYTES - len("data: ")
+# One event's JSON (a "data:" line's payload). A token's event is ~300 bytes, one with 20
+# logprob alternatives a few KB, a whole tool call's arguments at once some KB more.
+MAX_EVENT_BYTES = 1 << 20
+# Any one line of the event stream (a comment too), newline or not.
+MAX_LINE_BYTES = 2 << 20
 # What is read of an error reply: enough for its message.
 MAX_ERROR_BODY_BYTES = 8192
 # The /models answer: thousands of models' entries fit.
@@ -71,8 +72,10 @@ def check_identity(response: httpx.Response) -> None:
                               f"({encoding[:30]}) although this app asked it not to")
 
 
-def read_capped(response: httpx.Response, limit: int, *, what: str) -> bytes:
-    """The body up to `limit` bytes; past it, MalformedStream (the rest is not read)."""
+def read_capped(response: httpx.Response, limit: int, *, what: str,
+                deadline: float | None = None) -> bytes:
+    """The body up to `limit` bytes, by `deadline` (time.monotonic()); past either,
+    MalformedStream (the rest is not read)."""
     check_identity(response)
     out = bytearray()
     for piece in response.iter_raw():
@@ -80,6 +83,8 @@ def read_capped(response: httpx.Response, limit: int, *, what: str) -> bytes:
         if len(out) > limit:
             raise MalformedStream(f"the model server's {what} is larger than "
                                   f"{limit // 1024} KB: not read")
+        if deadline is not None and time.monotonic() > deadline:
+            raise MalformedStream(f"the model server's {what} came too slowly: not read")
     return bytes(out)
 
 
