@@ -11,12 +11,13 @@ a finish), "not_sse" (a 200 with a JSON body), "think_in_content" (<think> left 
 
 Hostile modes (a request picks one for itself with a last message "fake-mode: NAME", so that
 innocent replies can stream beside it): "byte_trickle" (one byte every 0.2 s, never a
-newline), "long_line" (64 MB without a newline), "huge_event" (one 1.5 MB event),
-"reasoning_flood" (reasoning without end, max_tokens ignored), "surrogate" (a lone
-"\\ud800" escape in the text), "400_key" and "error_event_key" (the server's message quotes
-this app's key and Authorization header). `models_mode`: "ok", "500_key" (likewise), or
-"huge_error" (a 64 MB error body). `sent` counts the bytes hostile modes wrote, `hangups` the
-clients that closed on them, `open_streams` the replies being written now.
+newline; "token_then_byte_trickle" after a first token), "long_line" (64 MB without a
+newline), "huge_event" (one 1.5 MB event), "reasoning_flood" (reasoning without end,
+max_tokens ignored), "surrogate" (a lone "\\ud800" escape in the text), "400_key" and
+"error_event_key" (the server's message quotes this app's key and Authorization header).
+`models_mode`: "ok", "500_key" (likewise), or "huge_error" (a 64 MB error body). `sent`
+counts the bytes hostile modes wrote, `hangups` the clients that closed on them,
+`open_streams` the replies being written now.
 """
 
 from __future__ import annotations
@@ -251,6 +252,13 @@ def _byte_trickle(handler: _Handler, out: _Chunked) -> None:
         out.flush()
 
 
+def _token_then_byte_trickle(handler: _Handler, out: _Chunked) -> None:
+    out.write(chunk({"role": "assistant", "content": ""}))
+    out.write(chunk({"content": "Hi"}))
+    out.flush()
+    _byte_trickle(handler, out)
+
+
 def _long_line(handler: _Handler, out: _Chunked) -> None:
     out.write(b"data: ")
     handler._write_counted(out.write, 64 << 20, b"x" * 65536)
@@ -288,6 +296,7 @@ def _error_event_key(handler: _Handler, out: _Chunked) -> None:
     out.write(f"data: {json.dumps({'error': {'message': handler._leaked()}})}\n\n".encode())
 
 
-HOSTILE = {"byte_trickle": _byte_trickle, "long_line": _long_line, "huge_event": _huge_event,
+HOSTILE = {"byte_trickle": _byte_trickle, "token_then_byte_trickle": _token_then_byte_trickle,
+           "long_line": _long_line, "huge_event": _huge_event,
            "reasoning_flood": _reasoning_flood, "surrogate": _surrogate,
            "error_event_key": _error_event_key}
