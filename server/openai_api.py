@@ -24,6 +24,7 @@ a bearer token "user:password" or as HTTP basic auth.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import threading
@@ -40,6 +41,8 @@ from model_utils.chat.tool_calls import ToolCall
 from model_utils.chat.updates import TokenLogprob
 from model_utils.engine import ChatUpdate, Engine
 
+from .client_gone import reply_threads, run_until_gone
+from .common import reply_concurrency
 from .conversation import MAX_TURNS
 from .errors import ClientError, client_error, hide_paths, models_dir_of
 from .guards import REALM, login_user
@@ -84,6 +87,7 @@ def register_openai_api(app: FastAPI | APIRouter, engine: Engine,
     """Add the routes to gradio's FastAPI app (or to a router handed to it). The checks every
     request passes first (Host, Content-Type, body) are guards.request_guard's."""
     models_dir = models_dir_of(engine)
+    threads = reply_threads(reply_concurrency(engine))
 
     def refused(error: BaseException, call: ChatCall | None = None) -> JSONResponse:
         mapped = client_error(error, context="openai chat")
@@ -123,21 +127,27 @@ def register_openai_api(app: FastAPI | APIRouter, engine: Engine,
             updates = engine.chat(call.messages, call.settings, system_prompt=call.system,
                                   thinking=call.thinking, stop=call.stop, **extra)
             # The first update is awaited here, so that refused input becomes an HTTP error.
-            first = await anyio.to_thread.run_sync(next, updates)
+            first = await run_until_gone(request, call.stop, threads, next, updates)
         except Exception as error:  # noqa: BLE001 - mapped: 4xx for input, 503, else 500
             return refused(error, call)
+        if call.stop.is_set():  # the client went away before the first token: no one to send to
+            updates.close()
+            return error_response(ClientError(499, "the client closed the connection"))
         model = model_id(engine.status())
         if call.stream:
-            return StreamingResponse(stream_events(call, model, first, updates, refused),
+            return StreamingResponse(stream_events(call, model, first, updates, refused,
+                                                   request=request, threads=threads),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
         try:
-            final = await anyio.to_thread.run_sync(whole_reply, call, first, updates)
+            final = await run_until_gone(request, call.stop, threads, whole_reply, call, first,
+                                         updates)
         except Exception as error:  # noqa: BLE001 - a failure mid-reply (or a shutdown)
             return refused(error, call)
         finally:
             call.stop.set()
-            updates.close()
+            with contextlib.suppress(ValueError):  # a step left running: see stream_events
+                updates.close()
         last = final[1]  # whole_reply: (the reply, its last update)
         if last.stats is not None and last.stats.finish_reason == "error":
             # A model server that failed mid-reply: not a complete answer.
@@ -301,11 +311,13 @@ def usage(stats) -> dict:
 
 
 async def stream_events(call: ChatCall, model: str, first: ChatUpdate,
-                        updates: Iterator[ChatUpdate], refused) -> AsyncIterator[str]:
+                        updates: Iterator[ChatUpdate], refused, *, request: Request | None = None,
+                        threads: anyio.CapacityLimiter | None = None) -> AsyncIterator[str]:
     """Server-sent events: a role chunk, content (and reasoning) deltas, a finish chunk, the
     usage when asked for, then [DONE]. A failure after the start (a device error, the server
-    shutting down) is an error event, then [DONE]. Leaving early (a closed connection cancels
-    this) sets the stop signal, which frees the reply's place in the batch within a step."""
+    shutting down) is an error event, then [DONE]. A client that leaves early sets the stop
+    signal within DISCONNECT_POLL_S (client_gone.py), which frees the reply's place in the
+    batch within a step, and a model server's connection at once."""
 
     def event(data: dict) -> str:
         return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
@@ -322,7 +334,8 @@ async def stream_events(call: ChatCall, model: str, first: ChatUpdate,
     try:
         yield chunk({"role": "assistant", "content": ""})
         while True:
-            update = await anyio.to_thread.run_sync(next, paced_updates, None)
+            update = await run_until_gone(request, call.stop, threads, next, paced_updates,
+                                          None)
             if update is None:
                 break
             reply.follow(update)
@@ -351,8 +364,11 @@ async def stream_events(call: ChatCall, model: str, first: ChatUpdate,
         yield event(json.loads(refused(error, call).body))
     finally:
         call.stop.set()
-        paced_updates.close()
-        updates.close()  # ends engine.chat even if the stream never started (logs the reply)
+        # ValueError: a step still running on its thread (left behind after FINISH_WAIT_S);
+        # the stop event ends it, and its own finally frees the reply's place.
+        with contextlib.suppress(ValueError):
+            paced_updates.close()
+            updates.close()  # ends engine.chat even if the stream never started (logs it)
     yield "data: [DONE]\n\n"
 
 

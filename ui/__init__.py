@@ -79,7 +79,7 @@ def build(engine: Engine, *, admin: str | None = None, info: AppInfo | None = No
                     build_memory_panel(engine)
             with gr.Tab("Benchmark", id="benchmark"):
                 if remote:
-                    build_remote_bench_panel(engine)
+                    build_remote_bench_panel(engine, demo=demo, admin=admin)
                 else:
                     build_bench_panel(engine, demo=demo, admin=admin)
             with gr.Tab("Train", id="train"):

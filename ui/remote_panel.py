@@ -11,7 +11,9 @@ from dataclasses import asdict
 import gradio as gr
 
 from model_utils.backends.bench import bench_remote, markdown_table
-from server.common import user_error
+from server.common import require_admin, user_error
+
+from .bench_panel import admin_note, whole_number
 
 REFRESH_S = 2.0
 THE_SERVERS_BUSINESS = (
@@ -89,7 +91,10 @@ def build_remote_memory_panel(engine) -> dict:
     return c
 
 
-def build_remote_bench_panel(engine) -> dict:
+def build_remote_bench_panel(engine, *, demo: gr.Blocks | None = None,
+                             admin: str | None = None) -> dict:
+    """Under --admin only the admin may run it (its streams take places every user's replies
+    need): checked in the handler, whatever the page shows, as the local engine's bench."""
     c: dict = {}
     gr.Markdown("Time to first token and tokens/s through the model server, measured here "
                 "(what a user of this page sees): greedy, thinking off, one stream and "
@@ -99,20 +104,37 @@ def build_remote_bench_panel(engine) -> dict:
         c["new_tokens"] = gr.Slider(8, 1024, value=64, step=8, label="New tokens")
         c["streams"] = gr.CheckboxGroup(["1", "4", "8", "32"], value=["1", "8"],
                                         label="Concurrent streams")
-    c["run"] = gr.Button("Run benchmark", variant="primary", elem_id="remote-bench-run")
+    # Under --admin the button starts disabled and the page load enables it for the admin.
+    c["run"] = gr.Button("Run benchmark", variant="primary", elem_id="remote-bench-run",
+                         interactive=admin is None)
+    c["note"] = gr.Markdown(admin_note(admin, None), elem_id="remote-bench-note")
     c["table"] = gr.Markdown(elem_id="remote-bench-table")
     c["raw"] = gr.JSON(label="JSON", visible=False)
 
-    def run(new_tokens, streams):
+    def run(new_tokens, streams, request: gr.Request):
+        require_admin(admin, request, "run the benchmark")
+        tokens = whole_number(new_tokens, "new tokens")
+        if not isinstance(streams, list):
+            raise user_error("concurrent streams must be a list of whole numbers")
         if not streams:
             raise user_error("pick at least one number of concurrent streams")
+        counts = tuple(sorted(whole_number(s, "concurrent streams") for s in streams))
         try:
-            rows = bench_remote(engine, streams=tuple(sorted(int(s) for s in streams)),
-                                new_tokens=int(new_tokens))
+            rows = bench_remote(engine, streams=counts, new_tokens=tokens)
         except (RuntimeError, ValueError) as error:  # the server down, bad sizes
             raise user_error(str(error)) from error
         return markdown_table(rows), gr.update(value=[asdict(r) for r in rows], visible=True)
 
     c["run"].click(run, [c["new_tokens"], c["streams"]], [c["table"], c["raw"]],
-                   api_visibility="private", concurrency_id="benchmark", concurrency_limit=1)
+                   api_visibility="private", concurrency_id="benchmark", concurrency_limit=1,
+                   # The handler reads the raw values: gradio's own checks would come before
+                   # the admin's and answer with an error that has no text.
+                   preprocess=False)
+    if demo is not None and admin is not None:
+        def for_user(request: gr.Request):  # the button as this user may use it
+            user = getattr(request, "username", None)
+            return gr.update(interactive=user == admin), admin_note(admin, user)
+
+        demo.load(for_user, None, [c["run"], c["note"]], api_visibility="private",
+                  show_progress="hidden")
     return c

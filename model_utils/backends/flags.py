@@ -27,10 +27,12 @@ def add_backend_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--backend-connect-timeout", type=float, default=5.0, metavar="S",
                        help="seconds to reach it (default 5)")
     group.add_argument("--backend-read-timeout", type=float, default=120.0, metavar="S",
-                       help="seconds it may stay silent within a reply, the wait for the "
-                            "first token included (default 120)")
+                       help="seconds it may go without sending a complete line within a "
+                            "reply, the wait for the first token included; bytes trickled "
+                            "without a newline do not count (default 120)")
     group.add_argument("--backend-reply-timeout", type=float, default=1800.0, metavar="S",
-                       help="seconds one whole reply may take (default 1800)")
+                       help="seconds one whole reply may take, held mid-line too "
+                            "(default 1800)")
 
 
 def backend_key(args: argparse.Namespace, parser_error) -> str | None:

@@ -1,18 +1,18 @@
 """The OpenAI chat API as a client: the model list, the request body, and the streamed reply
 parsed from server-sent events. No policy here (retries, notices, stats): remote.py has that.
 
-Every wait is bounded by httpx's timeouts: connect (reaching the server), read (between two
-pieces of the reply, the wait for the first token included) and pool (a free connection); the
-whole reply is bounded by a deadline that the reader checks between events.
+Every wait is bounded: connect (reaching the server), pool (a free connection), httpx's read
+timeout (a socket silent that long), and, within a streamed reply, stream_watch.StreamWatch's
+reply deadline and idle timeout (no complete line for the read timeout), which hold even while
+the server trickles a line byte by byte. Every size is bounded too (sse.py), and what the
+server says is passed on without this app's key (redaction.py).
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
-import socket
 import threading
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -26,9 +26,18 @@ from .errors import (
     MalformedStream,
     error_for_status,
 )
+from .redaction import redact_secrets
+from .sse import (
+    MAX_MODELS_BODY_BYTES,
+    LineSplitter,
+    check_identity,
+    parse_event,
+    read_capped,
+    read_head,
+    without_surrogates,
+)
+from .stream_watch import StreamWatch
 from .urls import redact
-
-ERROR_BODY_BYTES = 8192  # what is read of an error reply: enough for its message
 
 
 @dataclass(frozen=True)
@@ -45,7 +54,10 @@ class ServerConfig:
 
 
 def make_client(config: ServerConfig, connections: int) -> httpx.Client:
-    headers = {"Authorization": f"Bearer {config.key}"} if config.key else {}
+    # identity: bodies are bounded as read (sse.py), which a compressed one would defeat.
+    headers = {"Accept-Encoding": "identity"}
+    if config.key:
+        headers["Authorization"] = f"Bearer {config.key}"
     timeout = httpx.Timeout(connect=config.connect_timeout_s, read=config.read_timeout_s,
                             write=config.read_timeout_s, pool=config.connect_timeout_s)
     # Idle connections are let go after 2 s, before the server's own keep-alive timeout
@@ -78,18 +90,28 @@ def translate(error: httpx.HTTPError, config: ServerConfig) -> BackendError:
 def list_models(client: httpx.Client, config: ServerConfig) -> list[dict]:
     """GET /models -> [{"id", "max_model_len"?...}]."""
     try:
-        response = client.get("/models")
+        with client.stream("GET", "/models") as response:
+            if response.status_code != 200:
+                raise error_for_status(response.status_code, read_head(response),
+                                       response.headers.get("retry-after"))
+            body = read_capped(response, MAX_MODELS_BODY_BYTES, what="/models answer")
     except httpx.HTTPError as error:
         raise translate(error, config) from error
-    if response.status_code != 200:
-        raise error_for_status(response.status_code, response.content[:ERROR_BODY_BYTES],
-                               response.headers.get("retry-after"))
+    except BackendError as error:
+        raise redacted(error, config) from None
     try:
-        data = response.json()["data"]
+        data = without_surrogates(json.loads(body))["data"]
         return [m for m in data if isinstance(m, dict) and isinstance(m.get("id"), str)]
     except (ValueError, KeyError, TypeError):
         raise MalformedStream("the model server's /models answer is not an OpenAI model "
                               "list") from None
+
+
+def redacted(error: BackendError, config: ServerConfig) -> BackendError:
+    """The same error, its message without the key or a bearer token (it quotes the
+    server, and goes to users and the log)."""
+    error.args = (redact_secrets(str(error), config.key), *error.args[1:])
+    return error
 
 
 def request_body(model: str, messages: list[dict], options: dict, thinking: bool, *,
@@ -109,23 +131,32 @@ def stream_chunks(client: httpx.Client, config: ServerConfig, body: dict,
                   stop: threading.Event, deadline: float) -> Iterator[dict]:
     """POST /chat/completions and yield each event's JSON until [DONE] or the stream ends.
     Ends early, closing the connection (the server frees the reply's place), when `stop` is
-    set, the deadline passes (BackendTimeout) or the consumer closes this generator."""
+    set, the deadline passes or no line comes for the read timeout (BackendTimeout, even
+    mid-line), a line is too long (MalformedStream), or the consumer closes this generator."""
+    watch = None
     try:
         with contextlib.ExitStack() as stack:
             response = _open_stream(stack, client, body)
             if response.status_code != 200:
-                raise error_for_status(response.status_code, _head(response),
+                raise error_for_status(response.status_code, read_head(response),
                                        response.headers.get("retry-after"))
             kind = response.headers.get("content-type", "")
             if not kind.startswith("text/event-stream"):
                 raise MalformedStream(f"the model server did not stream its reply "
                                       f"(content-type {kind[:60] or 'none'})")
-            with _HangUpOnStop(response, stop):
-                yield from _events(response, config, stop, deadline)
+            check_identity(response)
+            watch = stack.enter_context(StreamWatch(
+                response, stop, deadline=deadline, reply_timeout_s=config.reply_timeout_s,
+                idle_timeout_s=config.read_timeout_s))
+            yield from _events(response, watch)
     except httpx.HTTPError as error:
+        if watch is not None and watch.reason:  # the watcher hung up: a bound passed
+            raise redacted(BackendTimeout(watch.reason), config) from None
         if stop.is_set():
-            return  # the hang-up below cut the read short: a stopped reply, not a failure
+            return  # the hang-up cut the read short: a stopped reply, not a failure
         raise translate(error, config) from error
+    except BackendError as error:
+        raise redacted(error, config) from None
 
 
 def _open_stream(stack: contextlib.ExitStack, client: httpx.Client,
@@ -139,70 +170,45 @@ def _open_stream(stack: contextlib.ExitStack, client: httpx.Client,
         return stack.enter_context(client.stream("POST", "/chat/completions", json=body))
 
 
-class _HangUpOnStop:
-    """Stop takes effect while the server is silent too (a reply queued there, a long
-    prefill): a watcher shuts the socket down when `stop` is set, which ends the blocked read
-    at once and tells the server to free the reply. Never after the reply ended, when the
-    connection may already serve another request from the pool."""
-
-    def __init__(self, response: httpx.Response, stop: threading.Event):
-        stream = response.extensions.get("network_stream")
-        self.sock = stream.get_extra_info("socket") if stream is not None else None
-        self.stop = stop
-        self.lock = threading.Lock()
-        self.reading = True
-
-    def __enter__(self):
-        if self.sock is not None:
-            threading.Thread(target=self._watch, daemon=True, name="hang-up-on-stop").start()
-        return self
-
-    def _watch(self) -> None:
-        self.stop.wait()  # RemoteEngine.chat sets it when every reply ends, stopped or not
-        with self.lock:
-            if self.reading:
-                with contextlib.suppress(OSError):
-                    self.sock.shutdown(socket.SHUT_RDWR)
-
-    def __exit__(self, *exc) -> None:
-        with self.lock:
-            self.reading = False
-
-
-def _events(response: httpx.Response, config: ServerConfig, stop: threading.Event,
-            deadline: float) -> Iterator[dict]:
-    """Each event's JSON until [DONE], the end of the stream, or `stop`."""
-    for line in response.iter_lines():
-        if stop.is_set():
+def _events(response: httpx.Response, watch: StreamWatch) -> Iterator[dict]:
+    """Each event's JSON until [DONE], the end of the stream, or `stop`. The bounds are
+    checked after every read, however little it brought."""
+    splitter = LineSplitter()
+    for piece in response.iter_raw():
+        if watch.stop.is_set():
             return
-        if time.monotonic() > deadline:
-            raise BackendTimeout(f"the reply took longer than "
-                                 f"{config.reply_timeout_s:g} s")
-        if not line.startswith("data:"):
-            continue  # blank separators, ": keep-alive" comments, "event:" names
-        data = line[5:].strip()
-        if data == "[DONE]":
-            return
-        try:
-            event = json.loads(data)
-        except ValueError:
-            raise MalformedStream("the model server sent an event that is not "
-                                  "JSON") from None
-        if not isinstance(event, dict):
-            raise MalformedStream("the model server sent an event that is not a "
-                                  "JSON object")
-        if "error" in event:  # an error reported in the stream
-            error = event["error"]
-            text = error.get("message") if isinstance(error, dict) else error
-            raise BackendError(f"the model server failed mid-reply: {str(text)[:300]}")
+        watch.check()
+        for raw in splitter.feed(piece):
+            watch.line()
+            event = _event_of(raw)
+            if event is _DONE:
+                return
+            if event is not None:
+                yield event
+            if watch.stop.is_set():
+                return
+    if watch.stop.is_set():
+        return
+    watch.check()  # the watcher's hang-up ends a stream without a length as if complete
+    event = _event_of(splitter.rest())  # a last line without its newline
+    if event is not None and event is not _DONE:
         yield event
 
 
-def _head(response: httpx.Response) -> bytes:
-    """The start of an error body, without waiting for the rest of a huge one."""
-    out = b""
-    for piece in response.iter_bytes():
-        out += piece
-        if len(out) >= ERROR_BODY_BYTES:
-            break
-    return out[:ERROR_BODY_BYTES]
+_DONE = {}  # the [DONE] line
+
+
+def _event_of(raw: bytes) -> dict | None:
+    """A line's event: its JSON, _DONE, or None for what is not an event (blank separators,
+    ": keep-alive" comments, "event:" names)."""
+    if not raw.startswith(b"data:"):
+        return None
+    data = raw[5:].decode("utf-8", "replace").strip()
+    if data == "[DONE]":
+        return _DONE
+    event = parse_event(data)
+    if "error" in event:  # an error reported in the stream
+        error = event["error"]
+        text = error.get("message") if isinstance(error, dict) else error
+        raise BackendError(f"the model server failed mid-reply: {str(text)[:300]}")
+    return event

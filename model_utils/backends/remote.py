@@ -35,6 +35,9 @@ NOT_HERE = ("this app is the front end of the model server at {url}: models, mod
             "placements are chosen there (restart that server to change them)")
 _FINISH = {"stop": "eos", "length": "length", "tool_calls": "eos"}  # OpenAI finish_reason -> ReplyStats
 UNBOUNDED_CONTEXT = 1 << 20  # max_tokens bound when the server does not say its context
+# What one reply may bring (reasoning and answer together), whatever its token count: a reply
+# of 32k tokens is ~130k characters. Past it the reply is cut, as past max_tokens.
+MAX_REPLY_CHARS = 1 << 22
 
 
 class RemoteEngine:
@@ -181,8 +184,11 @@ class RemoteEngine:
                                   http_status=503)
             self._in_flight += 1
         stats = ReplyStats(decode_path="remote")
+        # Counted here too: a server that goes on past max_tokens (or past the context when
+        # none is given) is cut off at that many pieces (one per token from vLLM and SGLang).
+        budget = int(options.get("max_tokens") or context)
         try:
-            yield from self._reply(model, wire, options, thinking, stop, stats)
+            yield from self._reply(model, wire, options, thinking, stop, stats, budget)
         finally:
             stop.set()
             with self._lock:
@@ -191,34 +197,41 @@ class RemoteEngine:
                      "finish=%s", model, self.url, stats.prompt_tokens, stats.new_tokens,
                      stats.ttft_ms, stats.tok_s, stats.finish_reason or "abandoned")
 
-    def _reply(self, model, wire, options, thinking, stop, stats) -> Iterator[ChatUpdate]:
+    def _reply(self, model, wire, options, thinking, stop, stats,
+               budget: int) -> Iterator[ChatUpdate]:
         start = time.perf_counter()
         deadline = time.monotonic() + self.config.reply_timeout_s
         notice = self._refused_notice(options)
         split, reply, text = SeparatedReasoning(), ReplyText(), EMPTY_TEXT
         first_at = last_at = None
-        pieces, finish, usage = 0, "", None
+        pieces, received, finish, usage = 0, 0, "", None
         calls = StreamedCalls()
         held_logprobs: list[TokenLogprob] = []  # the server's, not given out yet
         chunks = self._chunks(model, wire, options, thinking, stop, deadline)
+        cut = ""  # why the reply was cut here, past its bounds
         try:
             for event in chunks:
                 if isinstance(event, str):  # the notice of a retry without the extensions
                     notice = event
                     continue
-                usage = event.get("usage") or usage
-                for choice in event.get("choices") or ():
-                    delta = choice.get("delta") or {}
+                if isinstance(event.get("usage"), dict):
+                    usage = event["usage"]
+                for choice in _dicts(event.get("choices")):
+                    delta = choice.get("delta") if isinstance(choice.get("delta"), dict) else {}
                     # vLLM and SGLang send Qwen3's thinking as reasoning_content (newer vLLM
                     # as reasoning); a server that does not parse it leaves <think> in content.
-                    more = delta.get("reasoning_content") or delta.get("reasoning") or ""
-                    piece = delta.get("content") or ""
+                    more = _text(delta.get("reasoning_content")) or _text(delta.get("reasoning"))
+                    piece = _text(delta.get("content"))
                     calls.add(delta.get("tool_calls"))
                     held_logprobs += token_logprobs(choice.get("logprobs"))
-                    finish = choice.get("finish_reason") or finish
+                    finish = _text(choice.get("finish_reason")) or finish
                     if finish == "tool_calls":
                         piece += calls.as_text()
                     if more or piece:
+                        received += len(more) + len(piece)
+                        if pieces >= budget or received > MAX_REPLY_CHARS:
+                            finish, cut = "length", _overflow(pieces, budget)
+                            break
                         last_at = time.perf_counter()
                         if first_at is None:
                             first_at = last_at
@@ -232,6 +245,8 @@ class RemoteEngine:
                             yield ChatUpdate.of(added, text, notice=notice,
                                                 logprobs=held_logprobs)
                             held_logprobs = []
+                if cut:
+                    break
         except BackendError as error:
             if first_at is None:
                 raise  # nothing shown yet: the caller answers with the error itself
@@ -242,6 +257,9 @@ class RemoteEngine:
                 self.monitor.record(ok=False, error=str(error))
         finally:
             chunks.close()  # closes the connection: the server ends the reply and frees it
+        if cut:
+            log.warning("reply from %s cut here: %s", self.url, cut)
+            notice = _join(notice, f"The reply was cut here: {cut}.")
         if not finish and not stop.is_set():
             finish = "error"
             notice = _join(notice, "The model server ended the reply without finishing it.")
@@ -323,6 +341,21 @@ def _options(settings: GenerationSettings) -> dict:
     if settings.repetition_penalty not in (None, 1.0):
         out["repetition_penalty"] = settings.repetition_penalty
     return {k: v for k, v in out.items() if v is not None}
+
+
+def _dicts(value) -> list[dict]:
+    """A list's dict entries (a server's "choices"); anything else is not read."""
+    return [v for v in value if isinstance(v, dict)] if isinstance(value, list) else []
+
+
+def _text(value) -> str:
+    return value if isinstance(value, str) else ""
+
+
+def _overflow(pieces: int, budget: int) -> str:
+    if pieces >= budget:
+        return f"the model server went on past max_tokens ({budget})"
+    return f"the model server sent more than {MAX_REPLY_CHARS:,} characters"
 
 
 def _join(*notices: str) -> str:

@@ -8,6 +8,16 @@ connection is cut), "slow_start" (silent longer than any read timeout the tests 
 "401", "429", "503", "500", "malformed" (an event that is not JSON), "no_done" (ends without
 a finish), "not_sse" (a 200 with a JSON body), "think_in_content" (<think> left in the text),
 "refuse_top_k" (400 naming top_k while the body has it, else "ok").
+
+Hostile modes (a request picks one for itself with a last message "fake-mode: NAME", so that
+innocent replies can stream beside it): "byte_trickle" (one byte every 0.2 s, never a
+newline; "token_then_byte_trickle" after a first token), "long_line" (64 MB without a
+newline), "huge_event" (one 1.5 MB event), "reasoning_flood" (reasoning without end,
+max_tokens ignored), "surrogate" (a lone "\\ud800" escape in the text), "400_key" and
+"error_event_key" (the server's message quotes this app's key and Authorization header).
+`models_mode`: "ok", "500_key" (likewise), or "huge_error" (a 64 MB error body). `sent`
+counts the bytes hostile modes wrote, `hangups` the clients that closed on them,
+`open_streams` the replies being written now.
 """
 
 from __future__ import annotations
@@ -31,6 +41,11 @@ class FakeModelServer(ThreadingHTTPServer):
         self.bodies: list[dict] = []
         self.hung_up = threading.Event()  # a "trickle" reply's client closed the connection
         self.streaming = threading.Event()  # a "trickle" reply has started
+        self.models_mode = "ok"
+        self.sent = 0
+        self.hangups = 0
+        self.open_streams = 0
+        self.counts = threading.Lock()
         self._thread = threading.Thread(target=self.serve_forever, daemon=True)
 
     @property
@@ -91,10 +106,39 @@ class _Handler(BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(data)
 
+    def _leaked(self) -> str:
+        return (f"invalid header Authorization: {self.headers.get('Authorization')} "
+                f"(key {self.server.key})")
+
+    def _big(self, status: int, size: int, piece: bytes, content_type: str) -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(size))
+        self.end_headers()
+        try:
+            self._write_counted(self.wfile.write, size, piece)
+        except (BrokenPipeError, ConnectionResetError):
+            self._hung_up()
+
+    def _write_counted(self, write, size: int, piece: bytes) -> None:
+        for _ in range(size // len(piece)):
+            write(piece)
+            with self.server.counts:
+                self.server.sent += len(piece)
+
+    def _hung_up(self) -> None:
+        with self.server.counts:
+            self.server.hangups += 1
+        self.server.hung_up.set()
+
     def do_GET(self) -> None:
         if not self._authorized():
             return
-        if self.path == "/v1/models":
+        if self.path == "/v1/models" and self.server.models_mode == "500_key":
+            self._json(500, {"error": {"message": self._leaked()}})
+        elif self.path == "/v1/models" and self.server.models_mode == "huge_error":
+            self._big(500, 64 << 20, b"x" * 65536, "text/plain")
+        elif self.path == "/v1/models":
             self._json(200, {"object": "list", "data": [
                 {"id": MODEL, "object": "model", "max_model_len": 4096}]})
         else:
@@ -105,7 +149,10 @@ class _Handler(BaseHTTPRequestHandler):
         self.server.bodies.append(body)
         if not self._authorized():
             return
-        mode = self.server.mode
+        mode = _directed(body) or self.server.mode
+        if mode == "400_key":
+            self._json(400, {"error": {"message": self._leaked()}})
+            return
         if mode == "refuse_top_k":
             if "top_k" in body:
                 self._json(400, {"object": "error", "message": "Unrecognized request argument "
@@ -126,12 +173,20 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_header("Transfer-Encoding", "chunked")  # as uvicorn streams
         self.send_header("Connection", "close")  # one reply per connection, said so
         self.end_headers()
+        with self.server.counts:
+            self.server.open_streams += 1
         try:
-            self._stream(mode)
+            if mode in HOSTILE:
+                HOSTILE[mode](self, _Chunked(self.wfile))
+            else:
+                self._stream(mode)
             if mode != "die":
                 self.wfile.write(b"0\r\n\r\n")
         except (BrokenPipeError, ConnectionResetError):
-            self.server.hung_up.set()
+            self._hung_up()
+        finally:
+            with self.server.counts:
+                self.server.open_streams -= 1
         self.close_connection = True
 
     def _stream(self, mode: str) -> None:
@@ -175,3 +230,73 @@ class _Handler(BaseHTTPRequestHandler):
                  "prompt_tokens_details": {"cached_tokens": 8}}
         out.write(f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n".encode())
         out.write(b"data: [DONE]\n\n")
+
+
+def _directed(body: dict) -> str | None:
+    """The mode a request asks for itself: its last message "fake-mode: NAME"."""
+    messages = body.get("messages") or [{}]
+    content = messages[-1].get("content")
+    if isinstance(content, str) and content.startswith("fake-mode: "):
+        return content.removeprefix("fake-mode: ").strip()
+    return None
+
+
+def _byte_trickle(handler: _Handler, out: _Chunked) -> None:
+    out.write(chunk({"role": "assistant", "content": ""}))
+    out.write(b'data: {"choices": [{"index": 0, "delta": {"content": "')
+    out.flush()
+    handler.server.streaming.set()
+    for _ in range(300):  # 60 s of one byte every 0.2 s, never a newline
+        time.sleep(0.2)
+        out.write(b"x")
+        out.flush()
+
+
+def _token_then_byte_trickle(handler: _Handler, out: _Chunked) -> None:
+    out.write(chunk({"role": "assistant", "content": ""}))
+    out.write(chunk({"content": "Hi"}))
+    out.flush()
+    _byte_trickle(handler, out)
+
+
+def _long_line(handler: _Handler, out: _Chunked) -> None:
+    out.write(b"data: ")
+    handler._write_counted(out.write, 64 << 20, b"x" * 65536)
+
+
+def _huge_event(handler: _Handler, out: _Chunked) -> None:
+    out.write(chunk({"role": "assistant", "content": ""}))
+    out.write(chunk({"content": "x" * (3 << 19)}))
+    out.write(chunk({}, "stop"))
+    out.write(b"data: [DONE]\n\n")
+
+
+def _reasoning_flood(handler: _Handler, out: _Chunked) -> None:
+    out.write(chunk({"role": "assistant", "content": ""}))
+    piece = chunk({"reasoning_content": "hmm "})
+    for i in range(200_000):
+        out.write(piece)
+        with handler.server.counts:
+            handler.server.sent += len(piece)
+        if i % 50 == 0:
+            out.flush()
+
+
+def _surrogate(handler: _Handler, out: _Chunked) -> None:
+    out.write(chunk({"role": "assistant", "content": ""}))
+    out.write(b'data: {"choices": [{"index": 0, "delta": {"content": "a\\ud800b"}, '
+              b'"finish_reason": null}]}\n\n')
+    out.write(chunk({}, "stop"))
+    out.write(b"data: [DONE]\n\n")
+
+
+def _error_event_key(handler: _Handler, out: _Chunked) -> None:
+    out.write(chunk({"role": "assistant", "content": ""}))
+    out.write(chunk({"content": "Hello"}))
+    out.write(f"data: {json.dumps({'error': {'message': handler._leaked()}})}\n\n".encode())
+
+
+HOSTILE = {"byte_trickle": _byte_trickle, "token_then_byte_trickle": _token_then_byte_trickle,
+           "long_line": _long_line, "huge_event": _huge_event,
+           "reasoning_flood": _reasoning_flood, "surrogate": _surrogate,
+           "error_event_key": _error_event_key}

@@ -238,7 +238,18 @@ def test_the_page_in_front_of_a_server(front, backend, artifacts):
         page.get_by_role("tab", name="Memory").click()
         page.locator("#remote-memory").get_by_text("GPU memory is the server's business")\
             .wait_for()
-        # The Benchmark tab measures through the server (one stream: the backend has one place).
+        # The Benchmark tab: for the admin only (its streams take every user's places).
+        page.get_by_role("tab", name="Benchmark").click()
+        assert page.locator("#remote-bench-run").is_disabled()
+        assert f"Only the admin user ({ADMIN[0]})" in \
+            page.locator("#remote-bench-note").inner_text().replace("**", "")
+        # The admin measures through the server (one stream: the backend has one place).
+        page = browser.new_context().new_page()
+        page.set_default_timeout(30000)
+        page.goto(front.url)
+        page.get_by_label("username").fill(ADMIN[0])
+        page.get_by_label("password").fill(ADMIN[1])
+        page.get_by_role("button", name="Login").click()
         page.get_by_role("tab", name="Benchmark").click()
         page.get_by_role("checkbox", name="8").uncheck()
         page.locator("#remote-bench-run").click()
