@@ -4,8 +4,8 @@ rate from the method and the model's size.
 Three epochs of a dozen rows are nine optimizer steps: far too few to learn anything, so a run
 takes at least MIN_STEPS. The usual LoRA rate (2e-4) is made for models of billions of weights;
 a model under SMALL_MODEL weights (the demo model: 1.3M) moved its loss only from 7.2 to 6.9
-with it in that many steps, and learned ten new facts exactly at 5e-3 in 120 steps (measured
-on the demo model; 1e-2 already turned replies to noise). Imports neither torch nor gradio.
+with it in that many steps, and learned ten new facts exactly at 5e-3 in 120 steps (1e-2
+already turned replies to noise); full fine-tuning learned them at 1e-3 in 120 steps. Imports neither torch nor gradio.
 """
 
 from __future__ import annotations
