@@ -10,6 +10,16 @@ from playwright.sync_api import expect
 from .browser import open_browser
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+# Text holding "GB" drawn in the bundled font's bold face, whose "B" is a small capital (the
+# cards and tables read "Gʙ"): the unit must be in another face or weight.
+BOLD_GB = """root => { const bad = [];
+    const walk = document.createTreeWalker(document.querySelector(root), NodeFilter.SHOW_TEXT);
+    while (walk.nextNode()) { const node = walk.currentNode;
+        if (!/[GM]B/.test(node.textContent)) continue;
+        const style = getComputedStyle(node.parentElement);
+        if (Number(style.fontWeight) >= 600 && style.fontFamily.startsWith('"Source Sans Pro"'))
+            bad.push(node.textContent); }
+    return bad; }"""
 
 
 @pytest.fixture(scope="module")
@@ -70,6 +80,10 @@ def test_benchmark_tab_shows_a_readable_table_and_keeps_the_rest_in_details(app,
             "hs => hs.map(h => h.getBoundingClientRect().width)")
         assert len(widths) == 2 and min(widths) > 80, widths
         page.screenshot(path=str(artifacts / "benchmark-tab.png"), full_page=True)
+        assert page.evaluate(BOLD_GB, "#bench-table") == []
+        page.get_by_role("tab", name="Memory").click()
+        page.locator("#memory-cards b").first.wait_for()
+        assert page.evaluate(BOLD_GB, "#memory-cards") == []
 
 
 def test_under_admin_a_guest_cannot_run_the_benchmark(admin_app, artifacts):
