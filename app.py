@@ -196,7 +196,10 @@ def main(argv: list[str] | None = None) -> int:
             # opens.
             app_kwargs={"routes": openai_routes.routes,
                         "middleware": [ui.request_guard(logins, served_hosts(args))]},
-            footer_links=["api", "settings"])
+            footer_links=["api", "settings"],
+            # gradio's own start lines repeat the URL logged below and advise share=True, which
+            # this app allows only with --auth: the console shows this app's lines only.
+            quiet=True)
     except OSError as error:  # the port is taken, or the address is not this machine's
         log.error("cannot serve on %s:%s: %s", args.host, args.port, error)
         return 1

@@ -11,6 +11,10 @@ engine opts in with one call, `tune_process()`, which:
   (memory_accounting.freeze_long_lived has the measurement);
 - silences bitsandbytes' per-call warning that int8 matmul inputs are cast: the app picks the
   dtypes on purpose, and the warning would fill the log on every decode step;
+- keeps library chatter off the console: bitsandbytes' notice on CPUs with AVX-512 BF16 that
+  its hub kernel could not be fetched ("No module named 'kernels'"; it falls back to its own
+  CPU path, and the app works offline), and transformers' "Loading weights" bars (the app logs
+  each load's stages itself);
 - keeps torch.compile's caches in a folder that outlives the process and the machine's temp
   folder (runtime/compile_cache.py), so that a mode compiled once loads warm in a later run.
 
@@ -43,6 +47,10 @@ def tune_process(compile_cache: str | Path | None = None) -> None:
             log.warning("cannot keep torch.compile's cache in %s (%s): using torch's default, "
                         "in the temp folder", folder, error.strerror or error)
     warnings.filterwarnings("ignore", message="MatMul8bitLt: inputs will be cast")
+    logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
     _tuned = True
 
 

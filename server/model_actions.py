@@ -110,9 +110,8 @@ def status_markdown(status: dict) -> str:
     path = status.get("decode_path", "?")
     if status.get("decode_path_reason"):
         path += f" ({status['decode_path_reason']})"
-    lines.append(f"footprint {status.get('footprint_gb', 0):.4f} GB · tokenizer and weights "
-                 f"read in {status.get('load_s', 0):.2f} s · context {status.get('context_tokens')} "
-                 f"tokens · decode path {path}")
+    lines.append(f"footprint {status.get('footprint_gb', 0):.4f} GB · context "
+                 f"{status.get('context_tokens')} tokens · decode path {path}")
     for note in status.get("notes") or []:
         lines.append(f"*{note}*")
     if blocks := status.get("kv_blocks"):
@@ -122,6 +121,7 @@ def status_markdown(status: dict) -> str:
                      f"{blocks['used'] * n:,} in use, {blocks['cached'] * n:,} kept for reuse")
     if status.get("load_stages"):
         stages = ", ".join(f"{s['stage']} {s['s']:.1f} s" for s in status["load_stages"])
+        # The load's one timing here, with its parts (the page's message times the click).
         lines.append(f"getting ready took {status.get('ready_s', 0):.1f} s: {stages}")
     if graphs := status.get("compiled_graphs"):
         lines.append(f"compiled graphs: {graphs['hits']} from the compile cache, "
@@ -132,14 +132,10 @@ def status_markdown(status: dict) -> str:
 
 
 def loaded_message(status: dict, ready_s: float) -> str:
-    """What a Load click did, each figure named: the whole wait (unloading the previous
-    model, reading the weights, preparing decoding) and the part spent reading weights."""
-    stages = "; ".join(f"{s['stage']} {s['s']:.1f} s" for s in status.get("load_stages", [])
-                       if s["s"] >= 0.05)
+    """What a Load click did, timed once: the whole wait (unloading the previous model,
+    reading the weights, preparing decoding). Its stages are in the status box below."""
     return (f"Loaded {status['model']} in {status['mode']}: ready to serve {ready_s:.2f} s "
-            f"after the click; {status.get('load_s', 0):.2f} s of that went to reading the "
-            "tokenizer and weights (the rest: unloading the previous model, checking the "
-            "request, preparing decoding)." + (f" Stages: {stages}." if stages else ""))
+            "after the click (the stages are in the status below).")
 
 
 def unload_message(status: dict) -> str:

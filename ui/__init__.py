@@ -42,7 +42,14 @@ LOGIN_MESSAGE = (f"<p><strong style='font-size:1.5em'>{APP_NAME}</strong></p>"
                  "<p>Log in to chat with the models served here.</p>")
 STATUS_POLL_S = 1.0  # a change made elsewhere shows on every page within about this long
 
-CSS = "#chatbot .message-wrap sub { opacity: 0.7; }"  # the stats line under each reply
+CSS = ("#chatbot .message-wrap sub { opacity: 0.7; }"  # the stats line under each reply
+       # Table cells wrap between words only: narrow columns broke "Mode" into "Mod e".
+       " #bench-table th, #bench-table td, #bench-full th, #bench-full td"
+       " { word-break: normal; overflow-wrap: normal; hyphens: none; }"
+       # The bundled font's bold face draws "B" as a small capital ("Peak Gʙ", "2.53 Gʙ"):
+       # the bold figures and table headers in the system's sans-serif.
+       " #bench-table th, #bench-full th, #memory-cards b"
+       " { font-family: ui-sans-serif, system-ui, sans-serif; }")
 
 
 def build(engine: Engine, *, admin: str | None = None, info: AppInfo | None = None,

@@ -17,7 +17,8 @@ from model_utils.bench.run import (
     LOADED_LIMITS,
     bench_loaded,
     chart_figure,
-    markdown_table,
+    details_table,
+    speed_note,
     summary_table,
 )
 from model_utils.engine import Engine
@@ -74,7 +75,9 @@ def build_bench_panel(engine: Engine, *, demo: gr.Blocks | None = None,
             rows = bench_loaded(engine, **sizes)
         except (RuntimeError, ValueError) as error:  # no model, busy, bad sizes
             raise user_error(str(error)) from error
-        return (summary_table(rows), markdown_table(rows), chart_figure(rows),
+        note = speed_note(rows)
+        return (summary_table(rows) + (f"\n\n{note}" if note else ""), details_table(rows),
+                chart_figure(rows),
                 [asdict(r) for r in rows])
 
     c["run"].click(run, [c["prompt_tokens"], c["new_tokens"], c["batches"]],

@@ -1,8 +1,9 @@
 """The Train tab: fine-tune a model on a JSONL chat file, watch the loss, chat with the result.
 
 The run is a subprocess (model_utils.finetune.runner): Stop ends it after saving a checkpoint
-(Start with the same name resumes it), and nothing it does can take the server or the served
-model down. Chat keeps serving during a run. With --admin only the admin may start or stop a
+(Continue, or Start with the same name, resumes it), and nothing it does can take the server or
+the served model down. Steps and learning rate left empty follow the data's and the model's size
+(model_utils.finetune.defaults); the form shows what they will be before the run starts. Chat keeps serving during a run. With --admin only the admin may start or stop a
 run, checked here on the server for clicks and API calls alike.
 """
 
@@ -26,6 +27,7 @@ REFRESH_S = 2.0
 def build_train_panel(engine: Engine, *, status: gr.State, admin: str | None = None) -> dict:
     runner = TrainingRunner(engine.registry, output_dir=engine.registry.trained_dir)
     c: dict = {}
+    first_plan, first_lr = _first_plan(runner)
     bases = [(label, name) for label, name in engine.registry.choices() if "adapter on" not in label]
     with gr.Row(equal_height=False):
         with gr.Column(scale=1):
@@ -40,15 +42,17 @@ def build_train_panel(engine: Engine, *, status: gr.State, admin: str | None = N
                                       info="qlora needs a CUDA GPU", elem_id="train-method")
             with gr.Row():
                 c["epochs"] = gr.Number(3, label="Epochs", minimum=0.1, elem_id="train-epochs")
-                c["steps"] = gr.Number(None, precision=0, minimum=0, elem_id="train-steps",
-                                       label="Steps (overrides epochs)")
-                c["lr"] = gr.Number(None, label="Learning rate (empty: 2e-4, full 2e-5)",
-                                    elem_id="train-lr")
+                # Text, not numbers: an empty number field shows 0, which read as "0 steps".
+                c["steps"] = gr.Textbox(label="Steps (empty: from epochs)",
+                                        placeholder="from epochs", elem_id="train-steps")
+                c["lr"] = gr.Textbox(label="Learning rate (empty: by model size)",
+                                     placeholder=first_lr, elem_id="train-lr")
             with gr.Row():
                 c["batch_size"] = gr.Number(4, precision=0, minimum=1, label="Batch size")
                 c["grad_accum"] = gr.Number(1, precision=0, minimum=1, label="Grad accumulation")
                 c["max_len"] = gr.Number(1024, precision=0, minimum=16, label="Max tokens")
                 c["lora_r"] = gr.Number(16, precision=0, minimum=1, label="LoRA rank")
+            c["plan"] = gr.Markdown(first_plan, elem_id="train-plan")
             c["packing"] = gr.Checkbox(
                 False, label="Pack examples into rows of Max tokens",
                 info="no pads computed; on a GPU each example attends to itself only (flash "
@@ -58,6 +62,7 @@ def build_train_panel(engine: Engine, *, status: gr.State, admin: str | None = N
             with gr.Row():
                 c["start"] = gr.Button("Start training", variant="primary", elem_id="train-start")
                 c["stop"] = gr.Button("Stop", elem_id="train-stop")
+                c["continue"] = gr.Button("Continue", visible=False, elem_id="train-continue")
                 c["use"] = gr.Button("Load the result", elem_id="train-use")
             c["admin_note"] = gr.Markdown(
                 f"Only the admin user (**{admin}**) may train." if admin else "")
@@ -71,26 +76,63 @@ def build_train_panel(engine: Engine, *, status: gr.State, admin: str | None = N
     return c
 
 
+def _first_plan(runner: TrainingRunner) -> tuple[str, str]:
+    """(the plan line, the learning rate) of the form's defaults before any data is chosen,
+    so that the page opens with the values a run would use."""
+    try:
+        plan = runner.plan(TrainRequest(model="demo", data=None, name=""))
+    except (ModelNotFound, OSError, ValueError):
+        return "", ""
+    return f"Will use {plan.describe()}.", f"{plan.lr:g}"
+
+
 def _wire(c: dict, engine: Engine, runner: TrainingRunner, status: gr.State,
           admin: str | None) -> None:
     fields = ["model", "upload", "data_path", "name", "method", "epochs", "steps", "lr",
               "batch_size", "grad_accum", "max_len", "lora_r", "packing"]
 
+    def request_of(model, upload, data_path, name, method, epochs, steps, lr, batch_size,
+                   grad_accum, max_len, lora_r, packing) -> TrainRequest:
+        data = upload or (data_path or "").strip()
+        return TrainRequest(
+            model=model or "demo", data=Path(data) if data else None,
+            name=(name or "").strip(), method=method, steps=_int(steps, "steps"),
+            epochs=epochs, lr=_float(lr, "the learning rate"),
+            batch_size=_int(batch_size, "batch size"),
+            grad_accum=_int(grad_accum, "grad accumulation"),
+            max_len=_int(max_len, "max tokens"), lora_r=_int(lora_r, "LoRA rank"),
+            packing=bool(packing))
+
     def start(model, upload, data_path, name, method, epochs, steps, lr, batch_size,
               grad_accum, max_len, lora_r, packing, request: gr.Request):
         require_admin(admin, request, "train models")
-        data = upload or (data_path or "").strip()
-        if not data:
+        train_request = request_of(model, upload, data_path, name, method, epochs, steps, lr,
+                                   batch_size, grad_accum, max_len, lora_r, packing)
+        if train_request.data is None:
             raise user_error("give a data file: upload one or type its path")
         try:
-            job = runner.start(TrainRequest(
-                model=model or "demo", data=Path(data), name=(name or "").strip(),
-                method=method, steps=_int(steps) or None, epochs=epochs, lr=lr or None,
-                batch_size=_int(batch_size), grad_accum=_int(grad_accum),
-                max_len=_int(max_len), lora_r=_int(lora_r), packing=bool(packing)))
+            job = runner.start(train_request)
         except (TrainRefused, ModelNotFound) as error:
             raise user_error(str(error)) from error
-        return f"Training **{job.request.name}** ({job.request.method} on {model})…"
+        return f"Training **{job.request.name}** ({job.request.method} on {job.request.model})…"
+
+    def resume(request: gr.Request):
+        require_admin(admin, request, "train models")
+        try:
+            job = runner.resume()
+        except TrainRefused as error:
+            raise user_error(str(error)) from error
+        return f"Continuing **{job.request.name}** from its checkpoint…"
+
+    def show_plan(*values):
+        """What the run would use with the form as it is; the empty fields' values as hints."""
+        try:
+            plan = runner.plan(request_of(*values))
+        except (gr.Error, ModelNotFound, OSError, ValueError) as error:
+            return f"Cannot plan the run yet: {error}", gr.update(), gr.update()
+        return (f"Will use {plan.describe()}.",
+                gr.update(placeholder=f"{plan.steps}" if plan.steps else "from epochs"),
+                gr.update(placeholder=f"{plan.lr:g}"))
 
     def stop(request: gr.Request):
         require_admin(admin, request, "stop training")
@@ -99,7 +141,8 @@ def _wire(c: dict, engine: Engine, runner: TrainingRunner, status: gr.State,
 
     def refresh():
         progress = runner.progress()
-        return _progress_text(progress), _loss_frame(progress["rows"])
+        return (_progress_text(progress), _loss_frame(progress["rows"]),
+                gr.update(visible=bool(progress.get("resumable"))))
 
     def status_api() -> dict:
         return {k: v for k, v in runner.progress().items() if k != "out"}
@@ -118,19 +161,38 @@ def _wire(c: dict, engine: Engine, runner: TrainingRunner, status: gr.State,
     c["start"].click(start, inputs, c["message"], api_name="train_start",
                      concurrency_id="train", concurrency_limit=1)
     c["stop"].click(stop, None, c["message"], api_name="train_stop")
+    c["continue"].click(resume, None, c["message"], api_name="train_continue",
+                        concurrency_id="train", concurrency_limit=1)
+    plan_outputs = [c["plan"], c["steps"], c["lr"]]
+    for field_name in ("model", "upload", "data_path", "method", "epochs", "steps", "lr",
+                       "batch_size", "grad_accum", "packing"):
+        c[field_name].change(show_plan, inputs, plan_outputs, api_visibility="private",
+                             show_progress="hidden")
     c["use"].click(use, status, [c["message"], status], api_name=False,
                    concurrency_id="model", concurrency_limit=1)
-    c["timer"].tick(refresh, None, [c["progress"], c["plot"]], api_visibility="private",
+    c["timer"].tick(refresh, None, [c["progress"], c["plot"], c["continue"]],
+                    api_visibility="private",
                     show_progress="hidden")
     gr.api(status_api, api_name="train_status")
 
 
-def _int(value) -> int | None:
-    if value is None or value == "":
+def _int(value, what: str) -> int | None:
+    number = _float(value, what)
+    if number is None:
         return None
-    if not float(value).is_integer():
-        raise user_error(f"expected a whole number, got {value}")
-    return int(value)
+    if not number.is_integer():
+        raise user_error(f"{what} must be a whole number, got {value}")
+    return int(number)
+
+
+def _float(value, what: str) -> float | None:
+    """A number from a field; None when it is empty."""
+    if value is None or str(value).strip() == "":
+        return None
+    try:
+        return float(str(value).strip())
+    except ValueError:
+        raise user_error(f"{what} must be a number, got {value!r}") from None
 
 
 def _progress_text(progress: dict) -> str:

@@ -68,6 +68,33 @@ def markdown_table(rows: list[BenchRow]) -> str:
     return "\n".join(lines) + "".join("\n\n" + note for note in notes)
 
 
+def details_table(rows: list[BenchRow]) -> str:
+    """Every figure of markdown_table for the page: one line per figure and one column per
+    run, so that it stays readable in a page's width however many figures there are ("-"
+    where one does not apply), then the greedy notes."""
+    lines = ["| figure | " + " | ".join(f"{r.mode}, batch {r.batch}" for r in rows) + " |",
+             "|" + "---|" * (len(rows) + 1)]
+    dicts = [asdict(row) for row in rows]
+    for column in COLUMNS[2:]:
+        lines.append(f"| {column} | " + " | ".join(_cell(d[column]) for d in dicts) + " |")
+    lines.append("| peak_gb | " + " | ".join(
+        ", ".join(f"{k} {v}" for k, v in r.peak_gb.items()) or "-" for r in rows) + " |")
+    notes = [greedy_note(row) for row in rows if row.batch == 1 and row.first_mismatch
+             and any(i is not None for i in row.first_mismatch)]
+    return "\n".join(lines) + "".join("\n\n" + note for note in notes)
+
+
+def speed_note(rows: list[BenchRow]) -> str:
+    """What x plain generate to expect where the engine decodes eagerly (the CPU), so that a
+    figure near 1 does not read as a fault."""
+    if not any(row.decode_path == "eager" for row in rows):
+        return ""
+    return ("On this eager path (the CPU, or a mode without CUDA graphs) the engine runs the "
+            "same forward passes as plain generate: expect **x plain generate near 1** (0.8-1.1 "
+            "on the demo model). The speed-up is the GPU's compiled CUDA-graph path "
+            "(BENCHMARKS.md).")
+
+
 def greedy_note(row: BenchRow) -> str:
     """Where greedy tokens part, with this run's reference (plain generate against
     transformers' own static cache, two correct decoders on the same weights) and what the

@@ -39,10 +39,19 @@ from model_utils.loading.placement import Placement
 from . import quality
 from .inputs import build_random_model, random_prompts
 from .per_mode import LOADED_LIMITS, bench_loaded, bench_mode
-from .report import BenchRow, chart_figure, markdown_table, save_chart, summary_table
+from .report import (
+    BenchRow,
+    chart_figure,
+    details_table,
+    markdown_table,
+    save_chart,
+    speed_note,
+    summary_table,
+)
 
 __all__ = ["LOADED_LIMITS", "BenchRow", "bench_loaded", "bench_mode", "build_random_model",
-           "chart_figure", "main", "markdown_table", "random_prompts", "summary_table"]
+           "chart_figure", "details_table", "main", "markdown_table", "random_prompts",
+           "speed_note", "summary_table"]
 
 
 def run(args: argparse.Namespace) -> list[BenchRow]:

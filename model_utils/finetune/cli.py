@@ -18,6 +18,7 @@ import sys
 import warnings
 from pathlib import Path
 
+from . import defaults
 from .data import DataError, read_conversations, tokenize_conversations
 from .models import METHODS, MethodUnavailable, qlora_unavailable_reason
 
@@ -42,8 +43,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="lora (default), qlora (4-bit base, CUDA only) or full")
     length = p.add_mutually_exclusive_group()
     length.add_argument("--steps", type=int, help="optimizer steps")
-    length.add_argument("--epochs", type=float, help="passes over the data (default: 3)")
-    p.add_argument("--lr", type=float, help="learning rate (default: 2e-4 adapters, 2e-5 full)")
+    length.add_argument("--epochs", type=float,
+                        help=f"passes over the data (default: 3, and at least "
+                             f"{defaults.MIN_STEPS} steps)")
+    p.add_argument("--lr", type=float,
+                   help="learning rate (default: 2e-4 lora/qlora and 2e-5 full on a model of "
+                        "100M+ parameters; 5e-3 and 1e-3 on a smaller one)")
     p.add_argument("--batch-size", type=int, default=4, help="examples per process and "
                    "micro-step (default: 4)")
     p.add_argument("--grad-accum", type=int, default=1, help="micro-steps per optimizer step")

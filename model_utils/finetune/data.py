@@ -91,6 +91,11 @@ def _render(tokenizer, messages: list[dict], *, generation_prompt: bool) -> str:
                                          add_generation_prompt=generation_prompt)
 
 
+def count_examples(path: str | Path) -> int:
+    """How many examples tokenize_conversations makes of the file: one per assistant turn."""
+    return sum(m["role"] == "assistant" for c in read_conversations(path) for m in c)
+
+
 def tokenize_conversations(tokenizer, conversations: list[list[dict]], *, max_len: int,
                            source: str = "data") -> list[Example]:
     """One Example per assistant turn, truncated to max_len tokens (the prompt's start is kept

@@ -25,7 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import checkpoint as ckpt
-from .data import DataError, read_conversations
+from . import defaults
+from .data import DataError, count_examples, read_conversations
 from .models import METHODS
 
 log = logging.getLogger(__name__)
@@ -44,7 +45,7 @@ class TrainRefused(ValueError):
 @dataclass
 class TrainRequest:
     model: str  # what the registry resolves ("demo", a folder, a hub id)
-    data: Path
+    data: Path | None  # None only to plan a run before its data is chosen
     name: str  # the output folder's name under the trained-models folder
     method: str = "lora"
     steps: int | None = None
@@ -106,8 +107,7 @@ class TrainingRunner:
             source = self.registry.resolve(request.model)
             if source.adapter is not None:
                 raise TrainRefused("train on a base model, not on an adapter")
-            data = self.registry.check_under_roots(request.data, "data file") \
-                if not _is_upload(request.data) else Path(request.data).resolve()
+            data = self._data_file(request.data)
             if not data.is_file():
                 raise TrainRefused(f"data file {request.data.name!r} does not exist")
             try:  # bad lines are refused now, with their line number, not after a load
@@ -146,6 +146,32 @@ class TrainingRunner:
             self.job = TrainJob(request, out, process, console)
             return self.job
 
+    def plan(self, request: TrainRequest) -> defaults.Plan:
+        """The steps and learning rate `request` will run with (the data's examples counted
+        where the file can be read; the packed rows are known only once tokenized)."""
+        parameters = _parameters(self.registry.resolve(request.model).path)
+        n_examples = None
+        if request.data and not request.packing:
+            try:
+                n_examples = count_examples(self._data_file(request.data))
+            except (TrainRefused, DataError, OSError):
+                pass
+        return defaults.plan(method=request.method, parameters=parameters,
+                             n_examples=n_examples, batch_size=request.batch_size,
+                             grad_accum=request.grad_accum, steps=request.steps,
+                             epochs=request.epochs, lr=request.lr)
+
+    def resume(self) -> TrainJob:
+        """Start the stopped run again from its checkpoint, with the settings it had."""
+        job = self.job
+        if job is None or job.state != "stopped" or not ckpt.has_checkpoint(job.out):
+            raise TrainRefused("no stopped run to continue")
+        return self.start(job.request)
+
+    def _data_file(self, data: Path) -> Path:
+        return self.registry.check_under_roots(data, "data file") \
+            if not _is_upload(data) else Path(data).resolve()
+
     def stop(self) -> bool:
         """Ask the run to stop (it saves a checkpoint first); True if one was running."""
         job = self.job
@@ -166,7 +192,11 @@ class TrainingRunner:
                   "rows": rows, "step": last.get("step", 0), "total": last.get("steps"),
                   "loss": last.get("loss"), "tok_s": last.get("tok_s"),
                   "elapsed_s": round(time.time() - job.started, 1)}
-        if job.state in ("failed", "stopped"):
+        result["resumable"] = job.state == "stopped" and ckpt.has_checkpoint(job.out)
+        if result["resumable"]:
+            result["message"] = (f"Stopped at step {result['step']}; its checkpoint is kept: "
+                                 "press Continue to go on from there.")
+        elif job.state in ("failed", "stopped"):
             # The run's last line says why; server paths stay in the log.
             result["message"] = _last_line(job.console).replace(str(self.output_dir), "")
         return result

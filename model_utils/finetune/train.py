@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from . import checkpoint as ckpt
-from . import packed_attention
+from . import defaults, packed_attention
 from .data import Example, Schedule, file_sha256, pack_batch, pack_examples, pad_batch
 from .models import METHODS, TokenLoss, count_parameters, keep_input_dtype, load_for_training
 
@@ -37,7 +37,7 @@ class TrainConfig:
     method: str = "lora"
     steps: int | None = None  # optimizer steps; None: from epochs
     epochs: float = 3.0
-    lr: float | None = None  # None: 2e-4 for adapters, 2e-5 for full
+    lr: float | None = None  # None: from the method and the model's size (defaults.py)
     batch_size: int = 4  # per process
     grad_accum: int = 1
     max_len: int = 1024
@@ -71,7 +71,6 @@ class TrainConfig:
             raise ValueError("--epochs must be above 0")
         if self.lr is not None and not (math.isfinite(self.lr) and self.lr > 0):
             raise ValueError("--lr must be a positive number")
-        self.lr = self.lr or (2e-5 if self.method == "full" else 2e-4)
 
 
 class Interrupted(Exception):
@@ -139,8 +138,11 @@ def run(config: TrainConfig, examples: list[Example], tokenizer) -> RunResult:
         examples = pack_examples(examples, max_len=config.max_len, seed=config.seed)
     schedule = Schedule(len(examples), config.batch_size, accelerator.num_processes, config.seed)
     micro_per_step = config.grad_accum
-    steps = config.steps or max(1, math.ceil(
-        config.epochs * schedule.micro_steps_per_epoch / micro_per_step))
+    run_plan = defaults.plan(method=config.method, parameters=total,
+                             n_examples=len(examples), batch_size=config.batch_size,
+                             grad_accum=config.grad_accum, world=accelerator.num_processes,
+                             steps=config.steps, epochs=config.epochs, lr=config.lr)
+    steps, config.lr = run_plan.steps, run_plan.lr
     warmup = config.warmup_steps if config.warmup_steps is not None else int(0.05 * steps)
     if accelerator.mixed_precision != "no":
         keep_input_dtype(model)
@@ -179,7 +181,8 @@ def run(config: TrainConfig, examples: list[Example], tokenizer) -> RunResult:
               f"{steps} steps of {schedule.global_batch * micro_per_step} examples on "
               f"{accelerator.num_processes} process(es), {accelerator.device}, "
               f"mixed precision {accelerator.mixed_precision}"
-              f"{', flash varlen attention' if varlen else ''}", flush=True)
+              f"{', flash varlen attention' if varlen else ''}; {run_plan.describe()}",
+              flush=True)
     pad_id = getattr(tokenizer, "pad_token_id", None) or 0
     collate = pack_batch if config.packing else pad_batch
     bar = None

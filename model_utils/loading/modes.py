@@ -72,9 +72,9 @@ class Mode:
         for the dropdown: bytes per parameter (scales and zero points included) and the path."""
         device = device or default_device()
         cost = f"{self.bytes_per_param:.2f} B/param"
-        if device == "cpu":
-            return f"{cost}; on the CPU every mode decodes eagerly (slow)" + (
-                ", weights dequantized in every forward" if self.is_weight_only else "")
+        if device == "cpu":  # every mode decodes eagerly there: dropdown_info says it once
+            return cost + ("; weights dequantized in every forward" if self.is_weight_only
+                           else "")
         if not self.compiles:
             return f"{cost}; slow on this GPU: eager path"
         kernel = {4: ", tinygemm int4 kernel", 8: ", dequantization fused into the matmul"}
@@ -91,22 +91,22 @@ class Mode:
 MODES: dict[str, Mode] = {
     m.name: m
     for m in (
-        Mode("fp32", "fp32 (full precision, 4 B/param)", "fp32", bytes_per_param=4.0),
-        Mode("bf16", "bf16 (2 B/param)", "bf16", bytes_per_param=2.0),
-        Mode("fp16", "fp16 (2 B/param)", "fp16", bytes_per_param=2.0),
+        Mode("fp32", "fp32", "fp32", bytes_per_param=4.0),
+        Mode("bf16", "bf16", "bf16", bytes_per_param=2.0),
+        Mode("fp16", "fp16", "fp16", bytes_per_param=2.0),
         # + one bf16 scale and one bf16 zero point per 128 weights
         Mode("int4-wo", "int4 weight-only, group 128", "bf16", group=FAST,
              weight_only_bits=4, group_size=128, bytes_per_param=0.5 + 4 / 128),
         # + one bf16 scale per output row (rows of 3584-18944 weights in a 7B model)
         Mode("int8-wo", "int8 weight-only, per-row scales", "bf16", group=FAST,
              weight_only_bits=8, bytes_per_param=1.0, bytes_per_row=2.0),
-        Mode("int8", "int8 LLM.int8 (bitsandbytes, ~1 B/param)", "fp16", "int8",
+        Mode("int8", "int8 LLM.int8", "fp16", "int8",
              bytes_per_param=1.0 + 4 / 4096, group=SAVERS, compiles=False),
-        Mode("nf4", "nf4 4-bit (bitsandbytes)", "bf16", "nf4",
+        Mode("nf4", "nf4 4-bit", "bf16", "nf4",
              bytes_per_param=0.5 + 4 / 64, group=SAVERS),
         Mode("nf4-dq", "nf4 4-bit + double quant", "bf16", "nf4", double_quant=True,
              bytes_per_param=0.5 + 1 / 64 + 4 / (64 * 256), group=SAVERS),
-        Mode("fp4", "fp4 4-bit (bitsandbytes)", "bf16", "fp4",
+        Mode("fp4", "fp4 4-bit", "bf16", "fp4",
              bytes_per_param=0.5 + 4 / 64, group=SAVERS),
         Mode("fp4-dq", "fp4 4-bit + double quant", "bf16", "fp4", double_quant=True,
              bytes_per_param=0.5 + 1 / 64 + 4 / (64 * 256), group=SAVERS),
@@ -122,15 +122,18 @@ def default_device() -> str:
 
 def dropdown_choices(device: str | None = None) -> list[tuple[str, str]]:
     """(label, name) for the mode dropdown, section by section; each label carries its section
-    and its cost on this device (a dropdown has no sections or per-entry help of its own)."""
-    return [(f"{group}: {m.label} ({m.help(device)})", m.name)
+    and its cost on this device (a dropdown has no sections or per-entry help of its own). The
+    labels say each thing once, the mode first, so that the closed box shows what is chosen."""
+    return [(f"{m.label} · {m.help(device)} · {group}", m.name)
             for group in GROUPS for m in MODES.values() if m.group == group]
 
 
 def dropdown_info(device: str | None = None) -> str:
-    where = "on this GPU" if (device or default_device()) == "cuda" else "on the CPU"
+    if (device or default_device()) == "cuda":
+        return (f"{' / '.join(GROUPS)}. Each entry: bytes per parameter with its scales and "
+                "zero points, and how it decodes on this GPU.")
     return (f"{' / '.join(GROUPS)}. Each entry: bytes per parameter with its scales and zero "
-            f"points, and how it decodes {where}.")
+            "points. On the CPU every mode decodes eagerly (slow).")
 
 
 def get_mode(name: str) -> Mode:

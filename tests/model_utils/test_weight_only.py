@@ -176,7 +176,7 @@ def test_the_dropdown_lists_the_modes_by_section_with_their_cost_on_the_device()
     for device in ("cpu", "cuda"):
         choices = dropdown_choices(device)
         assert sorted(name for _, name in choices) == sorted(MODES)
-        sections = [label.split(":")[0] for label, _ in choices]
+        sections = [label.split(" · ")[-1] for label, _ in choices]
         order = ["Full precision", "Fast quantized", "bitsandbytes memory savers"]
         assert sorted(set(sections), key=sections.index) == order  # each section together
         labels = {name: label for label, name in choices}
@@ -188,6 +188,9 @@ def test_the_dropdown_lists_the_modes_by_section_with_their_cost_on_the_device()
     assert all("slow on this GPU" not in gpu[m] for m in ("bf16", "int4-wo", "int8-wo", "nf4"))
     cpu = {name: label for label, name in dropdown_choices("cpu")}
     assert "weights dequantized in every forward" in cpu["int4-wo"]
+    # Each thing said once, the mode first: the closed box shows what is chosen.
+    assert cpu["bf16"] == "bf16 · 2.00 B/param · Full precision"
+    assert all(label.count("B/param") == 1 for label in {**cpu, **gpu}.values())
     assert get_mode("int4-wo").bytes_per_param == pytest.approx(0.5 + 4 / 128)
 
 

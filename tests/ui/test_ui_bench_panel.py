@@ -10,6 +10,16 @@ from playwright.sync_api import expect
 from .browser import open_browser
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+# Text holding "GB" drawn in the bundled font's bold face, whose "B" is a small capital (the
+# cards and tables read "Gʙ"): the unit must be in another face or weight.
+BOLD_GB = """root => { const bad = [];
+    const walk = document.createTreeWalker(document.querySelector(root), NodeFilter.SHOW_TEXT);
+    while (walk.nextNode()) { const node = walk.currentNode;
+        if (!/[GM]B/.test(node.textContent)) continue;
+        const style = getComputedStyle(node.parentElement);
+        if (Number(style.fontWeight) >= 600 && style.fontFamily.startsWith('"Source Sans Pro"'))
+            bad.push(node.textContent); }
+    return bad; }"""
 
 
 @pytest.fixture(scope="module")
@@ -51,13 +61,29 @@ def test_benchmark_tab_shows_a_readable_table_and_keeps_the_rest_in_details(app,
         assert cells[4] == "-"  # all replies' tokens/s: one reply
         assert cells[6] == "yes"  # logprobs close to plain generate on the CPU
         assert "None" not in table.inner_text() and "False" not in table.inner_text()
+        # Headers whole: no header laid out on more lines than it has words ("Mod e" was
+        # "Mode" broken inside the word in a narrow column).
+        lines_of = """h => { const r = document.createRange(); r.selectNodeContents(h);
+            return new Set([...r.getClientRects()].map(x => Math.round(x.top))).size; }"""
+        for th in table.locator("thead th").all():
+            assert th.evaluate(lines_of) <= len(th.inner_text().split()), th.inner_text()
+        # The CPU's path is eager like plain generate's: the page says what ratio to expect.
+        assert "x plain generate near 1" in page.locator("#bench-table").inner_text()
         # Every other figure is in a collapsed block, opened on request.
         full = page.locator("#bench-full")
         assert not full.is_visible()
         page.locator("#bench-details").get_by_text("Details").click()
         full.locator("table").wait_for()
-        assert "peer_tok_s" in full.inner_text()
+        assert "peer_tok_s" in full.inner_text() and "None" not in full.inner_text()
+        # A figure a line, a run a column: columns wide enough to read.
+        widths = full.locator("thead th").evaluate_all(
+            "hs => hs.map(h => h.getBoundingClientRect().width)")
+        assert len(widths) == 2 and min(widths) > 80, widths
         page.screenshot(path=str(artifacts / "benchmark-tab.png"), full_page=True)
+        assert page.evaluate(BOLD_GB, "#bench-table") == []
+        page.get_by_role("tab", name="Memory").click()
+        page.locator("#memory-cards b").first.wait_for()
+        assert page.evaluate(BOLD_GB, "#memory-cards") == []
 
 
 def test_under_admin_a_guest_cannot_run_the_benchmark(admin_app, artifacts):

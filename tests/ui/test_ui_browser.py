@@ -171,7 +171,7 @@ def test_switch_mode_updates_status_and_memory(page, artifacts):
     page.locator("#model-path input, #model-path textarea").fill("")
 
     page.locator("#mode input").click()
-    page.get_by_role("option", name="nf4 4-bit (bitsandbytes)").click()
+    page.get_by_role("option", name="nf4 4-bit ·").click()
     page.locator("#estimate").get_by_text("Fits").wait_for()
     page.locator("#load").click()
     # The message once done (the progress line drawn there during the load says "loaded" too).

@@ -4,6 +4,7 @@ even when the start-up model cannot be loaded."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import urllib.request
@@ -80,3 +81,18 @@ def test_starts_without_a_model_when_the_startup_load_fails(start_app):
     assert client.predict("demo", "bf16", "cpu", api_name="/load_model")["loaded"]
     reply = client.predict("Hi", [], {"max_new_tokens": 4, "temperature": 0}, api_name="/chat")
     assert reply["done"]
+
+
+def test_the_console_shows_only_this_apps_lines(start_app):
+    """No gradio start lines (their share=True advice contradicts --share + --auth), no library
+    progress bars or notices: each line is one of this app's log records."""
+    app = start_app("--mode", "nf4", "--placement", "cpu")
+    Client(app.url, verbose=False).predict(
+        "Hi", [], {"max_new_tokens": 4, "temperature": 0}, api_name="/chat")
+    console = app.output()
+    assert "serving on http://127.0.0.1" in console
+    assert "share=True" not in console and "Running on local URL" not in console
+    assert "kernels" not in console and "Loading weights" not in console
+    lines = [line for line in console.splitlines() if line.strip()]
+    strays = [line for line in lines if not re.match(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+ ", line)]
+    assert not strays, strays

@@ -40,7 +40,7 @@ def app(start_app, models_dir):
 def start_args(models_dir, name="qa-adapter"):
     # model, upload, data path, name, method, epochs, steps, lr, batch, accum, max len, rank,
     # packing
-    return ["demo", None, str(models_dir / "qa.jsonl"), name, "lora", 3, 60, 5e-3, 4, 1,
+    return ["demo", None, str(models_dir / "qa.jsonl"), name, "lora", 3, "60", "5e-3", 4, 1,
             256, 16, False]
 
 
@@ -86,3 +86,60 @@ def test_the_admin_trains_and_the_adapter_answers_in_chat(app, models_dir):
         reply = admin.predict(question, [], {"temperature": 0, "max_new_tokens": 40},
                               api_name="/chat")
         assert reply["answer"].strip() == answer
+
+
+def test_a_stopped_run_offers_continue_and_goes_on_from_its_checkpoint(app, models_dir):
+    admin = Client(app.url, auth=ADMIN, verbose=False)
+    args = start_args(models_dir, "long-run")
+    args[6] = "100000"
+    admin.predict(*args, api_name="/train_start")
+    deadline = time.monotonic() + 300
+    while (status := admin.predict(api_name="/train_status"))["step"] < 2:
+        assert status["state"] == "running" and time.monotonic() < deadline, status
+        time.sleep(0.5)
+    admin.predict(api_name="/train_stop")
+    while (status := admin.predict(api_name="/train_status"))["state"] == "running":
+        assert time.monotonic() < deadline, status
+        time.sleep(0.5)
+    assert status["state"] == "stopped" and status["resumable"], status
+    assert "press Continue" in status["message"], status
+    assert "--resume" not in status["message"] and "/" not in status["message"], status
+    stopped_at = status["step"]
+    assert "Continuing **long-run**" in admin.predict(api_name="/train_continue")
+    while (status := admin.predict(api_name="/train_status"))["step"] <= stopped_at:
+        assert status["state"] == "running" and time.monotonic() < deadline, status
+        time.sleep(0.5)
+    admin.predict(api_name="/train_stop")
+    while admin.predict(api_name="/train_status")["state"] == "running":
+        time.sleep(0.5)
+
+
+def test_the_form_shows_the_values_a_run_will_use(app):
+    from .browser import open_browser
+
+    with open_browser() as browser:
+        page = browser.new_page()
+        page.goto(app.url)
+        page.get_by_label("username").fill(ADMIN[0])
+        page.get_by_label("password").fill(ADMIN[1])
+        page.get_by_role("button", name="Login").click()
+        page.get_by_role("tab", name="Train").click()
+        steps = page.locator("#train-steps textarea, #train-steps input")
+        rate = page.locator("#train-lr textarea, #train-lr input")
+        assert steps.input_value() == "" and rate.input_value() == ""
+        assert steps.get_attribute("placeholder") == "from epochs"
+        assert rate.get_attribute("placeholder") == "0.005"
+        plan = page.locator("#train-plan")
+        assert "3 epochs of the data, at least 120" in plan.inner_text()
+        assert "learning rate 0.005 (lora on a model under 100M parameters)" in \
+            plan.inner_text()
+        rate.fill("abc")
+        rate.blur()
+        page.wait_for_function("() => document.querySelector('#train-plan')"
+                               ".innerText.includes('must be a number')")
+        rate.fill("")
+        page.locator("#train-method input").fill("full")
+        page.locator("#train-method input").press("Enter")
+        page.wait_for_function("() => document.querySelector('#train-plan')"
+                               ".innerText.includes('learning rate 0.001 (full')")
+        assert rate.get_attribute("placeholder") == "0.001"
