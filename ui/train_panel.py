@@ -8,6 +8,7 @@ run, checked here on the server for clicks and API calls alike.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import gradio as gr
@@ -19,12 +20,14 @@ from model_utils.finetune.runner import TrainingRunner, TrainRefused, TrainReque
 from model_utils.loading.registry import ModelNotFound
 from server import model_actions as actions
 from server.common import require_admin, user_error
+from server.shutdown import on_shutdown
 
 REFRESH_S = 2.0
 
 
 def build_train_panel(engine: Engine, *, status: gr.State, admin: str | None = None) -> dict:
     runner = TrainingRunner(engine.registry, output_dir=engine.registry.trained_dir)
+    on_shutdown(runner.shutdown)  # a run never outlives the server
     c: dict = {}
     bases = [(label, name) for label, name in engine.registry.choices() if "adapter on" not in label]
     with gr.Row(equal_height=False):
@@ -128,7 +131,7 @@ def _wire(c: dict, engine: Engine, runner: TrainingRunner, status: gr.State,
 def _int(value) -> int | None:
     if value is None or value == "":
         return None
-    if not float(value).is_integer():
+    if not math.isfinite(float(value)) or not float(value).is_integer():
         raise user_error(f"expected a whole number, got {value}")
     return int(value)
 
@@ -136,7 +139,8 @@ def _int(value) -> int | None:
 def _progress_text(progress: dict) -> str:
     state = progress["state"]
     if state == "idle":
-        return "No training run yet."
+        return "No training run yet." + (f"\n\n{progress['message']}"
+                                         if progress.get("message") else "")
     line = f"**{progress['name']}**: {state} · step {progress['step']}/{progress['total'] or '?'}"
     if progress.get("loss") is not None:
         line += f" · loss {progress['loss']:.4f} · {progress['tok_s']:,.0f} tokens/s"
