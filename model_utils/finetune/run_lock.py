@@ -32,6 +32,8 @@ class RunLock:
             return False
         except PermissionError:  # another user's process: not ours
             return False
+        if _process_state(self.pid) == "Z":  # ended, not yet reaped by its parent
+            return False
         return self.start_ticks is None or process_start_ticks(self.pid) == self.start_ticks
 
     def end(self, wait_s: float) -> str:
@@ -52,15 +54,25 @@ class RunLock:
         return "killed"
 
 
-def process_start_ticks(pid: int) -> int | None:
-    """The process's start time in clock ticks since boot (field 22 of /proc/PID/stat)."""
+def _stat_fields(pid: int) -> list[str] | None:
+    """/proc/PID/stat from field 3 on (None without /proc)."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return None
     # The command name (field 2) may hold spaces and parentheses: count from the last ")".
-    fields = stat[stat.rindex(")") + 2:].split()
-    return int(fields[19])
+    return stat[stat.rindex(")") + 2:].split()
+
+
+def _process_state(pid: int) -> str | None:
+    fields = _stat_fields(pid)
+    return fields[0] if fields else None
+
+
+def process_start_ticks(pid: int) -> int | None:
+    """The process's start time in clock ticks since boot (field 22 of /proc/PID/stat)."""
+    fields = _stat_fields(pid)
+    return int(fields[19]) if fields else None
 
 
 def write(folder: Path) -> Path:
