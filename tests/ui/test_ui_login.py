@@ -159,3 +159,27 @@ def test_an_import_the_browser_cannot_keep_is_refused_and_one_it_can_is_kept(
     page.locator("#chatbot").get_by_text("FITS", exact=False).first.wait_for()
     assert page.locator("#chatbot").get_by_text("BIG b", exact=False).count() == 0
     page.context.close()
+
+
+def post_login(url: str, user: str, password: str) -> tuple[int, str]:
+    import urllib.error
+    import urllib.parse
+    import urllib.request
+
+    body = urllib.parse.urlencode({"username": user, "password": password}).encode()
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url + "/login", data=body),
+                                    timeout=10) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as error:
+        return error.code, error.read().decode()
+
+
+def test_failed_logins_are_logged_and_limited(app):
+    for _ in range(5):
+        assert post_login(app.url, "boss", "guess")[0] == 400
+    status, body = post_login(app.url, "boss", "pw1")  # even the right password, for now
+    assert status == 429 and "too many failed logins for this user: try again in" in body
+    assert app.log().count("login failed for user 'boss' from 127.0.0.1") == 5
+    assert "guess" not in app.log()  # passwords are never logged
+    assert post_login(app.url, "guest", "pw2")[0] == 200  # other names are not locked out
