@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import json
 import signal
+import stat
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 from gradio_client import Client
@@ -60,11 +62,45 @@ def test_a_graceful_shutdown_ends_the_run_after_a_checkpoint(start_app, models_d
     Client(app.url, verbose=False).predict(*long_run(models_dir, "at-shutdown"),
                                            api_name="/train_start")
     lock = training(models_dir, "at-shutdown")
+    uploads = check_uploads(app.url)
     app.proc.send_signal(signal.SIGTERM)
     assert app.proc.wait(timeout=60) == 0
     assert not lock.alive(), "the run outlived its server"
     assert ckpt.has_checkpoint(models_dir / "at-shutdown")
     assert "at-shutdown stopped for the shutdown" in app.log()
+    assert not uploads.exists(), "the uploads outlived the server"
+
+
+def upload(url: str, data: bytes) -> tuple[int, str]:
+    import urllib.error
+    import urllib.request
+
+    boundary = "qwenchatboundary"
+    body = (f"--{boundary}\r\nContent-Disposition: form-data; name=\"files\"; "
+            f"filename=\"data.jsonl\"\r\nContent-Type: application/octet-stream\r\n\r\n"
+            ).encode() + data + f"\r\n--{boundary}--\r\n".encode()
+    request = urllib.request.Request(url + "/gradio_api/upload", data=body, headers={
+        "Content-Type": f"multipart/form-data; boundary={boundary}"})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as error:
+        return error.code, error.read().decode()
+
+
+def check_uploads(url: str) -> Path:
+    """An upload lands in a folder of the server's own, private to its user; one over the
+    cap is refused with a message. Returns that folder."""
+    from server.uploads import MAX_UPLOAD_MB
+
+    status, body = upload(url, b'{"messages": []}\n')
+    assert status == 200, body
+    stored = Path(json.loads(body)[0])
+    folder = next(p for p in stored.parents if p.name.startswith("qwen-chat-uploads-"))
+    assert stat.S_IMODE(folder.stat().st_mode) == 0o700
+    status, body = upload(url, b"x" * (MAX_UPLOAD_MB * 2**20 + 1))
+    assert status == 413 and "maximum allowed size" in body, (status, body[:300])
+    return folder
 
 
 def test_a_run_stops_itself_when_its_server_is_killed(start_app, models_dir):
