@@ -152,6 +152,12 @@ def main(argv: list[str] | None = None) -> int:
         log.error("cannot serve on %s:%s: %s", args.host, args.port, reason)
         return 1
 
+    from server.uploads import MAX_UPLOAD, private_upload_dir, remove_upload_dir
+
+    upload_dir = private_upload_dir()  # before gradio is imported: it reads the folder then
+    if upload_dir is not None:
+        log.info("uploads are kept in %s (private to this user, removed at shutdown)",
+                 upload_dir)
     # Heavy imports after the checks: --help and refused flags answer at once.
     from fastapi import APIRouter
 
@@ -196,12 +202,13 @@ def main(argv: list[str] | None = None) -> int:
             # opens.
             app_kwargs={"routes": openai_routes.routes,
                         "middleware": [ui.request_guard(logins, served_hosts(args))]},
-            footer_links=["api", "settings"],
+            footer_links=["api", "settings"], max_file_size=MAX_UPLOAD,
             # gradio's own start lines repeat the URL logged below and advise share=True, which
             # this app allows only with --auth: the console shows this app's lines only.
             quiet=True)
     except OSError as error:  # the port is taken, or the address is not this machine's
         log.error("cannot serve on %s:%s: %s", args.host, args.port, error)
+        remove_upload_dir(upload_dir)
         return 1
     log.info("serving on %s", local_url)
     process_tuning.serving_started()  # the web server's objects: no long GC pauses either
@@ -218,6 +225,7 @@ def main(argv: list[str] | None = None) -> int:
 
     why = wait_for_signal()
     shut_down(engine, demo, why=why, grace_s=args.shutdown_grace)
+    remove_upload_dir(upload_dir)
     return 0
 
 

@@ -17,6 +17,11 @@ from typing import Any
 EXPORT_FORMAT = "qwen-chat-conversation"
 MAX_IMPORT_BYTES = 5 * 1024 * 1024
 MAX_TURNS = 2000
+# What the browser can keep: gr.BrowserState stores the conversation encrypted and base64'd in
+# localStorage (about 4/3 of its UTF-8 size, as UTF-16: 2 bytes a character), and a browser
+# gives a site 5-10 MB in all. A conversation past this was accepted, then lost at the next
+# reload (QuotaExceededError), so an import past it is refused.
+MAX_KEPT_BYTES = 2 * 1024 * 1024
 
 
 class ConversationError(ValueError):
@@ -99,6 +104,11 @@ def import_json(text: str) -> tuple[list[dict], str | None]:
         data = json.loads(text)
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
         raise ConversationError(f"not a JSON file: {error}") from None
+    except RecursionError:
+        raise ConversationError("the JSON is nested too deeply to read") from None
+    except ValueError:  # json refuses integers of more than 4300 digits
+        raise ConversationError("the JSON holds a number too long to read (over 4300 "
+                                "digits)") from None
     system_prompt = None
     if isinstance(data, dict):
         if not isinstance(data.get("messages"), list):
@@ -111,6 +121,13 @@ def import_json(text: str) -> tuple[list[dict], str | None]:
     # A leading system message (OpenAI style) becomes the system prompt.
     if turns and turns[0]["role"] == "system":
         system_prompt = turns.pop(0)["content"]
+    kept = len(json.dumps(turns, ensure_ascii=False).encode()) + \
+        len((system_prompt or "").encode())
+    if kept > MAX_KEPT_BYTES:
+        raise ConversationError(
+            f"the conversation is {kept / 2**20:.1f} MB and the browser keeps at most "
+            f"{MAX_KEPT_BYTES // 2**20} MB of it (it would be lost at the next reload): "
+            "import a shorter part of it")
     return turns, system_prompt
 
 

@@ -8,6 +8,7 @@ middleware around the whole app):
 - Content-Type: with no logins, POST /v1/... must be application/json. A cross-site page may
   send text/plain without the browser asking first (no CORS preflight); it may not send JSON.
 - Logins: FastAPI's schema and docs (/openapi.json, /docs, /redoc) need one when logins are on.
+- Logins on /login: failures logged and limited (login_limit.py).
 - JSON bodies: parsed once here by request_models.parse_json, so that a body gradio or the
   OpenAI route could not parse safely (100 000 nested brackets, a lone surrogate) is a 400 with
   a plain message instead of a RecursionError or a TypeError deep inside.
@@ -23,6 +24,7 @@ import logging
 from starlette.middleware import Middleware
 
 from .errors import ClientError
+from .login_limit import LOGIN_PATHS, MAX_FORM_BYTES, LoginLimiter, form_user
 from .request_models import MAX_JSON_BYTES, parse_json
 
 log = logging.getLogger("ui")
@@ -68,6 +70,7 @@ class RequestGuard:
                  allowed_hosts: set[str] | None):
         self.app = app
         self.logins = logins or []
+        self.login_limiter = LoginLimiter()
         # Logins protect the app on their own (and a share link has a Host of its own).
         self.allowed_hosts = {h.lower() for h in allowed_hosts} \
             if allowed_hosts and not self.logins else None
@@ -81,10 +84,33 @@ class RequestGuard:
             return
         try:
             receive = await self._check(scope, receive)
+            if self.logins and scope["method"] == "POST" and scope["path"] in LOGIN_PATHS:
+                receive, send = await self._limit_login(scope, receive, send)
         except ClientError as error:
             await self._refuse(scope, send, error)
             return
         await self.app(scope, receive, send)
+
+    async def _limit_login(self, scope, receive, send):
+        body = await _read_body(receive, MAX_FORM_BYTES)
+        user = form_user(body)
+        address = (scope.get("client") or ("?",))[0]
+        wait = self.login_limiter.wait_s(address, user)
+        if wait > 0:
+            log.warning("login refused for user %r from %s: too many failed logins",
+                        user[:64], address)
+            raise ClientError(429, "too many failed logins for this user: try again in "
+                              f"{wait:.0f} s")
+
+        async def watch(message):  # gradio answers 400 to wrong credentials
+            if message["type"] == "http.response.start":
+                if message["status"] == 400:
+                    self.login_limiter.failed(address, user)
+                elif message["status"] < 400:
+                    self.login_limiter.succeeded(address, user)
+            await send(message)
+
+        return _replay(body, receive), watch
 
     async def _check(self, scope, receive):
         if not self._host_ok(scope):
@@ -154,7 +180,7 @@ def _header(scope, name: bytes) -> str:
     return ""
 
 
-async def _read_body(receive) -> bytes:
+async def _read_body(receive, limit: int = MAX_JSON_BYTES) -> bytes:
     chunks, size = [], 0
     while True:
         message = await receive()
@@ -162,8 +188,9 @@ async def _read_body(receive) -> bytes:
             raise ClientError(400, "the client went away before sending the body")
         chunk = message.get("body", b"")
         size += len(chunk)
-        if size > MAX_JSON_BYTES:
-            raise ClientError(413, f"the body is larger than {MAX_JSON_BYTES // 2**20} MB")
+        if size > limit:
+            size_text = f"{limit // 2**20} MB" if limit >= 2**20 else f"{limit // 1024} KB"
+            raise ClientError(413, f"the body is larger than {size_text}")
         chunks.append(chunk)
         if not message.get("more_body", False):
             return b"".join(chunks)

@@ -37,16 +37,32 @@ def wait_for_signal() -> str:
     return received[0]
 
 
+# What else must end with the server, each called with the grace period in seconds (a
+# training run: it would otherwise outlive the server, re-parented to PID 1).
+_ON_SHUTDOWN: list = []
+
+
+def on_shutdown(callback) -> None:
+    """callback(grace_s) runs, beside the replies' grace period, when the server closes."""
+    _ON_SHUTDOWN.append(callback)
+
+
 def shut_down(engine, demo, *, why: str, grace_s: float) -> None:
     open_now = engine.open_replies()
     log.info("shutting down (%s): no new requests; %d open replies get up to %.0f s to finish",
              why, open_now, grace_s)
     engine.stop_admitting(CLOSING)
+    others = [threading.Thread(target=callback, args=(grace_s,), daemon=True)
+              for callback in _ON_SHUTDOWN]
+    for thread in others:
+        thread.start()
     if not _wait(lambda: engine.open_replies() == 0, grace_s):
         ended = engine.end_replies(ENDED)
         log.warning("shutting down: %d replies still open after %.0f s were ended", ended,
                     grace_s)
         _wait(lambda: engine.open_replies() == 0, 10.0)
+    for thread in others:
+        thread.join(timeout=grace_s + 10.0)
     time.sleep(FLUSH_S)
     demo.close(verbose=False)
     log.info("shut down")

@@ -23,7 +23,7 @@ from server.model_actions import headline
 from server.openai_api import register_openai_api
 
 from .bench_panel import build_bench_panel
-from .chat_panel import build_chat_panel
+from .chat_panel import STORAGE_KEYS, STORAGE_OWNER_KEY, build_chat_panel
 from .memory_panel import build_memory_panel
 from .model_panel import build_model_panel
 from .remote_panel import (
@@ -68,8 +68,8 @@ def build(engine: Engine, *, admin: str | None = None, info: AppInfo | None = No
             header = gr.Markdown(headline(engine.status()), elem_id="headline")
             # Relative, so it also works under a proxy's root path; /logout clears the cookie
             # and sends the browser back to the login page.
-            gr.Button("Log out", link="logout", size="sm", scale=0, min_width=90,
-                      elem_id="logout", visible=logout)
+            logout_button = gr.Button("Log out", link="logout", size="sm", scale=0,
+                                      min_width=90, elem_id="logout", visible=logout)
         banner = gr.Markdown(info.banner(), elem_id="banner")
         with gr.Tabs():
             with gr.Tab("Chat", id="chat"):
@@ -99,6 +99,11 @@ def build(engine: Engine, *, admin: str | None = None, info: AppInfo | None = No
             for title, builder in extra_panels:
                 with gr.Tab(title):
                     builder(engine)
+        # The conversation and settings kept in this browser go with the login (the next
+        # page load checks their owner as well, for a login that ends without this click).
+        keys = [*STORAGE_KEYS, STORAGE_OWNER_KEY]
+        logout_button.click(None, js=f"() => {{ for (const key of {keys!r}) "
+                            "localStorage.removeItem(key); }")
         status.change(headline, status, header, api_visibility="private",
                       show_progress="hidden")
         _follow_engine(engine, status)

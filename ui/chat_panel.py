@@ -37,6 +37,8 @@ from .chat_settings import context_bounded, keep_settings, setting_controls
 INTERRUPTED = "interrupted: the page was reloaded or closed during the reply"
 SAVE_INTERVAL_S = 1.0  # how often a streaming reply is written to the browser's storage
 DEFAULT_CONTEXT = 8192  # the slider's range before any model is loaded
+STORAGE_KEYS = ("qwen-chat-conversation", "qwen-chat-settings")
+STORAGE_OWNER_KEY = "qwen-chat-owner"
 
 
 def buttons(generating: bool) -> tuple:
@@ -84,8 +86,11 @@ def build_chat_panel(engine: Engine, *, demo: gr.Blocks, status: gr.State) -> di
                 c["export_file"] = gr.File(label="Exported conversation", visible=False,
                                            interactive=False)
     # The conversation and the settings, in the browser's localStorage: they survive a reload.
-    c["conversation"] = gr.BrowserState([], storage_key="qwen-chat-conversation")
-    c["saved_settings"] = gr.BrowserState({}, storage_key="qwen-chat-settings")
+    c["conversation"] = gr.BrowserState([], storage_key=STORAGE_KEYS[0])
+    c["saved_settings"] = gr.BrowserState({}, storage_key=STORAGE_KEYS[1])
+    # Whose they are: with logins, the next user of the same browser must not get (and send
+    # the model) the previous user's conversation and system prompt.
+    c["owner"] = gr.BrowserState("", storage_key=STORAGE_OWNER_KEY)
     _wire(c, engine, signals, export_dir, demo, status)
     return c
 

@@ -60,7 +60,15 @@ def keep_settings(c: dict, engine: Engine, demo: gr.Blocks, settings_inputs: lis
           api_visibility="private", show_progress="hidden", trigger_mode="always_last",
           concurrency_limit=None)
 
-    def on_page_load(conversation: list[dict], saved: dict):
+    def on_page_load(conversation: list[dict], saved: dict, owner: str,
+                     request: gr.Request):
+        user = getattr(request, "username", None) or ""
+        forget = owner != user
+        if forget:  # another login's conversation and settings: not shown, not sent
+            if owner:
+                log.info("page load: the browser held another login's conversation; "
+                         "cleared for %s", user or "-")
+            conversation, saved = [], {}
         try:  # what the browser kept is the user's to edit: a broken copy starts afresh
             conversation = validate_history(conversation or [])
         except ConversationError as error:
@@ -80,10 +88,12 @@ def keep_settings(c: dict, engine: Engine, demo: gr.Blocks, settings_inputs: lis
         # The message box opens only now: a message typed or a setting changed before the
         # saved ones are put back would be overwritten by them.
         ready = gr.update(interactive=True, placeholder=MESSAGE_PLACEHOLDER)
-        return [chatbot_messages(conversation), ready, *updates]
+        kept = ([], {}, user) if forget else (gr.skip(),) * 3
+        return [chatbot_messages(conversation), ready, *kept, *updates]
 
-    demo.load(on_page_load, [c["conversation"], c["saved_settings"]],
-              [c["chatbot"], c["message"], *settings_inputs], api_visibility="private",
+    demo.load(on_page_load, [c["conversation"], c["saved_settings"], c["owner"]],
+              [c["chatbot"], c["message"], c["conversation"], c["saved_settings"],
+               c["owner"], *settings_inputs], api_visibility="private",
               show_progress="hidden")
 
 

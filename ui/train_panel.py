@@ -9,6 +9,7 @@ run, checked here on the server for clicks and API calls alike.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import gradio as gr
@@ -20,12 +21,14 @@ from model_utils.finetune.runner import TrainingRunner, TrainRefused, TrainReque
 from model_utils.loading.registry import ModelNotFound
 from server import model_actions as actions
 from server.common import require_admin, user_error
+from server.shutdown import on_shutdown
 
 REFRESH_S = 2.0
 
 
 def build_train_panel(engine: Engine, *, status: gr.State, admin: str | None = None) -> dict:
     runner = TrainingRunner(engine.registry, output_dir=engine.registry.trained_dir)
+    on_shutdown(runner.shutdown)  # a run never outlives the server
     c: dict = {}
     first_plan, first_lr = _first_plan(runner)
     bases = [(label, name) for label, name in engine.registry.choices() if "adapter on" not in label]
@@ -180,7 +183,7 @@ def _int(value, what: str) -> int | None:
     number = _float(value, what)
     if number is None:
         return None
-    if not number.is_integer():
+    if not math.isfinite(number) or not number.is_integer():
         raise user_error(f"{what} must be a whole number, got {value}")
     return int(number)
 
@@ -190,15 +193,19 @@ def _float(value, what: str) -> float | None:
     if value is None or str(value).strip() == "":
         return None
     try:
-        return float(str(value).strip())
+        number = float(str(value).strip())
     except ValueError:
         raise user_error(f"{what} must be a number, got {value!r}") from None
+    if not math.isfinite(number):
+        raise user_error(f"{what} must be a finite number, got {value!r}")
+    return number
 
 
 def _progress_text(progress: dict) -> str:
     state = progress["state"]
     if state == "idle":
-        return "No training run yet."
+        return "No training run yet." + (f"\n\n{progress['message']}"
+                                         if progress.get("message") else "")
     line = f"**{progress['name']}**: {state} · step {progress['step']}/{progress['total'] or '?'}"
     if progress.get("loss") is not None:
         line += f" · loss {progress['loss']:.4f} · {progress['tok_s']:,.0f} tokens/s"

@@ -99,7 +99,7 @@ def read_train_log(out: str | Path) -> list[dict]:
     path = Path(out) / TRAIN_LOG
     rows = []
     try:
-        lines = path.read_text().splitlines()
+        lines = path.read_text().split("\n")
     except OSError:
         return rows
     for line in lines:

@@ -18,7 +18,7 @@ import sys
 import warnings
 from pathlib import Path
 
-from . import defaults
+from . import defaults, run_lock
 from .data import DataError, read_conversations, tokenize_conversations
 from .models import METHODS, MethodUnavailable, qlora_unavailable_reason
 
@@ -118,7 +118,13 @@ def main(argv: list[str] | None = None) -> int:
         examples = tokenize_conversations(tokenizer, conversations, max_len=args.max_len,
                                           source=str(args.data))
         args.out.mkdir(parents=True, exist_ok=True)
-        result = run(config, examples, tokenizer)
+        if _is_main():  # whoever looks at OUT later can tell that this process trains into it
+            run_lock.write(args.out)
+        try:
+            result = run(config, examples, tokenizer)
+        finally:
+            if _is_main():
+                run_lock.release(args.out)
     except Interrupted as stopped:
         print(f"interrupted: {stopped}", file=sys.stderr)
         return EXIT_INTERRUPTED

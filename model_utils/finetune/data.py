@@ -55,7 +55,10 @@ def read_conversations(path: str | Path) -> list[list[dict]]:
     except (OSError, UnicodeDecodeError) as error:
         raise DataError(f"{path}: cannot read the data file ({error})") from error
     conversations = []
-    for number, line in enumerate(text.splitlines(), start=1):
+    # JSONL lines end at "\n" only: str.splitlines also splits at U+2028, U+0085 and other
+    # characters that valid JSON may hold unescaped inside a string.
+    for number, line in enumerate(text.split("\n"), start=1):
+        line = line.removesuffix("\r")
         if not line.strip():
             continue
         conversations.append(_parse_line(line, f"{path}:{number}"))
@@ -69,6 +72,10 @@ def _parse_line(line: str, where: str) -> list[dict]:
         record = json.loads(line)
     except json.JSONDecodeError as error:
         raise DataError(f"{where}: not valid JSON ({error.msg} at column {error.colno})") from None
+    except RecursionError:
+        raise DataError(f"{where}: nested too deeply to read") from None
+    except ValueError:  # json refuses integers of more than 4300 digits
+        raise DataError(f"{where}: holds a number too long to read (over 4300 digits)") from None
     messages = record.get("messages") if isinstance(record, dict) else None
     if not isinstance(messages, list) or not messages:
         raise DataError(f'{where}: expected an object with a non-empty "messages" list')

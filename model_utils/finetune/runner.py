@@ -25,9 +25,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import checkpoint as ckpt
-from . import defaults
+from . import defaults, run_lock
 from .data import DataError, count_examples, read_conversations
 from .models import METHODS
+from .train import PARENT_ENV
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +37,23 @@ _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 # full fine-tuning fp32 gradients and Adam's two moments; activations come on top (margin).
 _BYTES_PER_PARAM = {"lora": 2.0, "qlora": 0.56, "full": 16.0}
 _ACTIVATION_MARGIN = 1.3
+# Sizes beyond these are refused at the door: an optimizer step of 1e6 micro-batches never
+# ends in practice. Per field, and tokens per optimizer step (accumulation x batch x max
+# tokens) as a whole; 2**24 is 16 x 16 x 64k, far past any run this app serves.
+LIMITS = {"batch_size": ("Batch size", 1024), "grad_accum": ("Grad accumulation", 4096),
+          "max_len": ("Max tokens", 131072), "lora_r": ("LoRA rank", 1024)}
+MAX_TOKENS_PER_STEP = 2**24
+# After Stop (SIGTERM) the run saves a checkpoint within one micro-batch; one that has not
+# ended after this long is killed, so that a stuck run can never block the next.
+STOP_WAIT_S = 20.0
+# A leftover run of an earlier server gets this long to save its checkpoint at start-up.
+LEFTOVER_WAIT_S = 15.0
+# The loss curve sent to the page and the API: at most this many points (evenly spaced
+# steps, the last one always in), so that a long run's refresh stays small.
+MAX_CURVE_POINTS = 400
+# What a run that ended before its first checkpoint leaves: such a folder may be reused.
+_RUN_LEFTOVERS = {"console.txt", ckpt.TRAIN_LOG, run_lock.RUN_LOCK, "checkpoint.tmp",
+                  "checkpoint.old"}
 
 
 class TrainRefused(ValueError):
@@ -65,8 +83,16 @@ class TrainRequest:
             raise TrainRefused(f"method must be one of {', '.join(METHODS)}")
         for key, low in (("batch_size", 1), ("grad_accum", 1), ("max_len", 16), ("lora_r", 1)):
             value = getattr(self, key)
-            if not isinstance(value, int) or value < low:
-                raise TrainRefused(f"{key} must be an integer of at least {low}")
+            label, high = LIMITS[key]
+            if not isinstance(value, int) or not low <= value <= high:
+                raise TrainRefused(f"{label} ({key}) must be a whole number from {low} to "
+                                   f"{high:,}")
+        tokens = self.grad_accum * self.batch_size * self.max_len
+        if tokens > MAX_TOKENS_PER_STEP:
+            raise TrainRefused(
+                f"Grad accumulation x Batch size x Max tokens is {tokens:,} tokens per "
+                f"optimizer step; at most {MAX_TOKENS_PER_STEP:,}: lower Grad accumulation "
+                f"(grad_accum, now {self.grad_accum:,})")
         if self.steps is not None and (not isinstance(self.steps, int) or self.steps < 1):
             raise TrainRefused("steps must be a positive integer (or empty to use epochs)")
         if self.lr is not None and not 0 < self.lr < 1:
@@ -81,13 +107,14 @@ class TrainJob:
     console: Path
     started: float = field(default_factory=time.time)
     stopped_by_user: bool = False
+    killed_after_stop: bool = False
 
     @property
     def state(self) -> str:
         code = self.process.poll()
         if code is None:
             return "running"
-        if code == 0:
+        if code == 0:  # done, even when a Stop came after the last step
             return "finished"
         return "stopped" if self.stopped_by_user or code == 130 else "failed"
 
@@ -98,6 +125,22 @@ class TrainingRunner:
         self.output_dir = output_dir
         self._lock = threading.Lock()
         self.job: TrainJob | None = None
+        self.leftover_note = self._end_leftover_runs()
+
+    def _end_leftover_runs(self) -> str:
+        """Runs still training into our folders, left by an earlier server (killed outright)
+        or started by hand: ended now (after a checkpoint), so that the tab's idle is true and
+        no second run starts beside one nothing here could stop."""
+        notes = []
+        for lock in run_lock.live_runs(self.output_dir):
+            how = lock.end(LEFTOVER_WAIT_S)
+            log.warning("training: a run left by an earlier process (pid %d, %s) was %s at "
+                        "start-up", lock.pid, lock.folder.name, how)
+            resume = " (Start with the same name resumes it from its checkpoint)" \
+                if ckpt.has_checkpoint(lock.folder) else ""
+            notes.append(f"A run left by an earlier server, **{lock.folder.name}**, was {how} "
+                         f"at start-up{resume}.")
+        return " ".join(notes)
 
     def start(self, request: TrainRequest, *, served_model_gb: float = 0.0) -> TrainJob:
         request.check()
@@ -115,9 +158,16 @@ class TrainingRunner:
             except DataError as error:
                 raise TrainRefused(str(error).replace(str(data), data.name)) from None
             _check_gpu_room(source.path, request.method)
+            if others := run_lock.live_runs(self.output_dir):
+                other = others[0]
+                raise TrainRefused(f"a run not started here trains into {other.folder.name!r} "
+                                   f"(pid {other.pid}): press Stop to end it first")
             out = self.output_dir / request.name
             if out.exists() and not ckpt.has_checkpoint(out):
-                raise TrainRefused(f"{request.name!r} exists already: pick another name")
+                if not _only_run_leftovers(out):
+                    raise TrainRefused(f"{request.name!r} exists already: pick another name")
+                # A run that ended before its first checkpoint: nothing in it to keep.
+                shutil.rmtree(out)
             out.mkdir(parents=True, exist_ok=True)
             console = out / "console.txt"
             # nice(1): replies come first on a shared CPU (a preexec_fn is unsafe in a
@@ -142,7 +192,8 @@ class TrainingRunner:
                 process = subprocess.Popen(
                     argv, stdout=stream, stderr=subprocess.STDOUT,
                     cwd=Path(__file__).resolve().parents[2],
-                    env={"OMP_NUM_THREADS": "1", **os.environ, "PYTHONUNBUFFERED": "1"})
+                    env={"OMP_NUM_THREADS": "1", **os.environ, "PYTHONUNBUFFERED": "1",
+                         PARENT_ENV: str(os.getpid())})
             self.job = TrainJob(request, out, process, console)
             return self.job
 
@@ -173,27 +224,50 @@ class TrainingRunner:
             if not _is_upload(data) else Path(data).resolve()
 
     def stop(self) -> bool:
-        """Ask the run to stop (it saves a checkpoint first); True if one was running."""
+        """Ask the run to stop (it saves a checkpoint within one micro-batch; killed if it has
+        not ended after STOP_WAIT_S); True if one was running."""
         job = self.job
         if job is None or job.state != "running":
-            return False
-        job.stopped_by_user = True
-        job.process.send_signal(signal.SIGTERM)
+            others = run_lock.live_runs(self.output_dir)
+            for lock in others:  # a run not started here: ended in the background
+                threading.Thread(target=lock.end, args=(STOP_WAIT_S,), daemon=True).start()
+            return bool(others)
+        if not job.stopped_by_user:
+            job.stopped_by_user = True
+            job.process.send_signal(signal.SIGTERM)
+            threading.Thread(target=self._kill_if_still_running, args=(job, STOP_WAIT_S),
+                             daemon=True).start()
         return True
+
+    @staticmethod
+    def _kill_if_still_running(job: TrainJob, wait_s: float) -> None:
+        try:
+            job.process.wait(timeout=wait_s)
+        except subprocess.TimeoutExpired:
+            log.warning("training: %s did not stop within %.0f s of Stop; killed",
+                        job.request.name, wait_s)
+            job.killed_after_stop = True
+            job.process.kill()
 
     def progress(self) -> dict:
         """{state, name, steps: [...], step, total, loss, tok_s, message} of the last run."""
         job = self.job
         if job is None:
-            return {"state": "idle", "rows": []}
+            return {"state": "idle", "rows": [], "message": self.leftover_note}
         rows = ckpt.read_train_log(job.out)
         last = rows[-1] if rows else {}
         result = {"state": job.state, "name": job.request.name, "out": str(job.out),
-                  "rows": rows, "step": last.get("step", 0), "total": last.get("steps"),
+                  "rows": curve(rows), "logged_steps": len(rows),
+                  "step": last.get("step", 0), "total": last.get("steps"),
                   "loss": last.get("loss"), "tok_s": last.get("tok_s"),
                   "elapsed_s": round(time.time() - job.started, 1)}
         result["resumable"] = job.state == "stopped" and ckpt.has_checkpoint(job.out)
-        if result["resumable"]:
+        if job.killed_after_stop:
+            result["message"] = (f"the run did not stop within {STOP_WAIT_S:.0f} s of Stop and "
+                                 "was ended without a new checkpoint"
+                                 + ("; the last one is kept: press Continue to go on from it"
+                                    if result["resumable"] else ""))
+        elif result["resumable"]:
             result["message"] = (f"Stopped at step {result['step']}; its checkpoint is kept: "
                                  "press Continue to go on from there.")
         elif job.state in ("failed", "stopped"):
@@ -201,12 +275,38 @@ class TrainingRunner:
             result["message"] = _last_line(job.console).replace(str(self.output_dir), "")
         return result
 
-    def shutdown(self) -> None:
-        if self.stop():
-            try:
-                self.job.process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.job.process.kill()
+    def shutdown(self, grace_s: float) -> None:
+        """The server is closing: the run saves a checkpoint if it can within grace_s, and
+        is killed after it, so that it never outlives the server."""
+        job = self.job
+        if job is None or job.state != "running":
+            return
+        job.stopped_by_user = True
+        job.process.send_signal(signal.SIGTERM)
+        try:
+            job.process.wait(timeout=grace_s)
+            log.info("training: %s stopped for the shutdown", job.request.name)
+        except subprocess.TimeoutExpired:
+            log.warning("training: %s had not stopped %.0f s into the shutdown; killed",
+                        job.request.name, grace_s)
+            job.process.kill()
+            job.process.wait()
+
+
+def curve(rows: list[dict], points: int = MAX_CURVE_POINTS) -> list[dict]:
+    """At most `points` of the logged steps, evenly spaced, the last one always in."""
+    if len(rows) <= points:
+        return rows
+    stride = len(rows) / (points - 1)
+    picked = [rows[int(i * stride)] for i in range(points - 1)]
+    return [*picked, rows[-1]]
+
+
+def _only_run_leftovers(folder: Path) -> bool:
+    try:
+        return {p.name for p in folder.iterdir()} <= _RUN_LEFTOVERS
+    except OSError:
+        return False
 
 
 def _is_upload(path: Path) -> bool:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import signal
 import time
 from dataclasses import asdict, dataclass, field
@@ -26,6 +27,8 @@ from .data import Example, Schedule, file_sha256, pack_batch, pack_examples, pad
 from .models import METHODS, TokenLoss, count_parameters, keep_input_dtype, load_for_training
 
 log = logging.getLogger(__name__)
+# Set by the server for the runs it starts: its pid (see _StopFlag).
+PARENT_ENV = "QWEN_CHAT_TRAIN_PARENT"
 
 
 @dataclass
@@ -87,12 +90,22 @@ class RunResult:
 
 
 class _StopFlag:
-    """Turns SIGINT/SIGTERM into a flag the loop checks after each optimizer step."""
+    """Turns SIGINT/SIGTERM into a flag the loop checks after each micro-batch. A run started
+    by the server (QWEN_CHAT_TRAIN_PARENT: the server's pid) also stops when that server is
+    gone: a server killed outright leaves its run re-parented, and nothing would stop it."""
 
     def __init__(self, enabled: bool = True):
-        self.raised = False
+        self._raised = False
         self.enabled = enabled
         self._previous = {}
+        parent = os.environ.get(PARENT_ENV, "")
+        self._parent = int(parent) if parent.isdigit() else None
+
+    @property
+    def raised(self) -> bool:
+        if self._parent is not None and os.getppid() != self._parent:
+            self._raised = True
+        return self._raised
 
     def __enter__(self):
         for sig in (signal.SIGINT, signal.SIGTERM) if self.enabled else ():
@@ -103,7 +116,7 @@ class _StopFlag:
         return self
 
     def _handle(self, signum, frame):
-        self.raised = True
+        self._raised = True
 
     def __exit__(self, *exc):
         for sig, handler in self._previous.items():
@@ -193,80 +206,94 @@ def run(config: TrainConfig, examples: list[Example], tokenizer) -> RunResult:
                    dynamic_ncols=True)
     started, tokens_seen, step = time.perf_counter(), 0, start_step
     loss_module.train()
+    # Signals are caught until the result is written: a Stop arriving after the last step
+    # lets the run finish its save (it is done) instead of killing it half-written.
+    stop = _StopFlag(config.handle_signals).__enter__()
     try:
-        with _StopFlag(config.handle_signals) as stop, \
-                (out / ckpt.TRAIN_LOG).open("a") as train_log:
-            for step in range(start_step, steps):
-                step_loss = torch.zeros((), device=accelerator.device)
-                step_tokens = 0
-                for micro in range(micro_per_step):
-                    index = step * micro_per_step + micro
-                    picked = schedule.micro_batch(index, accelerator.process_index)
-                    rows = [examples[i] for i in picked]
-                    batch = {k: v.to(accelerator.device) for k, v in collate(rows, pad_id).items()}
-                    with accelerator.accumulate(loss_module):
-                        loss_sum, count = loss_module(**batch)
-                        # Normalise by every process's tokens: DDP averages the gradients over
-                        # processes, hence the factor num_processes.
-                        global_count = accelerator.reduce(count.detach().float(), "sum")
-                        loss = loss_sum * accelerator.num_processes / global_count.clamp(min=1)
-                        accelerator.backward(loss)
-                        if accelerator.sync_gradients:
-                            accelerator.clip_grad_norm_(loss_module.parameters(), 1.0)
-                        optimizer.step()
-                        scheduler.step()
-                        optimizer.zero_grad(set_to_none=True)
-                    step_loss += loss.detach() / accelerator.num_processes / micro_per_step
-                    # Tokens of the examples themselves, not the pads.
-                    step_tokens += sum(len(row.input_ids) for row in rows)
-                value = accelerator.reduce(step_loss, "sum").item()
-                tokens = int(accelerator.reduce(torch.tensor(step_tokens,
-                                                             device=accelerator.device), "sum"))
-                losses.append(value)
-                tokens_seen += tokens
-                elapsed = time.perf_counter() - started
-                tok_s = tokens_seen / elapsed if elapsed > 0 else 0.0
-                if main:
-                    train_log.write(json.dumps({
-                        "step": step + 1, "steps": steps, "loss": round(value, 6),
-                        "lr": scheduler.get_last_lr()[0], "tokens": tokens,
-                        "tok_s": round(tok_s, 1), "elapsed_s": round(elapsed, 3)}) + "\n")
-                    train_log.flush()
-                    if bar is not None:
-                        bar.set_postfix(loss=f"{value:.4f}", tok_s=f"{tok_s:,.0f}")
-                        bar.update(1)
-                done = step + 1
-                interrupted = _agree(accelerator, stop.raised or done == config.stop_after)
-                if interrupted or (config.save_every and done % config.save_every == 0
-                                   and done < steps):
-                    _save(accelerator, out, loss_module, optimizer, scheduler,
-                          {"step": done, "steps": steps, "losses": losses,
-                           "world": accelerator.num_processes, "config": asdict(config)})
-                if interrupted:
-                    raise Interrupted(f"stopped at step {done}/{steps}; checkpoint saved in "
-                                      f"{out / ckpt.CHECKPOINT} (continue with --resume)")
-    finally:
-        if bar is not None:
-            bar.close()
+        try:
+            with (out / ckpt.TRAIN_LOG).open("a") as train_log:
+                for step in range(start_step, steps):
+                    step_loss = torch.zeros((), device=accelerator.device)
+                    step_tokens = 0
+                    for micro in range(micro_per_step):
+                        index = step * micro_per_step + micro
+                        picked = schedule.micro_batch(index, accelerator.process_index)
+                        rows = [examples[i] for i in picked]
+                        batch = {k: v.to(accelerator.device) for k, v in collate(rows, pad_id).items()}
+                        with accelerator.accumulate(loss_module):
+                            loss_sum, count = loss_module(**batch)
+                            # Normalise by every process's tokens: DDP averages the gradients over
+                            # processes, hence the factor num_processes.
+                            global_count = accelerator.reduce(count.detach().float(), "sum")
+                            loss = loss_sum * accelerator.num_processes / global_count.clamp(min=1)
+                            accelerator.backward(loss)
+                            if accelerator.sync_gradients:
+                                accelerator.clip_grad_norm_(loss_module.parameters(), 1.0)
+                            optimizer.step()
+                            scheduler.step()
+                            optimizer.zero_grad(set_to_none=True)
+                        step_loss += loss.detach() / accelerator.num_processes / micro_per_step
+                        # Tokens of the examples themselves, not the pads.
+                        step_tokens += sum(len(row.input_ids) for row in rows)
+                        if micro + 1 < micro_per_step and _agree(accelerator, stop.raised):
+                            # A long accumulation must not hold a Stop until its step ends: the
+                            # checkpoint is the last whole step (this step's gradients are dropped).
+                            _save(accelerator, out, loss_module, optimizer, scheduler,
+                                  {"step": step, "steps": steps, "losses": losses,
+                                   "world": accelerator.num_processes, "config": asdict(config)})
+                            raise Interrupted(f"stopped during step {step + 1}/{steps}; checkpoint "
+                                              f"of step {step} saved in {out / ckpt.CHECKPOINT} "
+                                              "(continue with --resume)")
+                    value = accelerator.reduce(step_loss, "sum").item()
+                    tokens = int(accelerator.reduce(torch.tensor(step_tokens,
+                                                                 device=accelerator.device), "sum"))
+                    losses.append(value)
+                    tokens_seen += tokens
+                    elapsed = time.perf_counter() - started
+                    tok_s = tokens_seen / elapsed if elapsed > 0 else 0.0
+                    if main:
+                        train_log.write(json.dumps({
+                            "step": step + 1, "steps": steps, "loss": round(value, 6),
+                            "lr": scheduler.get_last_lr()[0], "tokens": tokens,
+                            "tok_s": round(tok_s, 1), "elapsed_s": round(elapsed, 3)}) + "\n")
+                        train_log.flush()
+                        if bar is not None:
+                            bar.set_postfix(loss=f"{value:.4f}", tok_s=f"{tok_s:,.0f}")
+                            bar.update(1)
+                    done = step + 1
+                    interrupted = _agree(accelerator, stop.raised or done == config.stop_after)
+                    if interrupted or (config.save_every and done % config.save_every == 0
+                                       and done < steps):
+                        _save(accelerator, out, loss_module, optimizer, scheduler,
+                              {"step": done, "steps": steps, "losses": losses,
+                               "world": accelerator.num_processes, "config": asdict(config)})
+                    if interrupted:
+                        raise Interrupted(f"stopped at step {done}/{steps}; checkpoint saved in "
+                                          f"{out / ckpt.CHECKPOINT} (continue with --resume)")
+        finally:
+            if bar is not None:
+                bar.close()
 
-    model = accelerator.unwrap_model(loss_module).model
-    if main:
-        manifest = {
-            "base_model": config.model_name or config.model_path,
-            "base_path": str(Path(config.model_path).resolve()),
-            "method": config.method, "data_file": str(config.data),
-            "data_sha256": file_sha256(Path(config.data)), "steps": steps,
-            "final_loss": losses[-1], "first_loss": losses[0], "lr": config.lr,
-            "batch_size": config.batch_size, "grad_accum": config.grad_accum,
-            "processes": accelerator.num_processes, "max_len": config.max_len,
-            "lora_r": config.lora_r if config.method != "full" else None, "seed": config.seed,
-            "examples": len(examples), "tokens": tokens_seen,
-            "duration_s": round(time.perf_counter() - started, 2), **config.extra_manifest}
-        ckpt.save_output(out, model=model, tokenizer=tokenizer, manifest=manifest)
-        if not config.keep_checkpoint:
-            ckpt.remove_checkpoint(out)
-    accelerator.wait_for_everyone()
-    return RunResult(steps, losses[-1], losses, out)
+        model = accelerator.unwrap_model(loss_module).model
+        if main:
+            manifest = {
+                "base_model": config.model_name or config.model_path,
+                "base_path": str(Path(config.model_path).resolve()),
+                "method": config.method, "data_file": str(config.data),
+                "data_sha256": file_sha256(Path(config.data)), "steps": steps,
+                "final_loss": losses[-1], "first_loss": losses[0], "lr": config.lr,
+                "batch_size": config.batch_size, "grad_accum": config.grad_accum,
+                "processes": accelerator.num_processes, "max_len": config.max_len,
+                "lora_r": config.lora_r if config.method != "full" else None, "seed": config.seed,
+                "examples": len(examples), "tokens": tokens_seen,
+                "duration_s": round(time.perf_counter() - started, 2), **config.extra_manifest}
+            ckpt.save_output(out, model=model, tokenizer=tokenizer, manifest=manifest)
+            if not config.keep_checkpoint:
+                ckpt.remove_checkpoint(out)
+        accelerator.wait_for_everyone()
+        return RunResult(steps, losses[-1], losses, out)
+    finally:
+        stop.__exit__()
 
 
 def _use_varlen(config: TrainConfig, device: torch.device) -> bool:

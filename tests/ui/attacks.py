@@ -212,3 +212,16 @@ class Victims:
         for thread in self.threads:
             thread.join(timeout)
         return self.results
+
+
+# -- training -----------------------------------------------------------------------------------
+TRAIN_FIELDS = ["model", "upload", "data_path", "name", "method", "epochs", "steps", "lr",
+                "batch_size", "grad_accum", "max_len", "lora_r", "packing"]
+
+
+def train(client: Client, data, **changes) -> Outcome:
+    """/train_start with sane values except `changes` (by field name)."""
+    values = {"model": "demo", "upload": None, "data_path": str(data), "name": "attack-run",
+              "method": "lora", "epochs": 1, "steps": 1, "lr": None, "batch_size": 1,
+              "grad_accum": 1, "max_len": 64, "lora_r": 4, "packing": False, **changes}
+    return named(client, "/train_start", *(values[f] for f in TRAIN_FIELDS))

@@ -33,6 +33,7 @@ from .attacks import (
     page_login,
     plain_problems,
     raw_post,
+    train,
     v1,
 )
 
@@ -61,6 +62,8 @@ def models_dir(tmp_path_factory):
     outside = tmp_path_factory.mktemp("outside")  # under no allowed root
     shutil.copy(demo / "model.safetensors", outside / "model.safetensors")
     (root / "linked" / "model.safetensors").symlink_to(outside / "model.safetensors")
+    (root / "deep.jsonl").write_text("[" * 100_000 + "]" * 100_000 + "\n")
+    (root / "bigint.jsonl").write_text('{"messages": ' + "1" * 5000 + "}\n")
     return root
 
 
@@ -309,6 +312,17 @@ ADMIN_CASES = [
                                             {"cuda:7": 1}), ("AppError", "cuda:7")),
     ("load-cpu-cap-too-small", lambda s: named(s.admin, "/load_model", "demo", "fp32", "cpu",
                                                {"cpu": 0.001}), ("AppError", "does not fit")),
+    # An optimizer step of a million micro-batches could not be stopped: refused at the door.
+    ("train-grad-accum-1e6", lambda s: train(s.admin, s.models / "deep.jsonl",
+                                             grad_accum=10**6),
+     ("AppError", "Grad accumulation (grad_accum) must be a whole number from 1 to 4,096")),
+    ("train-tokens-per-step", lambda s: train(s.admin, s.models / "deep.jsonl",
+                                              batch_size=1024, grad_accum=4096, max_len=256),
+     ("AppError", "tokens per optimizer step; at most 16,777,216")),
+    ("train-data-nested-deeply", lambda s: train(s.admin, s.models / "deep.jsonl"),
+     ("AppError", "deep.jsonl:1: nested too deeply to read")),
+    ("train-data-huge-number", lambda s: train(s.admin, s.models / "bigint.jsonl"),
+     ("AppError", "bigint.jsonl:1: holds a number too long to read")),
 ]
 
 OPEN = [

@@ -65,6 +65,11 @@ def test_import_accepts_openai_style_lists():
     ('[{"role": "robot", "content": "x"}]', "role"),
     ('[{"role": "user", "content": 5}]', "content must be a string"),
     ('[{"role": "user", "content": "a"}, {"role": "system", "content": "b"}]', "first"),
+    ("[" * 100_000 + "]" * 100_000, "nested too deeply to read"),
+    ('[{"role": "user", "content": "a", "n": ' + "9" * 5000 + "}]",
+     r"a number too long to read \(over 4300 digits\)"),
+    (json.dumps([{"role": "user", "content": "x" * 2_200_000}]),
+     "the browser keeps at most 2 MB of it"),
 ])
 def test_import_refuses_what_is_not_a_conversation(text, expected):
     with pytest.raises(ConversationError, match=expected):

@@ -5,6 +5,7 @@ loaded from there it answers those questions greedily through /chat."""
 from __future__ import annotations
 
 import json
+import os
 import time
 
 import pytest
@@ -143,3 +144,108 @@ def test_the_form_shows_the_values_a_run_will_use(app):
         page.wait_for_function("() => document.querySelector('#train-plan')"
                                ".innerText.includes('learning rate 0.001 (full')")
         assert rate.get_attribute("placeholder") == "0.001"
+
+
+def run_console(models_dir, name: str) -> str:
+    path = models_dir / name / "console.txt"
+    return path.read_text(errors="replace") if path.exists() else ""
+
+
+def wait_for(condition, seconds: float, what: str):
+    deadline = time.monotonic() + seconds
+    while not (value := condition()):
+        assert time.monotonic() < deadline, what
+        time.sleep(0.3)
+    return value
+
+
+def test_absurd_sizes_are_refused_naming_the_field(app, models_dir):
+    admin = Client(app.url, auth=ADMIN, verbose=False)
+    before = admin.predict(api_name="/train_status")
+    args = start_args(models_dir, "huge-run")
+    args[9] = 1_000_000  # gradient accumulation: an optimizer step that never ends
+    with pytest.raises(AppError, match=r"Grad accumulation \(grad_accum\) must be a whole "
+                                       r"number from 1 to 4,096"):
+        admin.predict(*args, api_name="/train_start")
+    args[8], args[9], args[10] = 1024, 4096, 256  # each within its field, not together
+    with pytest.raises(AppError, match=r"Grad accumulation x Batch size x Max tokens is "
+                                       r"1,073,741,824 tokens per optimizer step; at most "
+                                       r"16,777,216: lower Grad accumulation"):
+        admin.predict(*args, api_name="/train_start")
+    assert not (models_dir / "huge-run").exists()
+    after = admin.predict(api_name="/train_status")  # the last run's report, untouched
+    assert (after["state"], after.get("name")) == (before["state"], before.get("name"))
+
+
+def test_stop_ends_a_run_inside_a_long_optimizer_step(app, models_dir):
+    """4096 micro-batches to one optimizer step: Stop used to wait for the step to end (at
+    gradient accumulation 1e6, never). Now it is checked between micro-batches."""
+    admin = Client(app.url, auth=ADMIN, verbose=False)
+    args = start_args(models_dir, "long-step")
+    args[6], args[8], args[9], args[10] = 2, 1, 4096, 64
+    admin.predict(*args, api_name="/train_start")
+    wait_for(lambda: "fine-tuning" in run_console(models_dir, "long-step"), 120,
+             "the run did not reach its training loop")
+    time.sleep(1.0)  # inside step 1 now: a micro-batch is a few ms
+    assert "Stopping" in admin.predict(api_name="/train_stop")
+    status = wait_for(lambda: (s := admin.predict(api_name="/train_status"))["state"] !=
+                      "running" and s, 15, "the run did not stop within 15 s of Stop")
+    assert status["state"] == "stopped" and status["step"] == 0, status
+    assert "Stopped at step 0; its checkpoint is kept" in status["message"], status
+    assert str(models_dir) not in status["message"]  # no server paths
+
+
+def test_a_run_ended_before_any_checkpoint_leaves_its_name_free(app, models_dir):
+    """A run killed outright (no checkpoint): its folder holds only the run's console and
+    log, and the same name starts a new run instead of "exists already" for ever."""
+    import signal
+
+    from model_utils.finetune import run_lock
+
+    admin = Client(app.url, auth=ADMIN, verbose=False)
+    args = start_args(models_dir, "killed-run")
+    args[6] = 100_000
+    admin.predict(*args, api_name="/train_start")
+    lock = wait_for(lambda: run_lock.read(models_dir / "killed-run"), 120, "no run.json")
+    os.kill(lock.pid, signal.SIGKILL)
+    wait_for(lambda: admin.predict(api_name="/train_status")["state"] == "failed", 15,
+             "the killed run is not reported failed")
+    assert not (models_dir / "killed-run" / "checkpoint").exists()
+    args[6] = 2
+    assert "Training **killed-run**" in admin.predict(*args, api_name="/train_start")
+    wait_for(lambda: admin.predict(api_name="/train_status")["state"] == "finished", 120,
+             "the second run under the same name did not finish")
+
+
+def test_data_with_line_separators_and_unreadable_lines(app, models_dir):
+    """U+2028 and U+0085 inside a JSON string are valid JSONL (only \\n ends a line); deep
+    nesting and a 5000-digit number get a plain message naming the line."""
+    admin = Client(app.url, auth=ADMIN, verbose=False)
+    text = "Line\u2028separated\u0085reply."
+    (models_dir / "separators.jsonl").write_text(json.dumps({"messages": [
+        {"role": "user", "content": "Say it"}, {"role": "assistant", "content": text}]},
+        ensure_ascii=False) + "\n", encoding="utf-8")
+    args = start_args(models_dir, "separators")
+    args[2], args[6] = str(models_dir / "separators.jsonl"), 1
+    assert "Training **separators**" in admin.predict(*args, api_name="/train_start")
+    wait_for(lambda: admin.predict(api_name="/train_status")["state"] == "finished", 120,
+             "the run on U+2028 data did not finish")
+    for name, line, message in (
+            ("deep", "[" * 100_000 + "]" * 100_000, r"deep\.jsonl:1: nested too deeply"),
+            ("bigint", '{"messages": ' + "1" * 5000 + "}",
+             r"bigint\.jsonl:1: holds a number too long to read")):
+        (models_dir / f"{name}.jsonl").write_text(line + "\n")
+        args = start_args(models_dir, f"{name}-run")
+        args[2] = str(models_dir / f"{name}.jsonl")
+        with pytest.raises(AppError, match=message):
+            admin.predict(*args, api_name="/train_start")
+    assert admin.predict(api_name="/status")["model"]  # the server is up, serving
+
+
+def test_the_loss_curve_sent_is_bounded():
+    from model_utils.finetune.runner import MAX_CURVE_POINTS, curve
+
+    rows = [{"step": i + 1, "loss": 1.0 / (i + 1)} for i in range(10_000)]
+    sent = curve(rows)
+    assert len(sent) == MAX_CURVE_POINTS and sent[0] == rows[0] and sent[-1] == rows[-1]
+    assert curve(rows[:50]) == rows[:50]

@@ -1,0 +1,64 @@
+"""Failed logins on gradio's /login: each one logged (user name and address, never the
+password), and after MAX_FAILURES for one user name from one address within WINDOW_S the
+next attempts for it are refused (429) until the oldest failure is that old. Without this a
+password could be guessed at the speed of the network and the log said nothing.
+
+Keyed by (address, user name): a guesser at one name does not lock the others out, nor the
+same name out of other addresses.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from urllib.parse import parse_qs
+
+log = logging.getLogger("ui")
+
+LOGIN_PATHS = ("/login", "/login/")
+MAX_FAILURES = 5
+WINDOW_S = 300.0
+MAX_FORM_BYTES = 64 * 1024  # a login form is a name and a password
+
+
+class LoginLimiter:
+    def __init__(self, max_failures: int = MAX_FAILURES, window_s: float = WINDOW_S):
+        self.max_failures = max_failures
+        self.window_s = window_s
+        self._failures: dict[tuple[str, str], deque] = {}
+        self._lock = threading.Lock()
+
+    def wait_s(self, address: str, user: str) -> float:
+        """Seconds until this user name may be tried again from this address (0: now)."""
+        now = time.monotonic()
+        with self._lock:
+            failures = self._failures.get((address, user))
+            if not failures:
+                return 0.0
+            while failures and now - failures[0] > self.window_s:
+                failures.popleft()
+            if len(failures) < self.max_failures:
+                return 0.0
+            return self.window_s - (now - failures[0])
+
+    def failed(self, address: str, user: str) -> None:
+        log.warning("login failed for user %r from %s", user[:64], address)
+        with self._lock:
+            if len(self._failures) > 10_000:  # bounded, whoever sends names
+                self._failures.clear()
+            self._failures.setdefault((address, user), deque()).append(time.monotonic())
+
+    def succeeded(self, address: str, user: str) -> None:
+        with self._lock:
+            self._failures.pop((address, user), None)
+
+
+def form_user(body: bytes) -> str:
+    """The user name of a login form (urlencoded); "" when it has none."""
+    try:
+        values = parse_qs(body.decode("utf-8", "replace"), max_num_fields=10)
+    except ValueError:
+        return ""
+    return (values.get("username") or [""])[0]
