@@ -86,13 +86,7 @@ def build_bench_panel(engine: Engine, *, demo: gr.Blocks | None = None,
                    # The handler reads the raw values: gradio's own checks come before the
                    # admin's and answer a string or null with an error that has no text.
                    preprocess=False)
-    if demo is not None and admin is not None:
-        def for_user(request: gr.Request):  # the button as this user may use it
-            user = getattr(request, "username", None)
-            return gr.update(interactive=user == admin), admin_note(admin, user)
-
-        demo.load(for_user, None, [c["run"], c["note"]], api_visibility="private",
-                  show_progress="hidden")
+    admin_only(demo, admin, c["run"], c["note"])
     return c
 
 
@@ -107,6 +101,19 @@ def whole_number(value, what: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise user_error(f"{what} must be a whole number (got {str(value)[:40]!r})")
     return value
+
+
+def admin_only(demo: gr.Blocks | None, admin: str | None, button, note) -> None:
+    """Under --admin, each page load enables `button` for the admin only and says why in
+    `note` (the handler checks too: this is the courtesy)."""
+    if demo is None or admin is None:
+        return
+
+    def for_user(request: gr.Request):
+        user = getattr(request, "username", None)
+        return gr.update(interactive=user == admin), admin_note(admin, user)
+
+    demo.load(for_user, None, [button, note], api_visibility="private", show_progress="hidden")
 
 
 def admin_note(admin: str | None, user: str | None) -> str:

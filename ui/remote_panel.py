@@ -13,7 +13,7 @@ import gradio as gr
 from model_utils.backends.bench import bench_remote, markdown_table
 from server.common import require_admin, user_error
 
-from .bench_panel import admin_note, whole_number
+from .bench_panel import admin_note, admin_only, whole_number
 
 REFRESH_S = 2.0
 THE_SERVERS_BUSINESS = (
@@ -130,11 +130,5 @@ def build_remote_bench_panel(engine, *, demo: gr.Blocks | None = None,
                    # The handler reads the raw values: gradio's own checks would come before
                    # the admin's and answer with an error that has no text.
                    preprocess=False)
-    if demo is not None and admin is not None:
-        def for_user(request: gr.Request):  # the button as this user may use it
-            user = getattr(request, "username", None)
-            return gr.update(interactive=user == admin), admin_note(admin, user)
-
-        demo.load(for_user, None, [c["run"], c["note"]], api_visibility="private",
-                  show_progress="hidden")
+    admin_only(demo, admin, c["run"], c["note"])
     return c
