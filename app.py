@@ -18,6 +18,7 @@ from pathlib import Path
 from model_utils.backends.flags import add_backend_flags, check_backend_flags, remote_engine
 from model_utils.backends.urls import redact
 from model_utils.engine_config import EngineConfig, add_model_args
+from model_utils.engine_factory import build_engine
 
 log = logging.getLogger("app")
 
@@ -86,6 +87,16 @@ def read_logins(args: argparse.Namespace, parser_error) -> list[tuple[str, str]]
     return logins
 
 
+def engine_config_of(args: argparse.Namespace, parser_error) -> EngineConfig:
+    """The engine's options from the flags, refused by flag name (--max-batch 0) at once."""
+    from model_utils.errors import InvalidParameter
+
+    try:
+        return EngineConfig.from_args(args)
+    except InvalidParameter as error:
+        parser_error(f"--{error.name.replace('_', '-')}: {error.message}")
+
+
 def is_loopback(host: str) -> bool:
     if host in LOOPBACK_NAMES:
         return True
@@ -140,6 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     if not 0 <= args.shutdown_grace <= 3600:  # also refuses nan
         _parser_error(f"--shutdown-grace must be between 0 and 3600 s, got {args.shutdown_grace}")
     check_backend_flags(args, _parser_error)
+    engine_config = engine_config_of(args, _parser_error)
     setup_logging(args.log_file)
     config = {k: v for k, v in vars(args).items() if k not in ("auth", "auth_file",
                                                                  "backend_key")}
@@ -166,11 +178,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # Allocator, GC, warnings and the compile cache: this process serves for long.
     process_tuning.tune_process(compile_cache=args.compile_cache)
-    try:
-        engine = remote_engine(args) if args.backend else \
-            EngineConfig.from_args(args).build()
-    except ValueError as error:  # --max-batch / --max-queue out of range
-        _parser_error(str(error))
+    engine = remote_engine(args) if args.backend else build_engine(engine_config)
     if not args.backend and (args.model.startswith(("/", ".", "~"))
                              or Path(args.model).expanduser().is_dir()):
         # The operator named this folder on the command line: it may be loaded from the UI too.

@@ -23,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from model_utils.bench.inputs import build_random_model  # noqa: E402
 from model_utils.engine_config import EngineConfig  # noqa: E402
+from model_utils.engine_factory import build_engine  # noqa: E402
 from model_utils.loading.manager import LoadRequest  # noqa: E402
 from model_utils.loading.placement import Placement  # noqa: E402
 from model_utils.runtime.generation import GenerationSettings  # noqa: E402
@@ -74,7 +75,7 @@ def main(argv=None) -> int:
         model = tempfile.mkdtemp(prefix="constrained-")
         build_random_model(Path(args.random_from_config), Path(model),
                            "cuda" if args.placement.startswith("cuda") else "cpu")
-    engine = EngineConfig(max_batch=max(args.streams, 1)).build()
+    engine = build_engine(EngineConfig(max_batch=max(args.streams, 1)))
     if model != "demo":
         engine.registry.allow_root(model)
     engine.load(LoadRequest(model, args.mode, Placement(args.placement)))

@@ -167,7 +167,7 @@ def measure(engine: Engine, folder: str, candidate: str, args, prompts, referenc
     swap, _, _, mode = SWAPS.get(candidate, (None, None, None, candidate))
     placement = Placement("cuda:0" if CUDA else "cpu")
     seen: dict = {}
-    prepare = engine._prepare_decoding
+    prepare, previous = engine._prepare_decoding, engine.manager.on_loaded
 
     def on_loaded(loaded, progress):  # between the weights' load and the compile
         if CUDA:
@@ -189,7 +189,7 @@ def measure(engine: Engine, folder: str, candidate: str, args, prompts, referenc
         with LoadLog() as load_log:
             status = engine.load(LoadRequest(folder, mode, placement, context_tokens=1024))
     finally:
-        engine.manager.on_loaded = prepare
+        engine.manager.on_loaded = previous
     seen["load_log"] = load_log.lines[:60]
     result = {"candidate": candidate, "mode": mode, "decode_path": status["decode_path"],
               "decode_path_reason": status["decode_path_reason"],

@@ -61,12 +61,13 @@ def one_phase(model: str, modes: list[str], cycles: int, placement: str, rows_fi
     row appended to `rows_file` as soon as it is measured."""
     from model_utils import process_tuning
     from model_utils.engine_config import EngineConfig
+    from model_utils.engine_factory import build_engine
     from model_utils.loading.manager import LoadRequest
     from model_utils.loading.placement import Placement
     from model_utils.runtime.generation_settings import GenerationSettings
 
     process_tuning.tune_process()  # as app.py: the compile cache of TORCHINDUCTOR_CACHE_DIR
-    engine = EngineConfig().build()
+    engine = build_engine(EngineConfig())
     if model != "demo":
         engine.registry.allow_root(model)  # a folder given on the command line, as the bench
     baseline = counters()

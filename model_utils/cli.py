@@ -36,6 +36,7 @@ from .cli_args import (
     requested_settings,
 )
 from .engine_config import EngineConfig
+from .engine_factory import build_engine
 
 EXIT_ERROR = 1
 EXIT_INTERRUPTED = 130
@@ -133,7 +134,7 @@ def cmd_chat(args) -> int:
     _quiet_transformers(args.verbose)
     from .loading.manager import LoadRequest
 
-    engine = EngineConfig.from_args(args).build()
+    engine = build_engine(EngineConfig.from_args(args))
     request = LoadRequest(model=args.model, mode=args.mode, placement=placement,
                           compute_dtype=args.compute_dtype, context_tokens=args.context_tokens)
     try:

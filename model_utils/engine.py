@@ -9,14 +9,17 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
+from . import process_tuning
 from .chat.prompt import render_prompt, supports_thinking
 from .chat.reasoning import prompt_opens_thinking
 from .chat.reply_stream import prepare_reply, reply_updates
 from .chat.updates import ChatUpdate, TokenLogprob
+from .engine_config import EngineConfig
 from .errors import LoadError, ShuttingDown
 from .loading.manager import LoadedModel, LoadRequest, ModelManager, Progress
 from .loading.placement import FitEstimate
@@ -31,7 +34,6 @@ from .runtime.generation import (
 )
 from .runtime.grammar import Constraint, Grammars, OutputFormat, reasoning_mode
 from .runtime.preparation import DecodePreparation
-from .runtime.runner_protocol import check_limits
 from .runtime.worker import DecodeWorker
 
 log = logging.getLogger(__name__)
@@ -49,33 +51,30 @@ def eos_ids(loaded: LoadedModel) -> set[int]:
 
 
 class Engine:
-    def __init__(self, *, models_dir: str | Path | None = None, cache_dir: Path | None = None,
-                 trust_remote_code: bool = False, log_prompts: bool = False,
-                 busy_timeout_s: float = 30.0, compile: bool = True,
-                 compile_mode: str = "default", max_batch: int = 8, max_queue: int = 64,
-                 compiled_rows: int = 1):
-        self.registry = ModelRegistry(models_dir, cache_dir=cache_dir)
-        self.manager = ModelManager(self.registry, trust_remote_code=trust_remote_code,
+    def __init__(self, config: EngineConfig | None = None, *, cache_dir: Path | None = None,
+                 busy_timeout_s: float = 30.0, **options):
+        """`config` whole, or its fields as keywords (`Engine(max_batch=4)`, for a library
+        user or a test): an option EngineConfig does not declare is refused (TypeError)."""
+        if config is None:
+            config = EngineConfig(**options)
+        elif options:
+            config = replace(config, **options)
+        if config.tp != 1:
+            raise ValueError("Engine runs in this process; tp > 1 is "
+                             "engine_factory.build_engine's tensor-parallel engine")
+        self.config = config
+        self.registry = ModelRegistry(config.models_dir, cache_dir=cache_dir)
+        self.manager = ModelManager(self.registry, trust_remote_code=config.trust_remote_code,
                                     busy_timeout_s=busy_timeout_s)
         self.memory = MemoryHistory()
         # Bumped by every load, unload and switch (and a failed one, which may have put the
         # previous model back): pages poll this number and fetch status() only when it moved.
         self._status_version = 0
         self._version_lock = threading.Lock()
-        self.log_prompts = log_prompts
-        self.compile = compile
-        self.compile_mode = compile_mode  # torch.compile mode of the fast path's step
-        # Batched steps of up to this many rows are torch.compile'd before their CUDA graph is
-        # captured; larger ones capture the plain forward (see cuda_graphs.GraphedBatchStep).
-        self.compiled_rows = compiled_rows
-        # Concurrent replies are decoded together, up to max_batch at once; max_queue more may
-        # wait for a place, and one more is refused with errors.QueueFull.
-        self.max_batch, self.max_queue = max_batch, max_queue
-        check_limits(max_batch, max_queue)
         # Every forward pass (warm-up and replies) runs on this one thread.
         self.worker = DecodeWorker()
-        self._prepare_decoding = DecodePreparation(self)
-        self.manager.on_loaded = self._prepare_decoding
+        self._prepare_decoding = DecodePreparation(config, self.worker)
+        self.manager.on_loaded = self._on_loaded
         self.manager.on_unloaded = self._forget_compiled
         # Shutting down (stop_admitting, end_replies): the stop events of open replies.
         self._open: set[threading.Event] = set()
@@ -83,6 +82,15 @@ class Engine:
         self._grammar_cache: tuple[LoadedModel, Grammars] | None = None
         self._closing: str | None = None  # why new replies are refused
         self._ending: str | None = None  # why open replies were ended
+
+    @property
+    def max_batch(self) -> int:
+        """Replies decoded together (the server layer reads it from every kind of engine)."""
+        return self.config.max_batch
+
+    @property
+    def max_queue(self) -> int:
+        return self.config.max_queue
 
     def start_memory_sampler(self, interval_s: float = 2.0) -> None:
         """One background thread records memory for every page and client (idempotent)."""
@@ -95,6 +103,10 @@ class Engine:
     def _status_changed(self) -> None:
         with self._version_lock:
             self._status_version += 1
+
+    def _on_loaded(self, loaded: LoadedModel, progress: Progress) -> None:
+        self._prepare_decoding(loaded, progress)
+        process_tuning.model_loaded()  # the new model's objects out of the GC's full passes
 
     def _forget_compiled(self) -> None:
         self._status_changed()  # the model is gone (mid-switch too): pages may say so
@@ -224,7 +236,7 @@ class Engine:
                                              context_tokens=loaded.context_tokens,
                                              system_prompt=system_prompt, thinking=thinking,
                                              tools=fmt.rendered_tools)
-            if self.log_prompts:
+            if self.config.log_prompts:
                 log.info("prompt: %r", prompt.text)
             constraint, reasoning = None, "auto"
             if fmt.constrained:
@@ -258,7 +270,7 @@ class Engine:
                          "%.1f tok/s, finish=%s", loaded.display_name, loaded.mode.name,
                          stats.decode_path, stats.prompt_tokens, stats.new_tokens,
                          stats.ttft_ms, stats.tok_s, stats.finish_reason or "abandoned")
-                if self.log_prompts and update is not None:
+                if self.config.log_prompts and update is not None:
                     log.info("reply text: reasoning %r, answer %r", update.reasoning,
                              update.answer)
 

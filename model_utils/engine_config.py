@@ -3,7 +3,9 @@
 app.py, the CLI (`python -m model_utils`) and the benchmark (`python -m model_utils.bench`)
 each take the flags that apply to them from here (`EngineConfig.add_cli_args(parser,
 only=...)`), read them back with `EngineConfig.from_args(args)` and build the engine with
-`config.build()`; the model-choice flags shared by the three (--model, --mode, --placement)
+`engine_factory.build_engine(config)`, which hands the config whole to the engine; the defaults
+live here only, and a value no engine can serve with is refused as the config is made. The
+model-choice flags shared by the three (--model, --mode, --placement)
 are `add_model_args`. So the help texts cannot drift apart between the tools.
 
 No torch here: `python app.py --help` and refused flags answer without importing it.
@@ -19,6 +21,7 @@ from typing import Any
 # torch.compile modes offered for the fast path's decode step (cuda_graphs.COMPILE_MODES is
 # this tuple). The autotuned one benchmarks kernels at load; see the help text below.
 COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")
+MAX_BATCH_LIMIT = 64  # rows of one decode step (the scheduler's and the CUDA graphs' bound)
 
 
 def _flag(help: str, **argparse_kwargs) -> Any:
@@ -88,23 +91,20 @@ class EngineConfig:
         given = {f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)}
         return replace(cls(**given), **overrides)
 
-    def build(self, **extra):
-        """The engine this config describes (imports torch). `extra`: other Engine keyword
-        arguments (cache_dir, busy_timeout_s). With tp > 1, the tensor-parallel engine."""
-        options = dict(vars(self))
-        tp = options.pop("tp")
-        if tp < 1:
-            from .errors import InvalidParameter
+    def __post_init__(self):
+        """Refuse limits no engine can serve with, before anything is loaded."""
+        from .errors import InvalidParameter
 
-            raise InvalidParameter("tp", f"must be 1 or more worker processes, got {tp}")
-        if tp > 1:
-            from .parallel.engine import TensorParallelEngine
-
-            return TensorParallelEngine(tp, **options, **extra)
-        from .engine import Engine
-
-        return Engine(**options, **extra)
-
+        if not isinstance(self.max_batch, int) or not 1 <= self.max_batch <= MAX_BATCH_LIMIT:
+            raise InvalidParameter("max_batch", f"must be between 1 and {MAX_BATCH_LIMIT}, "
+                                                f"got {self.max_batch}")
+        if not isinstance(self.max_queue, int) or self.max_queue < 0:
+            raise InvalidParameter("max_queue", f"must be 0 or more, got {self.max_queue}")
+        if not isinstance(self.tp, int) or self.tp < 1:
+            raise InvalidParameter("tp", f"must be 1 or more worker processes, got {self.tp}")
+        if self.compile_mode not in COMPILE_MODES:
+            raise InvalidParameter("compile_mode", f"must be one of {', '.join(COMPILE_MODES)}, "
+                                                   f"got {self.compile_mode!r}")
 
 def add_model_args(parser: argparse.ArgumentParser, *, what: str = "model to load",
                    note: str = "", mode: bool = True,

@@ -35,11 +35,12 @@ class ChatInputError(ValueError):
 
 
 class InvalidParameter(ValueError):
-    """A generation setting out of range; .name is the parameter."""
+    """A generation setting or engine option out of range; .name is the parameter, .message
+    what is wrong with it."""
 
     def __init__(self, name: str, message: str):
         super().__init__(f"{name}: {message}")
-        self.name = name
+        self.name, self.message = name, message
 
 
 class WorkerLost(RuntimeError):

@@ -37,6 +37,7 @@ import torch
 
 from model_utils.engine import Engine, eos_ids
 from model_utils.engine_config import EngineConfig, add_model_args
+from model_utils.engine_factory import build_engine
 from model_utils.loading.manager import LoadRequest
 from model_utils.loading.placement import Placement
 from model_utils.runtime.decoders import input_device
@@ -238,7 +239,7 @@ def run(args) -> dict:
         return {"peer": peer_static(model_name, args.mode, lengths, args.new_tokens,
                                     vocab_of(model_name))}
     mixed_count = args.mixed_short
-    engine = EngineConfig.from_args(args, max_batch=max(streams + [mixed_count + 1])).build()
+    engine = build_engine(EngineConfig.from_args(args, max_batch=max(streams + [mixed_count + 1])))
     if model_name != "demo":
         engine.registry.allow_root(model_name)
     placement = Placement(args.placement or ("cuda:0" if torch.cuda.is_available() else "cpu"))

@@ -34,6 +34,7 @@ import torch
 
 from model_utils.engine import Engine
 from model_utils.engine_config import EngineConfig, add_model_args
+from model_utils.engine_factory import build_engine
 from model_utils.loading.placement import Placement
 
 from . import quality
@@ -56,7 +57,7 @@ __all__ = ["LOADED_LIMITS", "BenchRow", "bench_loaded", "bench_mode", "build_ran
 
 def run(args: argparse.Namespace) -> list[BenchRow]:
     batches = [int(b) for b in args.batch.split(",")]
-    engine = EngineConfig.from_args(args, max_batch=args.max_batch or max(batches)).build()
+    engine = build_engine(EngineConfig.from_args(args, max_batch=args.max_batch or max(batches)))
     model_name = args.model
     if args.random_from_config:
         device = "cuda" if torch.cuda.is_available() else "cpu"

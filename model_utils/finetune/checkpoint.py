@@ -24,23 +24,12 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from model_utils.loading.trained_manifest import MANIFEST, MANIFEST_FORMAT
+
 from .models import load_trainable_state, trainable_state
 
-MANIFEST = "finetune.json"
 TRAIN_LOG = "train_log.jsonl"
 CHECKPOINT = "checkpoint"
-MANIFEST_FORMAT = "qwen-chat-finetune/1"
-
-
-def read_manifest(folder: str | Path) -> dict | None:
-    """The manifest of a trained output folder, or None if it is not one."""
-    path = Path(folder) / MANIFEST
-    try:
-        manifest = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    return manifest if isinstance(manifest, dict) and manifest.get("format") == \
-        MANIFEST_FORMAT else None
 
 
 def write_json_atomic(path: Path, data: dict) -> None:

@@ -26,7 +26,6 @@ from model_utils.errors import LoadError, ModelBusy
 from model_utils.layers.weight_only import load_quantized
 from model_utils.memory import GB
 
-from .. import process_tuning
 from . import preflight
 from .adapter import apply_adapter
 from .load_stages import StageClock
@@ -324,7 +323,6 @@ class ModelManager:
         self._loaded = loaded
         if self.on_loaded is not None:
             self.on_loaded(loaded, progress)
-        process_tuning.model_loaded()
         loaded.stages, loaded.ready_s = clock.finish(), clock.elapsed
         after = memory_counters()
         log.info("loaded %s mode=%s placement=%s in %.2f s; from_pretrained(%s, %s); "

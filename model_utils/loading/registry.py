@@ -19,6 +19,7 @@ from pathlib import Path
 from model_utils.errors import ModelNotFound
 
 from .demo_model import DEMO_LABEL, DEMO_NAME, default_cache_dir, demo_model_path
+from .trained_manifest import read_manifest
 
 log = logging.getLogger(__name__)
 
@@ -179,8 +180,6 @@ def trained_adapter(folder: Path) -> dict | None:
     """The manifest of an adapter folder that model_utils.finetune wrote, else None."""
     if not (folder / "adapter_config.json").is_file():
         return None
-    from model_utils.finetune.checkpoint import read_manifest
-
     return read_manifest(folder)
 
 

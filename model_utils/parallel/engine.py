@@ -13,11 +13,12 @@ import random
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import replace
+from dataclasses import fields, replace
 
 from ..chat.prompt import render_prompt, supports_thinking
 from ..chat.reply_stream import prepare_reply, reply_updates
 from ..chat.updates import ChatUpdate
+from ..engine_config import EngineConfig
 from ..errors import InvalidParameter, LoadError
 from ..loading import preflight
 from ..loading.modes import get_mode
@@ -31,17 +32,28 @@ log = logging.getLogger(__name__)
 
 # Modes whose weights are plain Linear layers the split can cut (quantized layers are not).
 TP_MODES = ("fp32", "bf16", "fp16")
+# EngineConfig's options of the batched, compiled path, which the workers do not have.
+NOT_APPLIED = ("max_batch", "max_queue", "compile", "compile_mode", "compiled_rows")
 
 
 class TensorParallelEngine:
-    def __init__(self, tp: int, *, models_dir=None, cache_dir=None,
-                 trust_remote_code: bool = False, log_prompts: bool = False, **_ignored):
-        if tp < 2:
+    def __init__(self, config: EngineConfig | int, *, cache_dir=None):
+        """`config` whole (or, for a test, the number of workers). The batch and compile
+        options do not apply here (one reply at a time on the eager path): a value other than
+        the default is said in the log rather than taken silently."""
+        config = EngineConfig(tp=config) if isinstance(config, int) else config
+        if config.tp < 2:
             raise ValueError("tensor parallelism needs at least 2 workers")
-        self.tp = tp
-        self.registry = ModelRegistry(models_dir, cache_dir=cache_dir)
-        self.trust_remote_code = trust_remote_code
-        self.log_prompts = log_prompts
+        unused = [f"{f.name}={getattr(config, f.name)!r}" for f in fields(config)
+                  if f.name in NOT_APPLIED and getattr(config, f.name) != f.default]
+        if unused:
+            log.warning("--tp %d decodes one reply at a time on the eager path: %s not applied",
+                        config.tp, ", ".join(unused))
+        self.config = config
+        self.tp = config.tp
+        self.registry = ModelRegistry(config.models_dir, cache_dir=cache_dir)
+        self.trust_remote_code = config.trust_remote_code
+        self.log_prompts = config.log_prompts
         self.group: WorkerGroup | None = None
         self.loaded: dict | None = None  # tokenizer, generation_config, status ...
         self._lock = threading.Lock()

@@ -3,8 +3,8 @@
 Called by the model manager right after the weights are in (Engine wires it as on_loaded): it
 picks the decode path (CUDA graphs where they apply, else eager), builds the batch runner and
 its scheduler, and on a GPU compiles and captures every shape serving needs before the first
-reply, so that no user waits for a capture. Reads the engine's options (compile, compile mode,
-compiled rows, max batch and queue) as they are at load time.
+reply, so that no user waits for a capture. Reads the engine's config (compile, compile mode,
+compiled rows, max batch and queue).
 """
 
 from __future__ import annotations
@@ -24,14 +24,16 @@ from .runner import BatchRunner, EagerStep
 from .scheduler import Scheduler
 
 if TYPE_CHECKING:
-    from model_utils.engine import Engine
+    from model_utils.engine_config import EngineConfig
+
+    from .worker import DecodeWorker
 
 log = logging.getLogger(__name__)
 
 
 class DecodePreparation:
-    def __init__(self, engine: Engine):
-        self.engine = engine
+    def __init__(self, config: EngineConfig, worker: DecodeWorker):
+        self.config, self.worker = config, worker
 
     def __call__(self, loaded: LoadedModel, progress: Progress) -> None:
         self._record_memory(loaded, "weights")
@@ -44,22 +46,22 @@ class DecodePreparation:
             return
         step, path = EagerStep(loaded.model), "eager"
         applies, why = cuda_graphs.support(loaded)
-        if not self.engine.compile:
+        if not self.config.compile:
             why = "eager path: compilation turned off (--no-compile)"
         elif applies:
             fused = fuse_qkv(loaded.model)  # before compiling: the step traces the fused forward
-            step = cuda_graphs.GraphedBatchStep(loaded.model, self.engine.compile_mode,
-                                                compiled_rows=self.engine.compiled_rows)
+            step = cuda_graphs.GraphedBatchStep(loaded.model, self.config.compile_mode,
+                                                compiled_rows=self.config.compiled_rows)
             path = "paged-kv+cuda-graphs (batched)"
             why = "compiled path: batched paged KV cache + CUDA graphs" + \
                   (", one q/k/v matmul per layer" if fused else "")
         loaded.decode_path, loaded.decode_path_reason = path, \
-            f"{why}; up to {self.engine.max_batch} concurrent replies decoded together"
+            f"{why}; up to {self.config.max_batch} concurrent replies decoded together"
         runner = BatchRunner(loaded.model, context_tokens=loaded.context_tokens,
-                             max_batch=self.engine.max_batch, step_fn=step)
-        loaded.batcher = Scheduler(runner, post=self.engine.worker.post,
+                             max_batch=self.config.max_batch, step_fn=step)
+        loaded.batcher = Scheduler(runner, post=self.worker.post,
                                    context_tokens=loaded.context_tokens,
-                                   max_batch=self.engine.max_batch, max_queue=self.engine.max_queue,
+                                   max_batch=self.config.max_batch, max_queue=self.config.max_queue,
                                    path_name=path)
         if path != "eager":
             self._warm_up(loaded, progress)
@@ -71,7 +73,7 @@ class DecodePreparation:
         runner = loaded.batcher.runner
         progress(0.6, "compiling the batched decode step (one reply)")
         start, cached_before = time.perf_counter(), compile_cache.counts()
-        self.engine.worker.call(runner.warm_up)
+        self.worker.call(runner.warm_up)
         failed = getattr(runner.step_fn, "failed", None)
         if failed:  # the one-row step did not capture: replies run uncaptured
             loaded.decode_path = "eager"
@@ -82,16 +84,16 @@ class DecodePreparation:
             loaded.decode_path_reason += (
                 f"; one-reply step: {chosen['kept']} forward kept (compiled "
                 f"{chosen['compiled_ms']} ms, plain {chosen['plain_ms']} ms a step)")
-        if self.engine.max_batch > 1:
-            progress(0.9, f"capturing the decode step for 2-{self.engine.max_batch} replies at once")
-            self.engine.worker.call(lambda: runner.warm_up(range(2, self.engine.max_batch + 1)))
+        if self.config.max_batch > 1:
+            progress(0.9, f"capturing the decode step for 2-{self.config.max_batch} replies at once")
+            self.worker.call(lambda: runner.warm_up(range(2, self.config.max_batch + 1)))
             if getattr(runner.step_fn, "failed", None):  # those shapes decode uncaptured
                 log.warning("some batch sizes run uncaptured: %s", runner.step_fn.failed)
         self._record_memory(loaded, "decode graphs")
         progress(0.95, "preparing the prefill of prompts")
         capture = runner.step_fn.capture  # the decode steps' pool and warm-up stream
-        self.engine.worker.call(lambda: runner.use_padded_prefill(capture))
-        self.engine.worker.call(runner.warm_up_tail)  # a next turn's new tokens
+        self.worker.call(lambda: runner.use_padded_prefill(capture))
+        self.worker.call(runner.warm_up_tail)  # a next turn's new tokens
         padded = runner.padded_prefill
         if padded:
             note = (f"; prompts up to {padded.buckets[-1]} tokens prefilled by CUDA graphs, "

@@ -6,12 +6,13 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Protocol
 
+from model_utils.engine_config import MAX_BATCH_LIMIT
+
 if TYPE_CHECKING:
     from .kv_blocks import BlockPool
     from .requests import Request
     from .runner import Prefilled
 
-MAX_BATCH_LIMIT = 64
 Failures = list[tuple[int, Exception]]
 
 

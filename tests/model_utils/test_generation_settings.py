@@ -5,7 +5,6 @@ whose flags app.py, the CLI and the bench share."""
 from __future__ import annotations
 
 import argparse
-import inspect
 import sys
 from dataclasses import fields
 
@@ -127,12 +126,23 @@ def test_the_cli_has_a_flag_for_every_public_setting():
 
 
 # -- EngineConfig --------------------------------------------------------------------------------
-def test_engine_config_fields_are_engine_arguments():
+def test_the_engine_takes_the_config_whole_and_refuses_what_it_does_not_declare():
     from model_utils.engine import Engine
 
-    accepted = set(inspect.signature(Engine).parameters)
-    # tp picks the engine (build(): the tensor-parallel one for tp > 1) instead of reaching it.
-    assert {f.name for f in fields(EngineConfig)} - {"tp"} <= accepted
+    config = EngineConfig(max_batch=3, max_queue=5, log_prompts=True)
+    engine = Engine(config)  # no model: nothing is loaded or compiled
+    assert engine.config is config and (engine.max_batch, engine.max_queue) == (3, 5)
+    assert Engine(max_batch=2).config == EngineConfig(max_batch=2)
+    with pytest.raises(TypeError, match="max_batches"):
+        Engine(max_batches=2)  # a typo is refused, not dropped
+
+
+@pytest.mark.parametrize(("option", "value"), [("max_batch", 0), ("max_batch", 65),
+                                               ("max_queue", -1), ("tp", 0),
+                                               ("compile_mode", "fastest")])
+def test_a_config_no_engine_can_serve_with_is_refused_as_it_is_made(option, value):
+    with pytest.raises(InvalidParameter, match=option):
+        EngineConfig(**{option: value})
 
 
 def test_engine_config_from_flags():

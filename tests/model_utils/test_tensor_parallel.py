@@ -164,12 +164,13 @@ def test_engine_survives_a_lost_worker_and_loads_again(demo_path):
 
 def test_engine_config_tp_picks_the_engine():
     from model_utils.engine_config import EngineConfig
+    from model_utils.engine_factory import build_engine
     from model_utils.errors import InvalidParameter
 
-    engine = EngineConfig(tp=2).build()  # no model yet: no worker is started
+    engine = build_engine(EngineConfig(tp=2))  # no model yet: no worker is started
     assert isinstance(engine, TensorParallelEngine) and engine.group is None
     with pytest.raises(InvalidParameter, match="tp"):
-        EngineConfig(tp=0).build()
+        EngineConfig(tp=0)  # refused as the config is made, before any engine
 
 
 def test_tp_refuses_what_it_cannot_split():

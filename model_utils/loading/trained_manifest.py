@@ -1,0 +1,22 @@
+"""The manifest a fine-tuning run writes beside its result (OUT/finetune.json): its format is
+declared here, below both sides, because the registry reads it (to label a trained adapter
+with its base model) and model_utils.finetune writes it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+MANIFEST = "finetune.json"
+MANIFEST_FORMAT = "qwen-chat-finetune/1"
+
+
+def read_manifest(folder: str | Path) -> dict | None:
+    """The manifest of a trained output folder, or None if it is not one."""
+    path = Path(folder) / MANIFEST
+    try:
+        manifest = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return manifest if isinstance(manifest, dict) and manifest.get("format") == \
+        MANIFEST_FORMAT else None
