@@ -176,8 +176,8 @@ def main(argv: list[str] | None = None) -> int:
     import ui
     from model_utils import process_tuning
 
-    # Allocator, GC, warnings and the compile cache: this process serves for long.
-    process_tuning.tune_process(compile_cache=args.compile_cache)
+    if not args.backend:  # allocator, GC, warnings and the compile cache of a local model
+        process_tuning.tune_process(compile_cache=args.compile_cache)
     engine = remote_engine(args) if args.backend else build_engine(engine_config)
     if not args.backend and (args.model.startswith(("/", ".", "~"))
                              or Path(args.model).expanduser().is_dir()):

@@ -17,10 +17,9 @@ import inspect
 import logging
 import threading
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import gradio as gr
-
-from model_utils.engine import Engine
 
 from . import model_actions as actions
 from .common import reply_concurrency
@@ -28,6 +27,9 @@ from .conversation import validate_history
 from .errors import api_error, models_dir_of, shows_full_paths, status_for
 from .replies import make_settings, paced, stats_line
 from .request_models import ChatParams, LoadParams
+
+if TYPE_CHECKING:
+    from model_utils.engine import Engine
 
 log = logging.getLogger("ui")
 

@@ -6,16 +6,20 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import gradio as gr
 
-from model_utils.engine import Engine
-from model_utils.loading.manager import LoadError, LoadRequest, ModelBusy
+from model_utils.errors import LoadError, ModelBusy
+from model_utils.loading.loaded_model import LoadRequest
 from model_utils.loading.modes import MODES
 from model_utils.loading.placement import Placement, available_placements
 
 from .common import require_admin, user_error
 from .errors import client_error, hide_paths, models_dir_of, shows_full_paths
+
+if TYPE_CHECKING:
+    from model_utils.engine import Engine
 
 log = logging.getLogger("ui")
 

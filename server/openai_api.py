@@ -32,6 +32,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import anyio
 from fastapi import APIRouter, FastAPI, Request
@@ -39,7 +40,6 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from model_utils.chat.tool_calls import ToolCall
 from model_utils.chat.updates import TokenLogprob
-from model_utils.engine import ChatUpdate, Engine
 
 from .client_gone import reply_threads, run_until_gone
 from .common import reply_concurrency
@@ -51,6 +51,10 @@ from .openai_tools import ToolCallStream, call_deltas, output_format
 from .replies import make_settings, paced
 from .request_models import ChatCompletionRequest, parse_json
 from .stop_strings import StopFollower, StopStrings
+
+if TYPE_CHECKING:
+    from model_utils.chat.updates import ChatUpdate
+    from model_utils.engine import Engine
 
 log = logging.getLogger("ui")
 

@@ -28,7 +28,6 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from model_utils import completion
 from model_utils.chat.updates import TokenLogprob
 
 from .errors import ClientError
@@ -145,6 +144,10 @@ def choice_pieces(engine, body: CompletionRequest, settings, prompt,
                   stop: threading.Event) -> Iterator[Piece]:
     """One prompt's choice as it is made: the prompt first (with echo), then the continuation,
     cut at the first stop string; the last piece has the finish reason."""
+    # Here, not at the top: the local engine's completion (torch) is no part of a front end
+    # for a model server (--backend), which imports this module too.
+    from model_utils import completion
+
     ids = completion.encode(engine, prompt) if isinstance(prompt, str) else list(prompt)
     if body.echo:
         scored = completion.prompt_logprobs(engine, ids, body.logprobs) \

@@ -12,10 +12,14 @@ import threading
 import time
 from collections import defaultdict
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
-from model_utils.engine import ChatUpdate, Engine
-from model_utils.runtime.generation import ReplyStats
+from model_utils.chat.updates import ChatUpdate
+
+if TYPE_CHECKING:
+    from model_utils.engine import Engine
 from model_utils.runtime.generation_settings import GenerationSettings, public
+from model_utils.runtime.reply_stats import ReplyStats
 
 from .common import user_error
 from .errors import client_error

@@ -11,30 +11,29 @@ tab is open.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import gradio as gr
 
 from model_utils.backends.remote import RemoteEngine
-from model_utils.engine import Engine
 from server.api import register_api
 from server.common import AppInfo, reply_concurrency
 from server.guards import request_guard
 from server.model_actions import headline
 from server.openai_api import register_openai_api
 
-from .bench_panel import build_bench_panel
 from .chat_panel import STORAGE_KEYS, STORAGE_OWNER_KEY, build_chat_panel
-from .memory_panel import build_memory_panel
-from .model_panel import build_model_panel
 from .remote_panel import (
     build_remote_bench_panel,
     build_remote_memory_panel,
     build_remote_model_panel,
 )
-from .train_panel import build_train_panel
+
+if TYPE_CHECKING:
+    from model_utils.engine import Engine
 
 # An extra tab: (title, builder). The builder runs inside the tab and gets the engine.
-PanelBuilder = Callable[[Engine], dict]
+PanelBuilder = Callable[["Engine"], dict]
 
 APP_NAME = "Qwen chat"
 # HTML (gradio's login page renders it as such, not as Markdown).
@@ -61,6 +60,13 @@ def build(engine: Engine, *, admin: str | None = None, info: AppInfo | None = No
     `logout`: logins are on, so the header offers a Log out link (gradio's /logout)."""
     info = info or AppInfo()
     remote = isinstance(engine, RemoteEngine)  # a model server's: its own tabs (remote_panel)
+    if not remote:
+        # The local engine's tabs (they import torch), only where a model runs in this process:
+        # a front end for a model server starts without torch.
+        from .bench_panel import build_bench_panel
+        from .memory_panel import build_memory_panel
+        from .model_panel import build_model_panel
+        from .train_panel import build_train_panel
     with gr.Blocks(title=APP_NAME, analytics_enabled=False) as demo:
         status = gr.State(engine.status())
         with gr.Row(equal_height=True):

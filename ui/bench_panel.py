@@ -10,6 +10,7 @@ the benchmark gives way to them between its steps (model_utils.bench.gate).
 from __future__ import annotations
 
 from dataclasses import asdict
+from typing import TYPE_CHECKING
 
 import gradio as gr
 
@@ -21,8 +22,12 @@ from model_utils.bench.run import (
     speed_note,
     summary_table,
 )
-from model_utils.engine import Engine
 from server.common import require_admin, user_error
+
+from .bench_gate import admin_note, admin_only, whole_number
+
+if TYPE_CHECKING:
+    from model_utils.engine import Engine
 
 INTRO = ("Measures the loaded model: time to first token and decode tokens/s through this "
          "app's engine, next to plain `model.generate` on the same weights in the same process, "
@@ -88,36 +93,3 @@ def build_bench_panel(engine: Engine, *, demo: gr.Blocks | None = None,
                    preprocess=False)
     admin_only(demo, admin, c["run"], c["note"])
     return c
-
-
-def whole_number(value, what: str) -> int:
-    """A size as the page sends it (a number, the checkboxes' strings), or a plain refusal:
-    12.5 tokens are not rounded to 12. The ranges are checked by bench_loaded (LOADED_LIMITS)."""
-    if isinstance(value, str) and value.isascii() and value.strip().isdigit() \
-            and len(value) <= 18:
-        value = int(value)
-    if isinstance(value, float) and value.is_integer():
-        value = int(value)
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise user_error(f"{what} must be a whole number (got {str(value)[:40]!r})")
-    return value
-
-
-def admin_only(demo: gr.Blocks | None, admin: str | None, button, note) -> None:
-    """Under --admin, each page load enables `button` for the admin only and says why in
-    `note` (the handler checks too: this is the courtesy)."""
-    if demo is None or admin is None:
-        return
-
-    def for_user(request: gr.Request):
-        user = getattr(request, "username", None)
-        return gr.update(interactive=user == admin), admin_note(admin, user)
-
-    demo.load(for_user, None, [button, note], api_visibility="private", show_progress="hidden")
-
-
-def admin_note(admin: str | None, user: str | None) -> str:
-    if admin is None or user == admin:
-        return ""
-    return (f"Only the admin user (**{admin}**) may run the benchmark: it holds the engine "
-            "that serves every chat.")

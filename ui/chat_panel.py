@@ -11,10 +11,10 @@ import logging
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import gradio as gr
 
-from model_utils.engine import Engine
 from model_utils.runtime.generation_settings import InvalidParameter
 from server.common import DEMO_NOTICE, reply_concurrency, user_error
 from server.conversation import (
@@ -31,6 +31,9 @@ from server.conversation import (
 from server.replies import StopSignals, make_settings, stats_line, stream
 
 from .chat_settings import context_bounded, keep_settings, setting_controls
+
+if TYPE_CHECKING:
+    from model_utils.engine import Engine
 
 # Stats line of a reply the page stopped seeing (a reload, a closed tab): the conversation in
 # the browser is saved while the reply streams, and this is what such a turn ends with.

@@ -6,12 +6,15 @@ clamped to the loaded model)."""
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 import gradio as gr
 
-from model_utils.engine import Engine
 from model_utils.runtime.generation_settings import SETTINGS, Setting, public
 from server.conversation import ConversationError, chatbot_messages, validate_history
+
+if TYPE_CHECKING:
+    from model_utils.engine import Engine
 
 MESSAGE_PLACEHOLDER = "Type a message; Enter sends it"
 log = logging.getLogger("ui")

@@ -8,14 +8,17 @@ reads the history, so a page open or closed changes nothing in what is recorded.
 from __future__ import annotations
 
 import html
+from typing import TYPE_CHECKING
 
 import gradio as gr
 
-from model_utils.engine import Engine
 from model_utils.memory import MemorySnapshot
 from server.model_actions import still_held
 
 from .memory_plot import memory_svg
+
+if TYPE_CHECKING:
+    from model_utils.engine import Engine
 
 REFRESH_S = 2.0
 WINDOW_S = 300  # the plot shows the last five minutes

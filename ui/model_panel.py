@@ -6,15 +6,18 @@ from __future__ import annotations
 import contextvars
 import threading
 import time
+from typing import TYPE_CHECKING
 
 import gradio as gr
 
-from model_utils.engine import Engine
 from model_utils.loading.modes import dropdown_choices, dropdown_info
 from model_utils.loading.placement import STRATEGIES, available_placements
 from server import model_actions as actions
 from server.common import AppInfo
 from server.errors import shows_full_paths
+
+if TYPE_CHECKING:
+    from model_utils.engine import Engine
 
 SPLIT_COST = ("Splitting a model over GPUs makes every token wait on each GPU in turn: "
               "measured 5x slower decoding (8.4 vs 41.3 tok/s) than one GPU for a model that "

@@ -13,7 +13,7 @@ import gradio as gr
 from model_utils.backends.bench import bench_remote, markdown_table
 from server.common import require_admin, user_error
 
-from .bench_panel import admin_note, admin_only, whole_number
+from .bench_gate import admin_note, admin_only, whole_number
 
 REFRESH_S = 2.0
 THE_SERVERS_BUSINESS = (

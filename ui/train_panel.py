@@ -11,17 +11,20 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import gradio as gr
 import pandas as pd
 
-from model_utils.engine import Engine
 from model_utils.finetune.models import METHODS
 from model_utils.finetune.runner import TrainingRunner, TrainRefused, TrainRequest
 from model_utils.loading.registry import ModelNotFound
 from server import model_actions as actions
 from server.common import require_admin, user_error
 from server.shutdown import on_shutdown
+
+if TYPE_CHECKING:
+    from model_utils.engine import Engine
 
 REFRESH_S = 2.0
 

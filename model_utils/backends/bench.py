@@ -19,7 +19,7 @@ import threading
 import time
 from dataclasses import asdict, dataclass, field
 
-from model_utils.runtime.generation import GenerationSettings
+from model_utils.runtime.generation_settings import GenerationSettings
 
 PROMPT = "Tell me a long story about the sea, the harbour and the old sailor who mended nets."
 FILLER = " The waves rolled in from the grey horizon while the gulls circled above."

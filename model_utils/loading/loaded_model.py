@@ -6,8 +6,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-import torch
-
 from .load_stages import Stage
 from .modes import Mode
 from .placement import FitEstimate, Placement
@@ -15,6 +13,7 @@ from .registry import ModelSource
 from .tokenizer_reuse import TokenizerKey
 
 if TYPE_CHECKING:
+    import torch
     from transformers import PreTrainedTokenizerBase
 
     from model_utils.runtime.scheduler import Scheduler

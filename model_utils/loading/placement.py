@@ -15,9 +15,7 @@ import math
 from dataclasses import dataclass, field
 
 import psutil
-import torch
 
-from model_utils.layers.weight_only import quantizable
 from model_utils.memory import GB
 
 from .modes import Mode
@@ -71,13 +69,21 @@ def check_placement(placement: Placement) -> None:
         raise ValueError("the offload folder must be a path")
 
 
+def gpu_count() -> int:
+    # torch is imported here, not at the top: a front end for a model server (--backend)
+    # reads Placement and builds no load, and starts without torch.
+    import torch
+
+    return torch.cuda.device_count()
+
+
 def known_devices() -> list[str]:
     """The device names a max_memory cap may use here (accelerate also takes "disk")."""
-    return ["cpu", *(f"cuda:{i}" for i in range(torch.cuda.device_count())), "disk"]
+    return ["cpu", *(f"cuda:{i}" for i in range(gpu_count())), "disk"]
 
 
 def available_placements() -> list[str]:
-    gpus = [f"cuda:{i}" for i in range(torch.cuda.device_count())]
+    gpus = [f"cuda:{i}" for i in range(gpu_count())]
     return ["cpu", *gpus, *STRATEGIES] if gpus else ["cpu"]
 
 
@@ -90,11 +96,11 @@ def unavailable_reason(target: str) -> str | None:
         return None
     if not target.startswith("cuda:"):
         return f"unknown placement {target!r}; choose cpu, cuda:N or one of {', '.join(STRATEGIES)}"
-    if not torch.cuda.is_available():
+    if not gpu_count():
         return f"placement {target!r} needs a CUDA GPU and this machine has none"
     index = target.removeprefix("cuda:")
-    if not index.isdigit() or int(index) >= torch.cuda.device_count():
-        return f"no such GPU {target!r}: this machine has {torch.cuda.device_count()}"
+    if not index.isdigit() or int(index) >= gpu_count():
+        return f"no such GPU {target!r}: this machine has {gpu_count()}"
     return None
 
 
@@ -137,7 +143,9 @@ def size(gb: float) -> str:
 
 def free_memory_gb() -> dict[str, float]:
     free = {}
-    for i in range(torch.cuda.device_count()):
+    import torch
+
+    for i in range(gpu_count()):
         free_bytes, _total = torch.cuda.mem_get_info(i)
         free[f"cuda:{i}"] = free_bytes / GB
     free["cpu"] = psutil.virtual_memory().available / GB
@@ -150,7 +158,10 @@ def weight_bytes(config, mode: Mode) -> float:
     bitsandbytes quantizes the decoder's Linear layers only; embeddings, norms and lm_head keep
     the mode's dtype, which matters for small models whose vocabulary is a large share.
     """
+    import torch
     from transformers import AutoModelForCausalLM
+
+    from model_utils.layers.weight_only import quantizable
 
     # torch's device context is per thread. accelerate's init_empty_weights patches
     # nn.Module for the whole process: an estimate (the page asks for one on every change)
@@ -201,7 +212,7 @@ def estimate_fit(config, mode: Mode, placement: Placement, *, context_tokens: in
     meta device to count it)."""
     weights = weight_bytes(config, mode) / GB if weights_gb is None else weights_gb
     kv = kv_cache_bytes(config, context_tokens,
-                        dtype_bytes=4 if mode.dtype == torch.float32 else 2) / GB
+                        dtype_bytes=4 if mode.weight_dtype == "fp32" else 2) / GB
     need = weights + kv
     reclaimable = {d: g for d, g in (reclaimable_gb or {}).items() if g > 0}
     free = {d: g + reclaimable.get(d, 0.0) for d, g in free_memory_gb().items()}

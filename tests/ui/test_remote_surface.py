@@ -116,3 +116,25 @@ def test_bench_command_says_when_the_server_is_down(tmp_path, capsys):
                        "--backend-connect-timeout", "1"])
     assert code == 1
     assert "not reachable" in capsys.readouterr().out
+
+
+def test_the_front_end_for_a_model_server_starts_without_torch(server):
+    """The whole --backend page (every tab, the gradio and OpenAI endpoints, app.py's flags)
+    is built in a process that never imports torch or transformers: it loads no model."""
+    script = (
+        "import sys\n"
+        "import app, ui\n"
+        "from fastapi import APIRouter\n"
+        "from model_utils.backends.flags import remote_engine\n"
+        f"args = app.parse_args(['--backend', {server.url!r}])\n"
+        "engine = remote_engine(args)\n"
+        "demo = ui.build(engine)\n"
+        "ui.register_openai_api(APIRouter(), engine, [])\n"
+        "engine.close()\n"
+        "heavy = sorted(m for m in sys.modules if m.split('.')[0] in "
+        "('torch', 'transformers', 'accelerate', 'peft', 'bitsandbytes'))\n"
+        "print('heavy:', heavy[:5])\n"
+        "sys.exit(1 if heavy else 0)\n")
+    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True,
+                          text=True, timeout=180, check=False)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
