@@ -6,6 +6,7 @@ clamped to the loaded model)."""
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import gradio as gr
@@ -20,31 +21,59 @@ MESSAGE_PLACEHOLDER = "Type a message; Enter sends it"
 log = logging.getLogger("ui")
 
 
-def setting_controls(context: int, schema: tuple[Setting, ...] = SETTINGS) -> dict:
+@dataclass(frozen=True)
+class Control:
+    """The chat panel's widget for a setting: a slider, or a number box (`number`). Its range
+    is the page's choice, within the setting's own (which the engine checks)."""
+
+    label: str
+    value: float
+    low: float
+    high: float | None = None  # None: a number box without a maximum
+    step: float = 1
+    number: bool = False
+    up_to_context: bool = False  # the slider's maximum is the loaded model's context window
+    elem_id: str | None = None
+
+
+# The widget of each setting the page shows (a public setting without one has no widget).
+CONTROLS: dict[str, Control] = {
+    "temperature": Control("temperature (0 = greedy)", 0.7, 0, 2, step=0.05),
+    "top_p": Control("top_p", 1.0, 0.01, 1, step=0.01),
+    "top_k": Control("top_k (0 = off)", 0, 0, 200),
+    # Up to the loaded model's context: a reply can never be longer than the window.
+    "max_new_tokens": Control("max_new_tokens", 4096, 1, up_to_context=True,
+                              elem_id="max-new-tokens"),
+    "repetition_penalty": Control("repetition_penalty (1 = off)", 1.0, 0.5, 2, step=0.01),
+    "seed": Control("seed (-1 = random)", -1, -1, number=True),
+}
+
+
+def setting_controls(context: int, schema: tuple[Setting, ...] = SETTINGS,
+                     controls: dict[str, Control] = CONTROLS) -> dict:
     """{name: widget} for every public setting that has a Control, in the schema's order.
     Call inside a gr.Blocks context. `context` bounds the widgets whose range is the context
     window (max_new_tokens: a reply can never be longer than the window)."""
-    controls = {}
+    widgets = {}
     for setting in public(schema):
-        spec = setting.control
+        spec = controls.get(setting.name)
         if spec is None:
             continue
         if spec.number:
-            controls[setting.name] = gr.Number(
+            widgets[setting.name] = gr.Number(
                 value=spec.value, precision=0 if setting.type is int else None,
                 label=spec.label, minimum=spec.low, elem_id=spec.elem_id)
             continue
         high = context if spec.up_to_context else spec.high
-        controls[setting.name] = gr.Slider(spec.low, high, value=min(spec.value, high),
-                                           step=spec.step, label=spec.label,
-                                           elem_id=spec.elem_id)
-    return controls
+        widgets[setting.name] = gr.Slider(spec.low, high, value=min(spec.value, high),
+                                          step=spec.step, label=spec.label,
+                                          elem_id=spec.elem_id)
+    return widgets
 
 
-def context_bounded(names, schema: tuple[Setting, ...] = SETTINGS) -> list[str]:
+def context_bounded(names, controls: dict[str, Control] = CONTROLS) -> list[str]:
     """Which of these settings' widgets range up to the loaded model's context window."""
-    controls = {s.name: s.control for s in schema}
-    return [n for n in names if controls[n] is not None and controls[n].up_to_context]
+    return [n for n in names if n in controls and controls[n].up_to_context]
 
 
 def keep_settings(c: dict, engine: Engine, demo: gr.Blocks, settings_inputs: list,

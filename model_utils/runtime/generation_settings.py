@@ -1,12 +1,14 @@
 """The generation settings, each declared once: type, range, where its default comes from, help
-text, CLI flag, API names and the chat panel's control.
+text, CLI flag and API names.
 
-Every consumer is derived from SETTINGS: GenerationSettings (the frozen dataclass the engine and
-the sampler read) is built from it below, and so are the command-line flags (add_setting_flags:
-the CLI's and the load test's), the OpenAI request model (server/request_models.py), the /chat
-endpoint's settings dict (`from_values`), the chat panel's widgets (ui/chat_settings.py) and the
-benchmark's greedy replies (`greedy`). A new sampling knob is one `Setting` here plus its use
-in sampling.py.
+GenerationSettings is the frozen dataclass the engine and the sampler read, declared below with
+one field per setting (checked against SETTINGS as this module is imported, so the two cannot
+drift apart). The other consumers are derived from SETTINGS: the command-line flags
+(add_setting_flags: the CLI's and the load test's), the OpenAI request model
+(server/request_models.py), the /chat endpoint's settings dict (`from_values`), the chat panel's
+widgets (ui/chat_settings.py, which keeps each widget's label and range) and the benchmark's
+greedy replies (`greedy`). A new sampling knob is one `Setting` and one field here, its use in
+sampling.py, and its widget in ui/chat_settings.py.
 
 No torch and no gradio here: `python app.py --help` and the CLI's refusals import this.
 """
@@ -16,8 +18,8 @@ from __future__ import annotations
 import argparse
 import math
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import asdict, dataclass, field, make_dataclass, replace
-from typing import Any
+from dataclasses import asdict, dataclass, field, fields, make_dataclass, replace
+from typing import Any, ClassVar
 
 from model_utils.errors import InvalidParameter
 
@@ -25,20 +27,6 @@ from model_utils.errors import InvalidParameter
 # smaller one overflows to inf.
 GREEDY_TEMPERATURE = 1e-5
 MAX_SEED = 2**63 - 1  # torch.Generator.manual_seed takes a signed 64-bit integer
-
-
-@dataclass(frozen=True)
-class Control:
-    """The chat panel's widget for a setting: a slider, or a number box (`number`)."""
-
-    label: str
-    value: float
-    low: float
-    high: float | None = None  # None: a number box without a maximum
-    step: float = 1
-    number: bool = False
-    up_to_context: bool = False  # the slider's maximum is the loaded model's context window
-    elem_id: str | None = None
 
 
 @dataclass(frozen=True)
@@ -58,8 +46,7 @@ class Setting:
     low_open: bool = False  # (low, high] rather than [low, high]
     range_text: str | None = None  # the refusal's words for the range, when not plain bounds
     api_names: tuple[str, ...] = ()  # OpenAI's names for it, the preferred one first
-    control: Control | None = None  # None: no widget on the page
-    unset: Any = None  # what a widget sends for "not set" (seed: -1)
+    unset: Any = None  # what a widget or a flag sends for "not set" (seed: -1)
     off: Any = None  # the value at which it changes nothing in a greedy reply (`greedy`)
     public: bool = True  # False: for the engine's own callers only (no flag, API or widget)
     fixed_default: Any = None  # the dataclass default of a setting that is never unset
@@ -122,16 +109,13 @@ SETTINGS: tuple[Setting, ...] = (
             help="0 (or below 1e-5) = greedy",
             model_default=lambda gc, _: (getattr(gc, "temperature", None) or 1.0)
             if _sampling(gc) else 0.0,
-            default_text="the model's generation_config; 0 when it does not sample",
-            control=Control("temperature (0 = greedy)", 0.7, 0, 2, step=0.05)),
+            default_text="the model's generation_config; 0 when it does not sample"),
     Setting("top_p", float, 0.0, 1.0, low_open=True, off=1.0,
             help="nucleus sampling: keep the most likely tokens up to this probability mass",
-            model_default=lambda gc, _: getattr(gc, "top_p", None) or 1.0,
-            control=Control("top_p", 1.0, 0.01, 1, step=0.01)),
+            model_default=lambda gc, _: getattr(gc, "top_p", None) or 1.0),
     Setting("top_k", int, 0, 1_000_000, off=0,  # more than any vocabulary: "all tokens"
             help="keep only the k most likely tokens; 0 = off",
-            model_default=lambda gc, _: getattr(gc, "top_k", None) or 0,
-            control=Control("top_k (0 = off)", 0, 0, 200)),
+            model_default=lambda gc, _: getattr(gc, "top_k", None) or 0),
     Setting("max_new_tokens", int, 1,
             help="reply length limit; a longer one than the context window leaves after the "
                  "prompt is limited to that",
@@ -142,19 +126,14 @@ SETTINGS: tuple[Setting, ...] = (
             default_text="the model's generation_config, else what the context window leaves",
             range_text="between 1 and what the context window leaves after the prompt (a "
                        "longer one is limited to that)",
-            api_names=("max_completion_tokens", "max_tokens"),
-            # Up to the loaded model's context: a reply can never be longer than the window.
-            control=Control("max_new_tokens", 4096, 1, up_to_context=True,
-                            elem_id="max-new-tokens")),
+            api_names=("max_completion_tokens", "max_tokens")),
     Setting("repetition_penalty", float, 0.01, 10.0, off=1.0,
             help="penalize tokens already in the prompt or the reply (as transformers "
                  "does); 1 = off",
-            model_default=lambda gc, _: getattr(gc, "repetition_penalty", None) or 1.0,
-            control=Control("repetition_penalty (1 = off)", 1.0, 0.5, 2, step=0.01)),
+            model_default=lambda gc, _: getattr(gc, "repetition_penalty", None) or 1.0),
     Setting("seed", int, 0, MAX_SEED,
             help="0 to 2**63-1: the same seed and settings give the same reply",
-            default_text="random", unset=-1,
-            control=Control("seed (-1 = random)", -1, -1, number=True)),
+            default_text="random", unset=-1),
     # Benchmarks only: random weights emit EOS at random, so replies are held to a length.
     Setting("min_new_tokens", int, 0, public=False, fixed_default=0),
 )
@@ -260,12 +239,37 @@ def settings_from_args(args: argparse.Namespace, settings_type: type | None = No
 
 
 def settings_class(schema: tuple[Setting, ...], name: str = "GenerationSettings") -> type:
-    """A frozen dataclass with one field per setting; None (for a setting with a model
-    default) means "the model's default"."""
+    """A frozen dataclass with one field per setting of `schema` (a schema with a setting of
+    its own, as a test or an experiment adds one); None (for a setting with a model default)
+    means "the model's default"."""
     fields = [(s.name, s.type | None, field(default=s.fixed_default)) for s in schema]
     return make_dataclass(name, fields, bases=(_Settings,), frozen=True, namespace={
         "SCHEMA": schema, "__module__": __name__,
         "__doc__": "Generation settings; None means the model's generation_config default."})
 
 
-GenerationSettings = settings_class(SETTINGS)
+@dataclass(frozen=True)
+class GenerationSettings(_Settings):
+    """Generation settings; None means the model's generation_config default (SETTINGS says
+    what each one is, its range and its default)."""
+
+    SCHEMA: ClassVar[tuple[Setting, ...]] = SETTINGS
+
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    max_new_tokens: int | None = None
+    repetition_penalty: float | None = None
+    seed: int | None = None
+    min_new_tokens: int = 0
+
+
+def _check_declared(settings_type: type, schema: tuple[Setting, ...]) -> None:
+    """The declared fields are the schema's, in its order, with its defaults."""
+    declared = [(f.name, f.default) for f in fields(settings_type)]
+    expected = [(s.name, s.fixed_default) for s in schema]
+    if declared != expected:
+        raise TypeError(f"GenerationSettings' fields {declared} are not SETTINGS' {expected}")
+
+
+_check_declared(GenerationSettings, SETTINGS)

@@ -96,6 +96,14 @@ def test_greedy_turns_every_knob_off():
     assert settings_class(EXTENDED).greedy().min_p == 0.0
 
 
+def test_the_declared_fields_are_the_schemas():
+    from model_utils.runtime.generation_settings import _check_declared
+
+    assert [f.name for f in fields(GenerationSettings)] == [s.name for s in SETTINGS]
+    with pytest.raises(TypeError, match="min_p"):  # a setting without its field is caught
+        _check_declared(GenerationSettings, EXTENDED)
+
+
 def test_a_new_setting_is_a_field_a_check_and_a_flag():
     settings_type = settings_class(EXTENDED)
     assert "min_p" in {f.name for f in fields(settings_type)}

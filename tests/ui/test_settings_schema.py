@@ -1,5 +1,6 @@
 """The server's and the page's settings are built from the settings' one declaration: a setting
-added there is an OpenAI request field, a /chat setting and a widget, with its range."""
+added there is an OpenAI request field and a /chat setting, with its range, and, given its
+Control (the page's own label and range, ui/chat_settings.py), a widget."""
 
 from __future__ import annotations
 
@@ -7,15 +8,14 @@ import gradio as gr
 import pytest
 from pydantic import ValidationError
 
-from model_utils.runtime.generation_settings import SETTINGS, Control, Setting, public
+from model_utils.runtime.generation_settings import SETTINGS, Setting, public
 from server.errors import client_error
 from server.replies import SETTING_NAMES
 from server.request_models import ChatCompletionRequest, request_model
-from ui.chat_settings import context_bounded, setting_controls
+from ui.chat_settings import CONTROLS, Control, context_bounded, setting_controls
 
 MIN_P = Setting("min_p", float, 0.0, 1.0, off=0.0, help="drop tokens below min_p x the top one",
-                model_default=lambda gc, _: 0.0,
-                control=Control("min_p (0 = off)", 0.0, 0, 1, step=0.01))
+                model_default=lambda gc, _: 0.0)
 EXTENDED = (*SETTINGS, MIN_P)
 MESSAGES = [{"role": "user", "content": "hi"}]
 
@@ -36,7 +36,8 @@ def test_a_new_setting_is_an_openai_field_checked_against_its_range():
 
 def test_a_new_setting_is_a_widget():
     with gr.Blocks():
-        controls = setting_controls(4096, EXTENDED)
+        controls = setting_controls(4096, EXTENDED, {
+            **CONTROLS, "min_p": Control("min_p (0 = off)", 0.0, 0, 1, step=0.01)})
     assert list(controls) == [*SETTING_NAMES, "min_p"]
     slider = controls["min_p"]
     assert isinstance(slider, gr.Slider)
