@@ -94,26 +94,26 @@ def profile_step(engine: Engine, steps: int = 3) -> dict:
     per kernel, its time per step; and the step's wall time."""
     from torch.profiler import ProfilerActivity, profile
 
-    batcher = engine.manager.loaded.batcher.runner
+    runner = engine.serving.scheduler.runner
 
     @torch.inference_mode()  # as the scheduler's own steps: the cache is an inference tensor
     def run():
-        batcher.blocks()  # the cache, made at first use; every row points at the null block
-        kv = batcher.kv
+        runner.blocks()  # the cache, made at first use; every row points at the null block
+        kv = runner.kv
         kv.pad_rows(0, 1)
         kv.set_lengths(1, 1, 1)
         for _ in range(3):
-            batcher.step_fn(kv, 1)
+            runner.step_fn(kv, 1)
         bench.sync()
         start = time.perf_counter()
         for _ in range(10):
-            batcher.step_fn(kv, 1)
+            runner.step_fn(kv, 1)
         bench.sync()
         wall_ms = (time.perf_counter() - start) / 10 * 1000
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if CUDA else [])
         with profile(activities=activities) as prof:
             for _ in range(steps):
-                batcher.step_fn(kv, 1)
+                runner.step_fn(kv, 1)
             bench.sync()
         kv.pad_rows(0, kv.rows)
         return wall_ms, prof
@@ -121,13 +121,13 @@ def profile_step(engine: Engine, steps: int = 3) -> dict:
     wall_ms, prof = engine.worker.call(run)
     rows = _kernel_rows(prof, steps)
     where = "as served: a graph replay on a GPU"
-    compiled = getattr(batcher.step_fn, "compiled", None)
+    compiled = getattr(runner.step_fn, "compiled", None)
     if CUDA and len(rows) < 5 and compiled is not None:
         # The profiler saw no kernels inside the graph replays: the same compiled forward,
         # uncaptured, shows the same kernels (with launch gaps between them).
         @torch.inference_mode()
         def uncaptured():
-            kv = batcher.kv
+            kv = runner.kv
             kv.pad_rows(0, 1)
             inputs = kv.decode_args(1)
             kv.prepare_decode(1)
@@ -167,7 +167,7 @@ def measure(engine: Engine, folder: str, candidate: str, args, prompts, referenc
     swap, _, _, mode = SWAPS.get(candidate, (None, None, None, candidate))
     placement = Placement("cuda:0" if CUDA else "cpu")
     seen: dict = {}
-    prepare, previous = engine._prepare_decoding, engine.manager.on_loaded
+    prepare = previous = engine.manager.on_loaded  # the engine's: prepares and keeps serving
 
     def on_loaded(loaded, progress):  # between the weights' load and the compile
         if CUDA:
@@ -210,7 +210,7 @@ def measure(engine: Engine, folder: str, candidate: str, args, prompts, referenc
         model = engine.manager.loaded.model
         result.update(engine.worker.call(lambda: quality.compare(
             reference[1], quality.next_token_logprobs(model, reference[0]))))
-    result["profile"] = profile_step(engine) if engine.manager.loaded.batcher else None
+    result["profile"] = profile_step(engine) if engine.serving.scheduler else None
     if CUDA:
         result["peak_gb"] = round(torch.cuda.max_memory_allocated() / GB, 3)
     engine.unload()

@@ -45,7 +45,7 @@ def build(config_file: Path, layers: int, folder: Path) -> Path:
 
 
 def profile_step(engine: Engine, rows: int, length: int) -> dict:
-    runner = engine.manager.loaded.batcher.runner
+    runner = engine.serving.scheduler.runner
 
     def run():
         with torch.inference_mode():

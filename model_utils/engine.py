@@ -24,7 +24,7 @@ from .errors import LoadError, ShuttingDown
 from .loading.manager import LoadedModel, LoadRequest, ModelManager, Progress
 from .loading.placement import FitEstimate
 from .loading.registry import ModelRegistry
-from .memory import GB, MemoryHistory, MemorySnapshot
+from .memory import MemoryHistory, MemorySnapshot
 from .runtime.decoders import EagerDecoder
 from .runtime.generation import (
     GenerationSettings,
@@ -34,6 +34,7 @@ from .runtime.generation import (
 )
 from .runtime.grammar import Constraint, Grammars, OutputFormat, reasoning_mode
 from .runtime.preparation import DecodePreparation
+from .runtime.serving import Serving
 from .runtime.worker import DecodeWorker
 
 log = logging.getLogger(__name__)
@@ -76,6 +77,9 @@ class Engine:
         self._prepare_decoding = DecodePreparation(config, self.worker)
         self.manager.on_loaded = self._on_loaded
         self.manager.on_unloaded = self._forget_compiled
+        self.manager.held_beside = lambda: self._serving.held_gb() if self._serving else {}
+        # How the loaded model is served (set after each load, dropped with its unload).
+        self._serving: Serving | None = None
         # Shutting down (stop_admitting, end_replies): the stop events of open replies.
         self._open: set[threading.Event] = set()
         self._open_lock = threading.Lock()
@@ -104,13 +108,24 @@ class Engine:
         with self._version_lock:
             self._status_version += 1
 
+    @property
+    def serving(self) -> Serving | None:
+        """How the loaded model is served: its decode path, batch scheduler and runner."""
+        return self._serving
+
+    def _serving_of(self, loaded: LoadedModel) -> Serving:
+        serving = self._serving
+        assert serving is not None and serving.loaded is loaded, "serving another model"
+        return serving
+
     def _on_loaded(self, loaded: LoadedModel, progress: Progress) -> None:
-        self._prepare_decoding(loaded, progress)
+        self._serving = self._prepare_decoding(loaded, progress)
         process_tuning.model_loaded()  # the new model's objects out of the GC's full passes
 
     def _forget_compiled(self) -> None:
         self._status_changed()  # the model is gone (mid-switch too): pages may say so
         self._grammar_cache = None  # it holds the unloaded model
+        self._serving = None  # its scheduler, runner and KV cache go with it
         # Wait for the decode loop to let go of the unloaded model's batch cache.
         self.worker.call(lambda: None)
         if torch.cuda.is_available():
@@ -137,22 +152,17 @@ class Engine:
 
     def queue_status(self) -> dict | None:
         """{active, waiting, max_batch, max_queue} of the loaded model's batch, or None."""
-        loaded = self.manager.loaded
-        return loaded.batcher.load() if loaded is not None and loaded.batcher else None
+        serving = self._serving
+        return serving.queue_status() if serving is not None else None
 
     def estimate(self, request: LoadRequest) -> FitEstimate:
         return self.manager.estimate(request)
 
     def status(self) -> dict:
         status = self.manager.status()
-        loaded = self.manager.loaded
-        if loaded is not None and status.get("loaded"):
-            if loaded.batcher is not None:
-                status["kv_cache_gb"] = round(loaded.batcher.runner.cache_bytes() / GB, 4)
-                if (blocks := loaded.batcher.kv_blocks()) is not None:
-                    status["kv_blocks"] = blocks
-            if loaded.memory_stages:
-                status["memory_stages"] = dict(loaded.memory_stages)
+        serving = self._serving
+        if serving is not None and status.get("loaded"):
+            status.update(serving.status())
         elif self.manager.last_unload is not None:  # what the last unload left behind
             status["last_unload"] = self.manager.last_unload.as_dict()
         return status
@@ -280,10 +290,11 @@ class Engine:
                 record: LogprobRecord | None = None) -> Iterator[int]:
         """The reply's token ids: from the batch scheduler, or (a model it cannot batch) from
         the single-stream decoder, one reply at a time. Raises QueueFull when too busy."""
-        if loaded.batcher is not None:
+        scheduler = self._serving_of(loaded).scheduler
+        if scheduler is not None:
             lists = {} if record is None else {"logprobs": record.top, "logprob_k": record.k,
                                                "chosen": record.chosen}
-            return loaded.batcher.submit(input_ids, settings, eos_ids=eos_ids(loaded),
+            return scheduler.submit(input_ids, settings, eos_ids=eos_ids(loaded),
                                          stop=stop, stats=stats, constraint=constraint,
                                          **lists)
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Iterable
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 # torch.compile modes offered for the fast path's decode step (cuda_graphs.COMPILE_MODES is
@@ -89,7 +89,7 @@ class EngineConfig:
         """The config from parsed flags; fields the parser did not declare keep their
         defaults, and `overrides` win over both."""
         given = {f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)}
-        return replace(cls(**given), **overrides)
+        return cls(**{**given, **overrides})
 
     def __post_init__(self):
         """Refuse limits no engine can serve with, before anything is loaded."""

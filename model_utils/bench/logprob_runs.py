@@ -34,12 +34,11 @@ def engine_greedy(engine: Engine, prompts: list[list[int]], new_tokens: int) -> 
     as they arrive together), each with its tokens' top-k log-probabilities."""
     import threading
 
-    loaded = engine.manager.loaded
-    if loaded is None or loaded.batcher is None:
-        raise ValueError("logprob checks need a model the engine decodes in batches")
+    scheduler = _scheduler(engine)
     records = [[] for _ in prompts]
-    streams = [loaded.batcher.submit(p, greedy_settings(new_tokens), eos_ids=eos_ids(loaded),
-                                     stop=threading.Event(), stats=ReplyStats(), logprobs=r)
+    eos = eos_ids(engine.serving.loaded)
+    streams = [scheduler.submit(p, greedy_settings(new_tokens), eos_ids=eos,
+                                stop=threading.Event(), stats=ReplyStats(), logprobs=r)
                for p, r in zip(prompts, records)]
     tokens = [list(s) for s in streams]
     return [steps_from_topk(t, r) for t, r in zip(tokens, records)]
@@ -72,10 +71,7 @@ def engine_teacher_forced(engine: Engine, sequences: list[list[int]], prompt_len
     runs one thing at a time and the scheduler's loop returns only with no rows left); it uses
     the batch cache's rows and leaves them free. `should_yield` is asked between steps: when it
     says so, the run stops (Yielded) so that waiting replies are served first."""
-    loaded = engine.manager.loaded
-    if loaded is None or loaded.batcher is None:
-        raise ValueError("logprob checks need a model the engine decodes in batches")
-    runner = loaded.batcher.runner  # the batch runner: its cache, prefill and step
+    runner = _scheduler(engine).runner  # the batch runner: its cache, prefill and step
     return engine.worker.call(lambda: _teacher_forced(runner, sequences, prompt_len,
                                                       should_yield))
 
@@ -143,3 +139,10 @@ def _prefill_groups(runner, rows: int, prompt_len: int):
         yield group, True
     else:
         yield list(range(rows)), False  # each by itself, as the scheduler does
+
+
+def _scheduler(engine: Engine):
+    serving = engine.serving
+    if serving is None or serving.scheduler is None:
+        raise ValueError("logprob checks need a model the engine decodes in batches")
+    return serving.scheduler

@@ -51,10 +51,11 @@ log = logging.getLogger(__name__)
 
 
 def submit(engine: Engine, prompt: list[int], new_tokens: int) -> tuple[list[int], ReplyStats]:
-    loaded = engine.manager.loaded
+    serving = engine.serving
     stats = ReplyStats()
-    tokens = list(loaded.batcher.submit(prompt, greedy(new_tokens), eos_ids=eos_ids(loaded),
-                                        stop=threading.Event(), stats=stats))
+    tokens = list(serving.scheduler.submit(prompt, greedy(new_tokens),
+                                           eos_ids=eos_ids(serving.loaded),
+                                           stop=threading.Event(), stats=stats))
     return tokens, stats
 
 
@@ -67,10 +68,11 @@ def together(engine: Engine, prompts: list[list[int]], new_tokens: list[int],
     early = set(start_after or [])
 
     def one(i):
-        loaded = engine.manager.loaded
+        serving = engine.serving
         s = ReplyStats()
-        stream = loaded.batcher.submit(prompts[i], greedy(new_tokens[i]),
-                                       eos_ids=eos_ids(loaded), stop=threading.Event(), stats=s)
+        stream = serving.scheduler.submit(prompts[i], greedy(new_tokens[i]),
+                                          eos_ids=eos_ids(serving.loaded),
+                                          stop=threading.Event(), stats=s)
         for n, _ in enumerate(stream):
             if n == 0 and i in early:
                 first.set()
@@ -252,7 +254,7 @@ def run(args) -> dict:
     path = str(loaded.source.path)
     vocab = loaded.model.config.get_text_config().vocab_size
     # Untimed: every row bucket's step and a first reply of each kind.
-    engine.worker.call(functools.partial(loaded.batcher.runner.warm_up,
+    engine.worker.call(functools.partial(engine.serving.scheduler.runner.warm_up,
                                          range(1, engine.max_batch + 1)))
     del loaded  # a reference held here would keep the model and its cache past unload
     submit(engine, random_prompts(1, 64, vocab)[0], 16)

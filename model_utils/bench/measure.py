@@ -65,11 +65,11 @@ def first_mismatch(a: list[int], b: list[int]) -> int | None:
 def engine_decode(engine: Engine, prompt: list[int], new_tokens: int) -> tuple[list[int], ReplyStats]:
     """One greedy reply on the engine's own decode path: its batch scheduler (or, for a model
     it cannot batch, the single-stream decoder on its worker thread)."""
-    loaded = engine.manager.loaded
+    loaded, scheduler = engine.manager.loaded, engine.serving.scheduler
     stats = ReplyStats()
-    if loaded.batcher is not None:
-        tokens = list(loaded.batcher.submit(prompt, greedy(new_tokens), eos_ids=eos_ids(loaded),
-                                            stop=threading.Event(), stats=stats))
+    if scheduler is not None:
+        tokens = list(scheduler.submit(prompt, greedy(new_tokens), eos_ids=eos_ids(loaded),
+                                       stop=threading.Event(), stats=stats))
         return tokens, stats
     tokens = engine.worker.call(lambda: list(decode_tokens(
         engine.decoder_for(loaded), prompt, greedy(new_tokens), eos_ids=eos_ids(loaded),
@@ -104,10 +104,10 @@ def warm_engine(engine: Engine, prompts: list[list[int]], batches: list[int],
     """Every path a timed run takes, once, untimed: the batched step for each row bucket up to
     the largest batch (compiled and captured on a GPU), then one reply alone and each batch of
     concurrent requests on the very prompts that will be timed."""
-    loaded = engine.manager.loaded
-    if loaded.batcher is not None:
+    scheduler = engine.serving.scheduler
+    if scheduler is not None:
         counts = range(1, max(batches) + 1)
-        engine.worker.call(lambda: loaded.batcher.runner.warm_up(counts))
+        engine.worker.call(lambda: scheduler.runner.warm_up(counts))
     tokens = max(8, min(new_tokens, 32))
     engine_decode(engine, prompts[0], tokens)
     for b in batches:

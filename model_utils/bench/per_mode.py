@@ -109,7 +109,7 @@ def bench_mode(engine: Engine, model_name: str, mode: str, placement: Placement,
         if reference else {}
     status = engine.status()  # now with the caches allocated by the first reply (CPU)
     found = None
-    if logprobs and loaded.batcher is not None:  # untimed, after the peaks were read
+    if logprobs and engine.serving.scheduler is not None:  # untimed, after the peaks were read
         found = bench_logprobs.engine_side(engine, prompts, batches, new_tokens, match_prompts)
     path = loaded.source.path
     del loaded  # held here, it would keep the whole model and its cache on the card for the peer
@@ -177,7 +177,7 @@ def bench_loaded(engine: Engine, *, prompt_tokens: int = 32, new_tokens: int = 6
         theirs = measure_peer(loaded.model, prompts, batches, new_tokens, match_prompts,
                               run_peer=on_worker)
         compared = None
-        if logprobs and loaded.batcher is not None:
+        if logprobs and engine.serving.scheduler is not None:
             gate.wait_quiet()
             found = bench_logprobs.engine_side(engine, prompts, batches, new_tokens,
                                                match_prompts, run_worker=gate.run)

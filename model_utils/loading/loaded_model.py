@@ -16,8 +16,6 @@ if TYPE_CHECKING:
     import torch
     from transformers import PreTrainedTokenizerBase
 
-    from model_utils.runtime.scheduler import Scheduler
-
 
 @dataclass(frozen=True)
 class LoadRequest:
@@ -41,19 +39,12 @@ class LoadedModel:
     device_map: dict[str, dict]  # device -> {"layers": "0-13", "gb": 7.1}
     estimate: FitEstimate
     from_pretrained_kwargs: dict
-    decode_path: str = "eager"
-    decode_path_reason: str = ""
-    batcher: Scheduler | None = None  # when replies are batched (the decode runtime)
-    # CUDA memory after each step of getting ready to decode (memory.torch_cuda_gb), in order
-    memory_stages: dict[str, dict] = field(default_factory=dict)
     # memory_counters() just before this model was loaded: what an unload should come back to
     memory_before_load: dict[str, float] = field(default_factory=dict)
     # Each stage of getting ready (reading weights, quantizing, compiling, capturing) and the
     # whole of it, from the request to the first reply it can serve.
     stages: list[Stage] = field(default_factory=list)
     ready_s: float = 0.0
-    # Graphs the warm-up found in torch.compile's cache and compiled afresh (compile_cache)
-    compiled_graphs: dict[str, int] = field(default_factory=dict)
     # Why the context is shorter than the model's own (memory), "" when it is not
     context_note: str = ""
     # What a user should know of this load (the context made shorter, a vision tower skipped)
@@ -66,7 +57,8 @@ class LoadedModel:
         return self.source.label
 
     def status(self) -> dict:
-        """What is loaded, as the status endpoint, the page and the log show it."""
+        """What is loaded, as the status endpoint, the page and the log show it (the engine
+        adds how it is served: runtime.serving.Serving.status)."""
         return {
             "loaded": True,
             "model": self.display_name,
@@ -78,13 +70,10 @@ class LoadedModel:
             "load_s": round(self.load_s, 3),
             "ready_s": round(self.ready_s, 2),
             "load_stages": [stage.as_dict() for stage in self.stages],
-            **({"compiled_graphs": dict(self.compiled_graphs)} if self.compiled_graphs else {}),
             "footprint_gb": round(self.footprint_gb, 4),
             "context_tokens": self.context_tokens,
             **({"context_note": self.context_note} if self.context_note else {}),
             **({"notes": list(self.notes)} if self.notes else {}),
-            "decode_path": self.decode_path,
-            "decode_path_reason": self.decode_path_reason,
             "estimate": self.estimate.message(),
             **({"adapter": self.source.adapter.name,
                 "adapter_merged": not self.mode.is_quantized} if self.source.adapter else {}),

@@ -85,6 +85,9 @@ class ModelManager:
         # Called with each freshly loaded model; the engine attaches its fast path here.
         self.on_loaded: Callable[[LoadedModel, Progress], None] | None = None
         self.on_unloaded: Callable[[], None] | None = None
+        # Per device, the memory the loaded model's serving holds beside its weights (the
+        # engine's batch KV cache): a switch gives it back too.
+        self.held_beside: Callable[[], dict[str, float]] = dict
 
     # -- using the model ---------------------------------------------------------------------
     @property
@@ -185,13 +188,13 @@ class ModelManager:
         except Exception as error:
             raise LoadError(_user_message(error)) from error
         # What a load would find: the current model's memory is freed before it.
-        return self._fit(config, mode, request, preflight.held_gb(self._loaded))[0]
+        return self._fit(config, mode, request, preflight.held_gb(self._loaded, self.held_beside()))[0]
 
     def _preflight(self, request: LoadRequest) -> None:
         """Refuse, while the current model still serves, whatever would fail the load for a
         reason known without the weights; the fit counts the current model's memory as free."""
         source, mode, config = self._check(request)
-        estimate, _, _ = self._fit(config, mode, request, preflight.held_gb(self._loaded))
+        estimate, _, _ = self._fit(config, mode, request, preflight.held_gb(self._loaded, self.held_beside()))
         if not estimate.fits:
             raise LoadError(f"{source.label} in {mode.name} does not fit: {estimate.message()}")
 
@@ -340,7 +343,7 @@ class ModelManager:
         baseline = self._loaded.memory_before_load
         before = memory_counters()
         model = weakref.ref(self._loaded.model)
-        self._loaded = None  # the only strong reference to the model and its caches
+        self._loaded = None  # with the engine's serving (dropped in on_unloaded), the last reference
         if self.on_unloaded is not None:
             self.on_unloaded()
         report = unload_report(name, baseline, before, model)  # after the memory is released

@@ -115,15 +115,13 @@ def check_context(config, requested: int | None) -> None:
                              f"for this model, got {requested}")
 
 
-def held_gb(loaded) -> dict[str, float]:
-    """Per device, what the loaded model holds and unloading gives back: its weights and its
-    batch KV cache (the fit of the next model counts it as free)."""
+def held_gb(loaded, beside: dict[str, float] | None = None) -> dict[str, float]:
+    """Per device, what the loaded model holds and unloading gives back: its weights and what
+    serving it holds `beside` them (the batch KV cache); the fit of the next model counts it
+    as free."""
     if loaded is None:
         return {}
     held = {device: entry["gb"] for device, entry in loaded.device_map.items()}
-    runner = loaded.batcher.runner if loaded.batcher is not None else None
-    device = getattr(runner, "device", None)
-    if device is not None:
-        name = "cpu" if device.type == "cpu" else f"cuda:{device.index or 0}"
-        held[name] = held.get(name, 0.0) + runner.cache_bytes() / GB
+    for device, gb in (beside or {}).items():
+        held[device] = held.get(device, 0.0) + gb
     return held

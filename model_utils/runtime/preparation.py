@@ -22,6 +22,7 @@ from model_utils.memory import torch_cuda_gb
 from . import compile_cache, cuda_graphs, kv_cache, paged_attention
 from .runner import BatchRunner, EagerStep
 from .scheduler import Scheduler
+from .serving import Serving
 
 if TYPE_CHECKING:
     from model_utils.engine_config import EngineConfig
@@ -35,15 +36,16 @@ class DecodePreparation:
     def __init__(self, config: EngineConfig, worker: DecodeWorker):
         self.config, self.worker = config, worker
 
-    def __call__(self, loaded: LoadedModel, progress: Progress) -> None:
-        self._record_memory(loaded, "weights")
+    def __call__(self, loaded: LoadedModel, progress: Progress) -> Serving:
+        serving = Serving(loaded)
+        self._record_memory(serving, "weights")
         paged_attention.use_paged_attention(loaded.model)
         batches, why_not = kv_cache.support(loaded.model)
         if not batches:
             # Replies take turns on the single-stream eager decoder (decoders.EagerDecoder).
             log.warning("%s: replies are not batched (%s)", loaded.display_name, why_not)
-            loaded.decode_path_reason = f"eager path; replies take turns ({why_not})"
-            return
+            serving.decode_path_reason = f"eager path; replies take turns ({why_not})"
+            return serving
         step, path = EagerStep(loaded.model), "eager"
         applies, why = cuda_graphs.support(loaded)
         if not self.config.compile:
@@ -55,41 +57,43 @@ class DecodePreparation:
             path = "paged-kv+cuda-graphs (batched)"
             why = "compiled path: batched paged KV cache + CUDA graphs" + \
                   (", one q/k/v matmul per layer" if fused else "")
-        loaded.decode_path, loaded.decode_path_reason = path, \
+        serving.decode_path, serving.decode_path_reason = path, \
             f"{why}; up to {self.config.max_batch} concurrent replies decoded together"
         runner = BatchRunner(loaded.model, context_tokens=loaded.context_tokens,
                              max_batch=self.config.max_batch, step_fn=step)
-        loaded.batcher = Scheduler(runner, post=self.worker.post,
-                                   context_tokens=loaded.context_tokens,
-                                   max_batch=self.config.max_batch, max_queue=self.config.max_queue,
-                                   path_name=path)
+        serving.scheduler = Scheduler(runner, post=self.worker.post,
+                                      context_tokens=loaded.context_tokens,
+                                      max_batch=self.config.max_batch,
+                                      max_queue=self.config.max_queue, path_name=path)
         if path != "eager":
-            self._warm_up(loaded, progress)
+            self._warm_up(serving, progress)
+        return serving
 
-    def _warm_up(self, loaded: LoadedModel, progress: Progress) -> None:
+    def _warm_up(self, serving: Serving, progress: Progress) -> None:
         """Compile and capture the decode step now, for one reply and for every batch size up
         to max_batch, so that no user waits for it: a shape first met while serving stalls
         every reply decoding for as long as its capture takes (seconds for the larger shapes)."""
-        runner = loaded.batcher.runner
+        runner = serving.scheduler.runner
         progress(0.6, "compiling the batched decode step (one reply)")
         start, cached_before = time.perf_counter(), compile_cache.counts()
         self.worker.call(runner.warm_up)
         failed = getattr(runner.step_fn, "failed", None)
         if failed:  # the one-row step did not capture: replies run uncaptured
-            loaded.decode_path = "eager"
-            loaded.decode_path_reason = f"eager path: compiling failed ({failed})"
+            serving.decode_path = "eager"
+            serving.decode_path_reason = f"eager path: compiling failed ({failed})"
             return
         chosen = getattr(runner.step_fn, "chosen", {}).get(1)
         if chosen:
-            loaded.decode_path_reason += (
+            serving.decode_path_reason += (
                 f"; one-reply step: {chosen['kept']} forward kept (compiled "
                 f"{chosen['compiled_ms']} ms, plain {chosen['plain_ms']} ms a step)")
         if self.config.max_batch > 1:
-            progress(0.9, f"capturing the decode step for 2-{self.config.max_batch} replies at once")
+            progress(0.9, f"capturing the decode step for 2-{self.config.max_batch} replies at "
+                           "once")
             self.worker.call(lambda: runner.warm_up(range(2, self.config.max_batch + 1)))
             if getattr(runner.step_fn, "failed", None):  # those shapes decode uncaptured
                 log.warning("some batch sizes run uncaptured: %s", runner.step_fn.failed)
-        self._record_memory(loaded, "decode graphs")
+        self._record_memory(serving, "decode graphs")
         progress(0.95, "preparing the prefill of prompts")
         capture = runner.step_fn.capture  # the decode steps' pool and warm-up stream
         self.worker.call(lambda: runner.use_padded_prefill(capture))
@@ -101,24 +105,24 @@ class DecodePreparation:
             if padded.uncaptured:
                 shapes = ", ".join(f"{r}x{n}" for r, n in padded.uncaptured)
                 note += f" (prompts x tokens {shapes} failed to capture: eager)"
-            loaded.decode_path_reason += note
-        self._record_memory(loaded, "prefill graphs")
-        loaded.compiled_graphs = compile_cache.since(cached_before)
+            serving.decode_path_reason += note
+        self._record_memory(serving, "prefill graphs")
+        serving.compiled_graphs = compile_cache.since(cached_before)
         log.info("batched step ready for %s in %.1f s (compiled graphs: %d from the cache, %d "
-                 "compiled afresh)", loaded.display_name, time.perf_counter() - start,
-                 loaded.compiled_graphs["hits"], loaded.compiled_graphs["misses"])
+                 "compiled afresh)", serving.loaded.display_name, time.perf_counter() - start,
+                 serving.compiled_graphs["hits"], serving.compiled_graphs["misses"])
         # The warm-up's eager forwards left blocks in the allocator's cache: give them back,
         # so that the memory panels show what serving holds (graph pools stay reserved).
         torch.cuda.empty_cache()
-        self._record_memory(loaded, "ready")
+        self._record_memory(serving, "ready")
 
     @staticmethod
-    def _record_memory(loaded: LoadedModel, stage: str) -> None:
+    def _record_memory(serving: Serving, stage: str) -> None:
         """Note CUDA memory after a step of the load (status, server.log): what the weights,
         the caches and the captured graphs each cost."""
         memory = torch_cuda_gb()
         if memory:
-            loaded.memory_stages[stage] = memory
+            serving.memory_stages[stage] = memory
             log.info("memory after %s: %s", stage,
                      ", ".join(f"{k} {v}" for k, v in memory.items()))
 

@@ -51,7 +51,7 @@ def plain(folder, mode: str):
 @pytest.fixture(scope="session")
 def fp32_graphed(peaked_gpu):
     engine = load_engine(peaked_gpu, "fp32", max_batch=8)
-    assert "cuda-graphs" in engine.manager.loaded.decode_path, engine.status()
+    assert "cuda-graphs" in engine.serving.decode_path, engine.status()
     yield engine
     engine.unload()
 
@@ -59,6 +59,6 @@ def fp32_graphed(peaked_gpu):
 @pytest.fixture(scope="session")
 def fp32_eager(peaked_gpu):
     engine = load_engine(peaked_gpu, "fp32", max_batch=8, compile=False)
-    assert engine.manager.loaded.decode_path == "eager"
+    assert engine.serving.decode_path == "eager"
     yield engine
     engine.unload()

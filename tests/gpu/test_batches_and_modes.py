@@ -23,7 +23,7 @@ pytestmark = gpu_marks()
 @pytest.fixture(scope="module")
 def bf16_32(peaked_gpu):
     engine = load_engine(peaked_gpu, "bf16", max_batch=32)
-    assert "cuda-graphs" in engine.manager.loaded.decode_path, engine.status()
+    assert "cuda-graphs" in engine.serving.decode_path, engine.status()
     yield engine
     engine.unload()
 
@@ -33,7 +33,7 @@ def test_one_row_alone_and_inside_a_batch_are_close(peaked_gpu, bf16_32, batch):
     prompts = sample_prompts(peaked_gpu, batch, 48)
     alone = engine_greedy(bf16_32, prompts[:1], 64)
     together = engine_greedy(bf16_32, prompts, 64)
-    assert bf16_32.manager.loaded.batcher.peak_rows >= min(batch, 8)
+    assert bf16_32.serving.scheduler.peak_rows >= min(batch, 8)
     result = check.check_logprobs_close(alone, together[:1],
                                         tolerance=check.TOLERANCE[torch.bfloat16])
     assert result["close"], result

@@ -25,7 +25,7 @@ def folder(tmp_path_factory):
 def test_hybrid_rows_on_the_graph_path_are_close_to_plain_generate(folder, rows):
     engine = load_engine(folder, "bf16", max_batch=8)
     try:
-        assert "cuda-graphs" in engine.manager.loaded.decode_path, engine.status()
+        assert "cuda-graphs" in engine.serving.decode_path, engine.status()
         prompts = [[(7 * j + 11 * i) % 900 + 5 for j in range(10 + 150 * i)]
                    for i in range(rows)]
         together = engine_greedy(engine, prompts, 24)

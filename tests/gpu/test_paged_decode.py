@@ -48,7 +48,7 @@ def test_the_kernel_computes_the_reference_for_rows_of_mixed_lengths(dtype, rows
 def bf16_long(peaked_gpu):
     """bf16 on the compiled path, 32 rows, a context for prompts of up to 3500 tokens."""
     engine = load_engine(peaked_gpu, "bf16", max_batch=32, context=4096)
-    assert "cuda-graphs" in engine.manager.loaded.decode_path, engine.status()
+    assert "cuda-graphs" in engine.serving.decode_path, engine.status()
     yield engine
     engine.unload()
 
@@ -73,12 +73,12 @@ def test_rows_of_mixed_lengths_decode_together_as_each_does_with_plain_generate(
 
 def test_the_next_turn_finds_its_start_in_the_cache_and_decodes_as_plain_generate(
         peaked_gpu, bf16_long):
-    loaded = bf16_long.manager.loaded
+    serving = bf16_long.serving
     first = sample_prompts(peaked_gpu, 1, 1500)[0]  # longer than the padded prefill takes
     reply = engine_greedy(bf16_long, [first], 32)[0].tokens
     follow = first + reply + sample_prompts(peaked_gpu, 2, 20)[1]
     stats, record = ReplyStats(), []
-    tokens = list(loaded.batcher.submit(follow, greedy_settings(32), eos_ids=eos_ids(loaded),
+    tokens = list(serving.scheduler.submit(follow, greedy_settings(32), eos_ids=eos_ids(serving.loaded),
                                         stop=threading.Event(), stats=stats, logprobs=record))
     assert stats.cached_tokens >= 1500, stats
     mine = check.steps_from_topk(tokens, record)

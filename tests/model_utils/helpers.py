@@ -38,7 +38,7 @@ def prefill_logits(engine, tokens: list[int], chunk: int):
     taken for it (and given back), `chunk` tokens per forward."""
     import torch
 
-    runner = engine.manager.loaded.batcher.runner
+    runner = engine.serving.scheduler.runner
 
     def run():
         pool = runner.blocks()

@@ -54,17 +54,17 @@ def wait_until(condition, timeout: float = 120) -> None:
         time.sleep(0.01)
 
 
-def submit(loaded, prompt, settings, stop=None) -> tuple[list[int], ReplyStats]:
+def submit(serving, prompt, settings, stop=None) -> tuple[list[int], ReplyStats]:
     stats = ReplyStats()
-    tokens = list(loaded.batcher.submit(prompt, settings, eos_ids=eos_ids(loaded),
+    tokens = list(serving.scheduler.submit(prompt, settings, eos_ids=eos_ids(serving.loaded),
                                         stop=stop or threading.Event(), stats=stats))
     return tokens, stats
 
 
-def alone(loaded, prompt, settings) -> list[int]:
+def alone(serving, prompt, settings) -> list[int]:
     """The reference: the single-stream eager decoder (dynamic cache, no batch, no mask)."""
-    return list(decode_tokens(EagerDecoder(loaded.model), prompt, settings,
-                              eos_ids=eos_ids(loaded)))
+    return list(decode_tokens(EagerDecoder(serving.loaded.model), prompt, settings,
+                              eos_ids=eos_ids(serving.loaded)))
 
 
 @pytest.fixture(scope="module")
@@ -95,7 +95,7 @@ def test_eight_concurrent_greedy_chats_get_the_reply_they_get_alone(load_demo):
     assert all(r.stats.batched_with >= 2 for r in together)
 
 
-def joining_and_leaving(loaded) -> None:
+def joining_and_leaving(serving) -> None:
     """Three rows for seven requests: requests wait, join while others decode, leave at
     different times (rows move), and rows of 5 and 1100 tokens decode in the same steps,
     each over its own blocks. Sampled requests use their own seed and the repetition penalty;
@@ -112,18 +112,18 @@ def joining_and_leaving(loaded) -> None:
                                       repetition_penalty=1.2)),
         ([50 + i for i in range(17)], greedy(8)),
     ]
-    expected = [alone(loaded, p, s) for p, s in cases]
-    got = run_together([lambda p=p, s=s: submit(loaded, p, s) for p, s in cases])
+    expected = [alone(serving, p, s) for p, s in cases]
+    got = run_together([lambda p=p, s=s: submit(serving, p, s) for p, s in cases])
     for i, ((tokens, stats), reference) in enumerate(zip(got, expected)):
         assert tokens == reference, f"request {i} differs at token " \
             f"{next((k for k, (a, b) in enumerate(zip(tokens, reference)) if a != b), '-')}"
         assert stats.new_tokens == len(tokens)
-    assert loaded.batcher.peak_rows == 3
-    assert loaded.batcher.load()["active"] == 0
+    assert serving.scheduler.peak_rows == 3
+    assert serving.scheduler.load()["active"] == 0
 
 
 def test_rows_joining_leaving_and_moving_keep_every_reply_exact(small_engine):
-    joining_and_leaving(small_engine.manager.loaded)
+    joining_and_leaving(small_engine.serving)
 
 
 def test_the_padded_prefill_gives_the_replies_of_an_unpadded_one(small_engine):
@@ -131,8 +131,8 @@ def test_the_padded_prefill_gives_the_replies_of_an_unpadded_one(small_engine):
     prefill.py), run eagerly here: every reply as above must be unchanged,
     the padded prefill must really have served the short prompts, and the 1100-token prompt
     (longer than any bucket) the eager one."""
-    loaded = small_engine.manager.loaded
-    runner = loaded.batcher.runner
+    serving = small_engine.serving
+    runner = serving.scheduler.runner
     small_engine.worker.call(runner.warm_up)  # allocates the batch cache
     small_engine.worker.call(lambda: runner.use_padded_prefill())
     padded = runner.padded_prefill
@@ -147,7 +147,7 @@ def test_the_padded_prefill_gives_the_replies_of_an_unpadded_one(small_engine):
     padded.__class__ = Counting
     try:
         assert padded.buckets == (64, 128, 256, 512, 1024)
-        joining_and_leaving(loaded)
+        joining_and_leaving(serving)
     finally:
         runner.padded_prefill = None
     assert sorted(served) == [2, 5, 9, 17, 40, 300]
@@ -157,8 +157,8 @@ def test_prompts_arriving_together_share_one_padded_prefill(load_demo):
     """Eight prompts waiting at once are prefilled by one padded forward (8 rows of the
     64-token bucket: one replay on a GPU), and each reply is still the one it gets alone."""
     engine = load_demo("fp32")
-    loaded = engine.manager.loaded
-    batcher, runner = loaded.batcher, loaded.batcher.runner
+    serving = engine.serving
+    batcher, runner = serving.scheduler, serving.scheduler.runner
     engine.worker.call(runner.warm_up)  # allocates the batch cache
     engine.worker.call(lambda: runner.use_padded_prefill())
     padded = runner.padded_prefill
@@ -174,12 +174,12 @@ def test_prompts_arriving_together_share_one_padded_prefill(load_demo):
     cases = [([5 + i + j for j in range(3 + 7 * i)], greedy(16 + i)) for i in range(8)]
     gate = threading.Event()
     try:
-        expected = [alone(loaded, p, s) for p, s in cases]
+        expected = [alone(serving, p, s) for p, s in cases]
         engine.worker.post(gate.wait)  # the decode worker is busy while all eight arrive
         results: list = [None] * len(cases)
 
         def one(i):
-            results[i] = submit(loaded, *cases[i])
+            results[i] = submit(serving, *cases[i])
 
         threads = [threading.Thread(target=one, args=(i,)) for i in range(len(cases))]
         for t in threads:
@@ -199,27 +199,27 @@ def test_prompts_arriving_together_share_one_padded_prefill(load_demo):
 def test_prompts_waiting_together_give_the_replies_they_get_alone(small_engine):
     """Requests that wait together are admitted together (each prefilled by itself here, as
     prompts the padded prefill does not take are)."""
-    loaded = small_engine.manager.loaded
+    serving = small_engine.serving
     sampled = GenerationSettings(max_new_tokens=30, min_new_tokens=30, temperature=0.7,
                                  top_p=0.9, top_k=0, repetition_penalty=1.0, seed=3)
     cases = [([5 + i for i in range(60)], greedy(30)), ([300, 301, 302], sampled),
              ([(11 * i) % 500 + 3 for i in range(17)], greedy(30))]
-    expected = [alone(loaded, p, s) for p, s in cases]
+    expected = [alone(serving, p, s) for p, s in cases]
     # Keep the worker busy so that all three are waiting when the loop starts.
     gate = threading.Event()
     small_engine.worker.post(gate.wait)
     try:
-        streams = [loaded.batcher.submit(p, s, eos_ids=eos_ids(loaded),
+        streams = [serving.scheduler.submit(p, s, eos_ids=eos_ids(serving.loaded),
                                          stop=threading.Event(), stats=ReplyStats())
                    for p, s in cases]
-        assert loaded.batcher.load()["waiting"] == 3
+        assert serving.scheduler.load()["waiting"] == 3
     finally:
         gate.set()  # a failed check must not leave the worker blocked for the next tests
     assert [list(stream) for stream in streams] == expected
 
 
 def test_stop_frees_the_place_within_a_step_and_the_others_complete(small_engine):
-    loaded = small_engine.manager.loaded
+    serving = small_engine.serving
     prompts = [[10 + i, 20 + i, 30 + i] for i in range(4)]
     long = greedy(3000)
     stops = [threading.Event() for _ in prompts]
@@ -228,7 +228,7 @@ def test_stop_frees_the_place_within_a_step_and_the_others_complete(small_engine
 
     def stopped_after(i, n):
         stats, count, made = ReplyStats(), 0, 0
-        for _ in loaded.batcher.submit(prompts[i], long, eos_ids=eos_ids(loaded),
+        for _ in serving.scheduler.submit(prompts[i], long, eos_ids=eos_ids(serving.loaded),
                                        stop=stops[i], stats=stats):
             count += 1
             if count == n:
@@ -238,7 +238,7 @@ def test_stop_frees_the_place_within_a_step_and_the_others_complete(small_engine
         results[i] = stats
 
     def complete(i, n):
-        results[i] = submit(loaded, prompts[i], greedy(n))
+        results[i] = submit(serving, prompts[i], greedy(n))
 
     # Three rows: two long replies and a short one fill them; the fourth waits for a place,
     # which only the Stop of a long reply gives it in time. The worker is held until all four
@@ -252,7 +252,7 @@ def test_stop_frees_the_place_within_a_step_and_the_others_complete(small_engine
     try:
         for n, thread in enumerate((first, second, third, fourth), 1):
             thread.start()
-            wait_until(lambda n=n: loaded.batcher.load()["waiting"] == n)
+            wait_until(lambda n=n: serving.scheduler.load()["waiting"] == n)
     finally:
         gate.set()  # a failed check must not leave the worker blocked for the next tests
     for t in (first, second, third, fourth):
@@ -261,14 +261,14 @@ def test_stop_frees_the_place_within_a_step_and_the_others_complete(small_engine
     assert max(extra_after_stop) <= 1  # at most the token of the step already running
     for i, n in ((2, 60), (3, 30)):
         tokens, stats = results[i]
-        assert tokens == alone(loaded, prompts[i], greedy(n)) and stats.finish_reason == "length"
+        assert tokens == alone(serving, prompts[i], greedy(n)) and stats.finish_reason == "length"
     assert results[1].finish_reason == "stop"
-    assert loaded.batcher.load() == {"active": 0, "waiting": 0, "max_batch": 3, "max_queue": 4}
+    assert serving.scheduler.load() == {"active": 0, "waiting": 0, "max_batch": 3, "max_queue": 4}
 
 
 def test_closing_the_chat_stream_frees_its_place(small_engine):
     """A closed browser tab closes engine.chat's generator: its place is free again."""
-    batcher = small_engine.manager.loaded.batcher
+    batcher = small_engine.serving.scheduler
     stream = small_engine.chat([{"role": "user", "content": "hi"}], greedy(3000))
     next(stream)
     assert batcher.load()["active"] == 1
@@ -277,15 +277,15 @@ def test_closing_the_chat_stream_frees_its_place(small_engine):
 
 
 def test_a_full_queue_refuses_at_once_with_a_busy_error(small_engine):
-    loaded = small_engine.manager.loaded
+    serving = small_engine.serving
     stops = [threading.Event() for _ in range(7)]
-    streams = [loaded.batcher.submit([5 + i, 6, 7], greedy(4000), eos_ids=eos_ids(loaded),
+    streams = [serving.scheduler.submit([5 + i, 6, 7], greedy(4000), eos_ids=eos_ids(serving.loaded),
                                      stop=stops[i], stats=ReplyStats()) for i in range(7)]
-    assert loaded.batcher.load()["active"] + loaded.batcher.load()["waiting"] == 7
+    assert serving.scheduler.load()["active"] + serving.scheduler.load()["waiting"] == 7
     with pytest.raises(QueueFull) as caught:
         next(small_engine.chat([{"role": "user", "content": "one more"}], greedy(4)))
     # Refused while all seven are still in flight: it did not wait for a place to free up.
-    assert loaded.batcher.load()["active"] + loaded.batcher.load()["waiting"] == 7
+    assert serving.scheduler.load()["active"] + serving.scheduler.load()["waiting"] == 7
     assert "busy" in str(caught.value) and "try again" in str(caught.value)
     assert isinstance(caught.value, ModelBusy)  # what the UI already shows as a message
     for stop in stops:
@@ -297,7 +297,7 @@ def test_a_full_queue_refuses_at_once_with_a_busy_error(small_engine):
 
 
 def test_a_switch_waits_for_streaming_replies_and_never_corrupts_them(small_engine):
-    loaded = small_engine.manager.loaded
+    serving = small_engine.serving
     prompt = [9, 8, 7, 6]
     stop = threading.Event()
     tokens: list[int] = []
@@ -305,12 +305,12 @@ def test_a_switch_waits_for_streaming_replies_and_never_corrupts_them(small_engi
 
     def reply():
         with small_engine.manager.use():  # what engine.chat holds while it streams
-            tokens.extend(loaded.batcher.submit(prompt, greedy(4000), eos_ids=eos_ids(loaded),
+            tokens.extend(serving.scheduler.submit(prompt, greedy(4000), eos_ids=eos_ids(serving.loaded),
                                                 stop=stop, stats=stats))
 
     thread = threading.Thread(target=reply)
     thread.start()
-    wait_until(lambda: loaded.batcher.load()["active"] == 1 or not thread.is_alive())
+    wait_until(lambda: serving.scheduler.load()["active"] == 1 or not thread.is_alive())
     with pytest.raises(ModelBusy):  # busy_timeout_s is 1 s: the reply is still streaming
         small_engine.load(cpu_request("fp16"))
     # Enough of the reply to compare, however many tokens the busy wait above lasted.
@@ -319,15 +319,15 @@ def test_a_switch_waits_for_streaming_replies_and_never_corrupts_them(small_engi
     thread.join(timeout=300)
     assert small_engine.status()["mode"] == "fp32"
     assert stats.finish_reason == "stop" and len(tokens) >= 100
-    assert tokens[:100] == alone(loaded, prompt, greedy(100))
+    assert tokens[:100] == alone(serving, prompt, greedy(100))
 
 
 def test_a_reply_that_cannot_fit_its_row_is_refused_before_it_joins(small_engine):
-    loaded = small_engine.manager.loaded
+    serving = small_engine.serving
     with pytest.raises(ValueError, match="context window"):
-        loaded.batcher.submit([5] * 100, greedy(4000), eos_ids=eos_ids(loaded),
+        serving.scheduler.submit([5] * 100, greedy(4000), eos_ids=eos_ids(serving.loaded),
                               stop=threading.Event(), stats=ReplyStats())
-    assert loaded.batcher.load()["waiting"] == 0
+    assert serving.scheduler.load()["waiting"] == 0
 
 
 def test_with_memory_for_few_blocks_replies_wait_or_resume_and_stay_exact(demo_path,
@@ -341,19 +341,19 @@ def test_with_memory_for_few_blocks_replies_wait_or_resume_and_stay_exact(demo_p
     engine = Engine(max_batch=8)
     engine.load(cpu_request("fp32", context_tokens=256))
     try:
-        loaded = engine.manager.loaded
+        serving = engine.serving
         prompts = [[10 + i] + [(7 * j + i) % 300 + 5 for j in range(19)] for i in range(5)]
-        expected = [alone(loaded, p, greedy(40)) for p in prompts]
+        expected = [alone(serving, p, greedy(40)) for p in prompts]
         gate = threading.Event()
         engine.worker.post(gate.wait)  # all five wait when the loop starts
         try:
-            streams = [loaded.batcher.submit(p, greedy(40), eos_ids=eos_ids(loaded),
+            streams = [serving.scheduler.submit(p, greedy(40), eos_ids=eos_ids(serving.loaded),
                                              stop=threading.Event(), stats=ReplyStats())
                        for p in prompts]
         finally:
             gate.set()
         assert [list(stream) for stream in streams] == expected
-        blocks = loaded.batcher.kv_blocks()
+        blocks = serving.scheduler.kv_blocks()
         assert blocks["total"] == 17 and blocks["used"] == 0
         assert blocks["preemptions"] >= 1
     finally:
@@ -362,17 +362,17 @@ def test_with_memory_for_few_blocks_replies_wait_or_resume_and_stay_exact(demo_p
 
 def test_the_next_turn_reuses_the_conversation_so_far_and_gets_the_same_reply(load_demo):
     engine = load_demo("fp32")
-    loaded = engine.manager.loaded
+    serving = engine.serving
     first = [(5 * i) % 400 + 7 for i in range(300)]
-    reply, stats = submit(loaded, first, greedy(30))
+    reply, stats = submit(serving, first, greedy(30))
     assert stats.cached_tokens == 0
     follow = first + reply + [11, 12, 13, 14]
-    again, stats = submit(loaded, follow, greedy(20))
+    again, stats = submit(serving, follow, greedy(20))
     # 300 + 29 fed tokens were cached: 20 full blocks of 16
     assert stats.cached_tokens == 320
-    assert again == alone(loaded, follow, greedy(20))
+    assert again == alone(serving, follow, greedy(20))
     # A short prompt that starts like an earlier one is computed whole (MIN_REUSE_TOKENS)
-    _, stats = submit(loaded, first[:100] + [9, 9], greedy(4))
+    _, stats = submit(serving, first[:100] + [9, 9], greedy(4))
     assert stats.cached_tokens == 0
 
 
@@ -392,7 +392,7 @@ def test_a_short_tail_after_a_cached_start_decoded_as_rows_gives_the_same_logits
     """The next turn's new tokens as rows of one decode step (what a GPU replays as one graph),
     on the CPU's eager step: the logits of the one-sequence forward and of the whole prompt."""
     engine = load_demo("fp32")
-    runner = engine.manager.loaded.batcher.runner
+    runner = engine.serving.scheduler.runner
     start = [(7 * i) % 450 + 5 for i in range(300)]
 
     def extend(tail: list[int], tail_rows: int) -> torch.Tensor:
@@ -421,15 +421,15 @@ def test_a_short_tail_after_a_cached_start_decoded_as_rows_gives_the_same_logits
 
 def test_a_next_turn_decoded_as_rows_gets_the_reply_it_gets_alone(load_demo):
     engine = load_demo("fp32")
-    loaded = engine.manager.loaded
-    runner = loaded.batcher.runner
+    serving = engine.serving
+    runner = serving.scheduler.runner
     saved, runner.tail_rows = runner.tail_rows, 64
     try:
         first = [(13 * i) % 420 + 9 for i in range(290)]
-        reply, _ = submit(loaded, first, greedy(24))
+        reply, _ = submit(serving, first, greedy(24))
         follow = first + reply + [21, 22, 23, 24, 25]
-        again, stats = submit(loaded, follow, greedy(16))
+        again, stats = submit(serving, follow, greedy(16))
         assert stats.cached_tokens == 304  # 19 full blocks of the 313 fed tokens
-        assert again == alone(loaded, follow, greedy(16))
+        assert again == alone(serving, follow, greedy(16))
     finally:
         runner.tail_rows = saved

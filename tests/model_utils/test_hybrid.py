@@ -74,21 +74,21 @@ def greedy(n: int) -> GenerationSettings:
                               top_k=0, repetition_penalty=1.0)
 
 
-def submit(loaded, prompt, settings, stop=None):
+def submit(serving, prompt, settings, stop=None):
     stats = ReplyStats()
-    return list(loaded.batcher.submit(prompt, settings, eos_ids=eos_ids(loaded),
+    return list(serving.scheduler.submit(prompt, settings, eos_ids=eos_ids(serving.loaded),
                                       stop=stop or threading.Event(), stats=stats)), stats
 
 
-def alone(loaded, prompt, settings):
-    return list(decode_tokens(EagerDecoder(loaded.model), prompt, settings,
-                              eos_ids=eos_ids(loaded)))
+def alone(serving, prompt, settings):
+    return list(decode_tokens(EagerDecoder(serving.loaded.model), prompt, settings,
+                              eos_ids=eos_ids(serving.loaded)))
 
 
-def plain_generate(loaded, prompt, n):
+def plain_generate(serving, prompt, n):
     ids = torch.tensor([prompt])
     with torch.inference_mode():
-        out = loaded.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
+        out = serving.loaded.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
                                     min_new_tokens=n, do_sample=False, pad_token_id=0)
     return out[0, len(prompt):].tolist()
 
@@ -110,10 +110,10 @@ def together(jobs):
 
 
 def test_a_hybrid_model_takes_the_batched_path(hybrid):
-    loaded = hybrid.manager.loaded
-    assert loaded.batcher is not None, loaded.decode_path_reason
-    assert "concurrent replies decoded together" in loaded.decode_path_reason
-    runner = loaded.batcher.runner
+    serving = hybrid.serving
+    assert serving.scheduler is not None, serving.decode_path_reason
+    assert "concurrent replies decoded together" in serving.decode_path_reason
+    runner = serving.scheduler.runner
     hybrid.worker.call(runner.blocks)  # the cache, made at first use
     assert runner.kv.states is not None and sorted(runner.kv.states.conv) == [0, 1, 2]
     assert runner.kv.keys[3] is not None and runner.kv.keys[0] is None
@@ -121,35 +121,35 @@ def test_a_hybrid_model_takes_the_batched_path(hybrid):
 
 @pytest.mark.parametrize("rows", [1, 3, 8])
 def test_rows_of_mixed_lengths_decode_as_each_alone_and_as_plain_generate(hybrid, rows):
-    loaded = hybrid.manager.loaded
+    serving = hybrid.serving
     prompts = [[(7 * j + 11 * i) % 900 + 5 for j in range(3 + (i * 97) % 260)]
                for i in range(rows)]
     settings = [greedy(12 + 3 * i) for i in range(rows)]
-    expected = [alone(loaded, p, s) for p, s in zip(prompts, settings)]
-    got = together([lambda p=p, s=s: submit(loaded, p, s) for p, s in zip(prompts, settings)])
+    expected = [alone(serving, p, s) for p, s in zip(prompts, settings)]
+    got = together([lambda p=p, s=s: submit(serving, p, s) for p, s in zip(prompts, settings)])
     assert [tokens for tokens, _ in got] == expected
     if rows > 1:
         assert max(stats.batched_with for _, stats in got) > 1
-    assert expected[0] == plain_generate(loaded, prompts[0], settings[0].max_new_tokens)
+    assert expected[0] == plain_generate(serving, prompts[0], settings[0].max_new_tokens)
 
 
 def test_a_stopped_reply_and_one_that_ends_early_leave_the_others_exact(hybrid):
-    loaded = hybrid.manager.loaded
+    serving = hybrid.serving
     prompts = [[20 + i + j for j in range(30 + 40 * i)] for i in range(4)]
     stop = threading.Event()
     lengths = [40, 6, 40, 40]  # the second ends mid-batch
-    expected = [alone(loaded, p, greedy(n)) for p, n in zip(prompts, lengths)]
+    expected = [alone(serving, p, greedy(n)) for p, n in zip(prompts, lengths)]
 
     def stopped():
         stats, seen = ReplyStats(), 0
-        for _ in loaded.batcher.submit(prompts[2], greedy(3000), eos_ids=eos_ids(loaded),
+        for _ in serving.scheduler.submit(prompts[2], greedy(3000), eos_ids=eos_ids(serving.loaded),
                                        stop=stop, stats=stats):
             seen += 1
             if seen == 10:
                 stop.set()
         return None, stats
 
-    jobs = [lambda i=i: submit(loaded, prompts[i], greedy(lengths[i])) for i in range(4)]
+    jobs = [lambda i=i: submit(serving, prompts[i], greedy(lengths[i])) for i in range(4)]
     jobs[2] = stopped
     got = together(jobs)
     assert got[2][1].finish_reason == "stop"
@@ -158,14 +158,14 @@ def test_a_stopped_reply_and_one_that_ends_early_leave_the_others_exact(hybrid):
 
 
 def test_the_warm_up_prompts_leave_no_block_taken_and_replies_unchanged(hybrid):
-    loaded = hybrid.manager.loaded
-    runner = loaded.batcher.runner
+    serving = hybrid.serving
+    runner = serving.scheduler.runner
     prompt = [(5 * j) % 800 + 9 for j in range(70)]
-    before = submit(loaded, prompt, greedy(10))[0]
+    before = submit(serving, prompt, greedy(10))[0]
     free = hybrid.worker.call(lambda: runner.blocks().available())
     hybrid.worker.call(lambda: runner.prefill_untimed((16, 24, 10**9)))  # the last: too long
     assert hybrid.worker.call(lambda: runner.blocks().available()) == free
-    assert submit(loaded, prompt, greedy(10))[0] == before
+    assert submit(serving, prompt, greedy(10))[0] == before
 
 
 def test_a_long_prompt_prefilled_in_chunks_carries_the_states_across_them(hybrid):
@@ -188,12 +188,12 @@ def test_a_preempted_hybrid_reply_resumes_from_a_fresh_state_and_stays_exact(hyb
     engine.registry.allow_root(str(hybrid_folder))
     engine.load(LoadRequest(str(hybrid_folder), "fp32", Placement("cpu"), context_tokens=256))
     try:
-        loaded = engine.manager.loaded
+        serving = engine.serving
         prompts = [[10 + i] + [(7 * j + i) % 300 + 5 for j in range(19)] for i in range(5)]
-        expected = [alone(loaded, p, greedy(40)) for p in prompts]
-        got = together([lambda p=p: submit(loaded, p, greedy(40)) for p in prompts])
+        expected = [alone(serving, p, greedy(40)) for p in prompts]
+        got = together([lambda p=p: submit(serving, p, greedy(40)) for p in prompts])
         assert [tokens for tokens, _ in got] == expected
-        assert loaded.batcher.kv_blocks()["preemptions"] >= 1
+        assert serving.scheduler.kv_blocks()["preemptions"] >= 1
     finally:
         engine.unload()
 
@@ -221,7 +221,7 @@ def test_quantized_modes_load_and_chat(hybrid_folder, mode):
     try:
         reply = engine.generate_text([{"role": "user", "content": "hi"}], greedy(6))
         assert reply.stats.new_tokens == 6
-        assert engine.manager.loaded.batcher is not None
+        assert engine.serving.scheduler is not None
     finally:
         engine.unload()
 

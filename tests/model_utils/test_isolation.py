@@ -60,11 +60,11 @@ def test_out_of_range_settings_are_refused_with_a_plain_message(load_demo, name,
 @pytest.mark.parametrize("temperature", [2.28e-39, 1e-300, 5e-6])
 def test_a_temperature_below_the_epsilon_is_greedy(load_demo, temperature):
     engine = load_demo("fp32")
-    loaded = engine.manager.loaded
+    serving = engine.serving
     settings = GenerationSettings(max_new_tokens=6, min_new_tokens=6, temperature=temperature,
                                   seed=1)
-    resolved = settings.resolved(loaded.model.generation_config,
-                                 context_tokens=loaded.context_tokens)
+    resolved = settings.resolved(serving.loaded.model.generation_config,
+                                 context_tokens=serving.loaded.context_tokens)
     assert resolved.temperature == 0.0
     reply = engine.generate_text(HELLO, settings)
     reference = engine.generate_text(HELLO, GenerationSettings(max_new_tokens=6,
@@ -172,8 +172,8 @@ class _Held:
         assert self.holding.wait(60)
 
 
-def _victim_prompts(loaded) -> list[list[int]]:
-    return [loaded.tokenizer(f"<|im_start|>user\n{p}<|im_end|>\n<|im_start|>assistant\n",
+def _victim_prompts(serving) -> list[list[int]]:
+    return [serving.loaded.tokenizer(f"<|im_start|>user\n{p}<|im_end|>\n<|im_start|>assistant\n",
                              add_special_tokens=False)["input_ids"] for p in VICTIM_PROMPTS]
 
 
@@ -199,15 +199,15 @@ def test_a_request_that_fails_its_prefill_ends_alone_in_its_group(load_demo, att
     which is then run again request by request. Either way the innocent prompts of the same
     group decode exactly what they decode alone, and only the bad one gets an error."""
     engine = load_demo("fp32")
-    loaded = engine.manager.loaded
+    serving = engine.serving
     n = 12
-    prompts = _victim_prompts(loaded)
+    prompts = _victim_prompts(serving)
     if attack == "seed":
         bad_prompt = prompts[0]
         bad = GenerationSettings(max_new_tokens=n, temperature=1.0, top_p=1.0, top_k=0,
                                  repetition_penalty=1.0, seed=2**70)
     else:
-        bad_prompt = [*prompts[0][:-1], loaded.model.config.vocab_size + 5]
+        bad_prompt = [*prompts[0][:-1], serving.loaded.model.config.vocab_size + 5]
         bad = greedy(n)
     held = _Held(engine)
     outputs, errors, threads, stats = [], {}, [], []
@@ -216,7 +216,7 @@ def test_a_request_that_fails_its_prefill_ends_alone_in_its_group(load_demo, att
             settings = bad if i == 2 else greedy(n)
             stats.append(ReplyStats())
             outputs.append([])
-            iterator = loaded.batcher.submit(prompt, settings, eos_ids=eos_ids(loaded),
+            iterator = serving.scheduler.submit(prompt, settings, eos_ids=eos_ids(serving.loaded),
                                              stop=threading.Event(), stats=stats[-1])
             threads.append(_consume(iterator, outputs[-1], errors, str(i)))
     finally:
@@ -227,7 +227,7 @@ def test_a_request_that_fails_its_prefill_ends_alone_in_its_group(load_demo, att
     assert outputs[2] == []
     for i, prompt in zip((0, 1, 3), (prompts[0], prompts[1], prompts[2])):
         assert stats[i].finish_reason == "length"
-        assert outputs[i] == alone(loaded, prompt, greedy(n)), i
+        assert outputs[i] == alone(serving, prompt, greedy(n)), i
     assert max(s.batched_with for s in stats) == 3  # the three decoded together
 
 
@@ -253,9 +253,9 @@ def test_a_row_that_fails_in_a_decode_step_ends_alone(load_demo):
     tokens) leaves the batch with its error; the rows decoding beside it go on and give
     their exact replies."""
     engine = load_demo("fp32")
-    loaded = engine.manager.loaded
+    serving = engine.serving
     n = 160
-    prompts = _victim_prompts(loaded)
+    prompts = _victim_prompts(serving)
     attacker = _TurnsBad(max_new_tokens=n, min_new_tokens=n, temperature=1.0, top_p=1.0,
                          top_k=0, repetition_penalty=1.0, seed=3)
     held = _Held(engine)
@@ -265,7 +265,7 @@ def test_a_row_that_fails_in_a_decode_step_ends_alone(load_demo):
                                                 (prompts[1], attacker)]):
             stats.append(ReplyStats())
             outputs.append([])
-            iterator = loaded.batcher.submit(prompt, settings, eos_ids=eos_ids(loaded),
+            iterator = serving.scheduler.submit(prompt, settings, eos_ids=eos_ids(serving.loaded),
                                              stop=threading.Event(), stats=stats[-1])
             threads.append(_consume(iterator, outputs[-1], errors, str(i)))
     finally:
@@ -278,6 +278,6 @@ def test_a_row_that_fails_in_a_decode_step_ends_alone(load_demo):
     assert 1 <= len(outputs[3]) <= _TurnsBad.GOOD_SAMPLES
     for i, prompt in enumerate(prompts):
         assert stats[i].finish_reason == "length"
-        assert outputs[i] == alone(loaded, prompt, greedy(n)), i
+        assert outputs[i] == alone(serving, prompt, greedy(n)), i
     # The engine serves the next reply as usual.
     assert engine.generate_text(HELLO, greedy(3)).stats.new_tokens == 3

@@ -111,13 +111,13 @@ def test_an_unload_after_batched_replies_drops_every_reference_the_engine_made()
     for t in threads:
         t.join()
     assert len(replies) == 3 and max(r.stats.batched_with for r in replies) > 1
-    loaded = engine.manager.loaded
-    runner = loaded.batcher.runner
-    alive = {"model": weakref.ref(loaded.model), "scheduler": weakref.ref(loaded.batcher),
+    serving = engine.serving
+    runner = serving.scheduler.runner
+    alive = {"model": weakref.ref(serving.loaded.model), "scheduler": weakref.ref(serving.scheduler),
              "runner": weakref.ref(runner), "kv cache": weakref.ref(runner.kv),
              "first key pool": weakref.ref(runner.kv.keys[0]),
-             "tokenizer": weakref.ref(loaded.tokenizer)}
-    del loaded, runner
+             "tokenizer": weakref.ref(serving.loaded.tokenizer)}
+    del serving, runner
     engine.unload()
     assert engine.manager.last_unload.model_kept_by == []
     assert [name for name, ref in alive.items() if ref() is not None] == []

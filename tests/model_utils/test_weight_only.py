@@ -99,8 +99,8 @@ def test_int8_in_fp16_does_not_overflow_where_the_unscaled_product_would():
 @pytest.mark.parametrize("mode_name", WEIGHT_ONLY)
 def test_the_estimate_and_the_footprint_count_scales_and_zero_points(load_demo, mode_name):
     engine = load_demo(mode_name, compute_dtype="bf16")
-    loaded = engine.manager.loaded
-    layer = loaded.model.model.layers[0].mlp.down_proj  # 384 inputs, 128 outputs
+    serving = engine.serving
+    layer = serving.loaded.model.model.layers[0].mlp.down_proj  # 384 inputs, 128 outputs
     values = layer.in_features * layer.out_features
     if mode_name == "int4-wo":
         # two weights a byte, one bf16 scale and one bf16 zero point per 128 weights
@@ -110,7 +110,7 @@ def test_the_estimate_and_the_footprint_count_scales_and_zero_points(load_demo, 
         assert stored_bytes(layer.qweight) + stored_bytes(layer.scales) == values + 128 * 2
     estimate = engine.estimate(cpu_request(mode_name, compute_dtype="bf16")).weights_gb
     # to the byte but for the rotary embedding's frequency buffers (128 bytes, not weights)
-    assert loaded.footprint_gb * GB - estimate * GB == pytest.approx(128, abs=1)
+    assert serving.loaded.footprint_gb * GB - estimate * GB == pytest.approx(128, abs=1)
     bf16 = engine.estimate(cpu_request("bf16")).weights_gb
     assert estimate < bf16
 
@@ -120,18 +120,18 @@ def test_greedy_tokens_of_the_engine_equal_the_eager_decoders_in_fp32(load_demo,
     """fp32 compute: the batch scheduler (padded prefill, shared cache, several replies at
     once) gives each prompt exactly the tokens the single-stream eager decoder gives it."""
     engine = load_demo(mode_name, compute_dtype="fp32")
-    loaded = engine.manager.loaded
-    assert loaded.model.get_input_embeddings().weight.dtype == torch.float32
-    prompts = [loaded.tokenizer(text)["input_ids"] for text in
+    serving = engine.serving
+    assert serving.loaded.model.get_input_embeddings().weight.dtype == torch.float32
+    prompts = [serving.loaded.tokenizer(text)["input_ids"] for text in
                ("Hello, how are you today?", "Tell me about the sea",
                 "A much longer prompt that goes on for a while, about lighthouses and ships")]
     settings = greedy(16)
-    alone = [list(decode_tokens(EagerDecoder(loaded.model), p, settings,
-                                eos_ids=eos_ids(loaded))) for p in prompts]
+    alone = [list(decode_tokens(EagerDecoder(serving.loaded.model), p, settings,
+                                eos_ids=eos_ids(serving.loaded))) for p in prompts]
     results = [None] * len(prompts)
 
     def submit(i):
-        results[i] = list(loaded.batcher.submit(prompts[i], settings, eos_ids=eos_ids(loaded),
+        results[i] = list(serving.scheduler.submit(prompts[i], settings, eos_ids=eos_ids(serving.loaded),
                                                 stop=threading.Event(), stats=ReplyStats()))
 
     threads = [threading.Thread(target=submit, args=(i,)) for i in range(len(prompts))]
@@ -224,14 +224,14 @@ def test_on_a_gpu_the_mode_decodes_on_the_compiled_path_with_the_cpus_distributi
     engine = Engine(max_batch=2)
     status = engine.load(LoadRequest(model="demo", mode=mode_name, placement=Placement("cuda:0")))
     assert status["decode_path"].startswith("paged-kv+cuda-graphs"), status
-    loaded = engine.manager.loaded
-    sequences = quality.sequences(loaded.tokenizer, 127)
+    serving = engine.serving
+    sequences = quality.sequences(serving.loaded.tokenizer, 127)
     mode = get_mode(mode_name)
     cpu = load_quantized(demo_path, mode.weight_only_bits, mode.group_size,
                          device_map={"": "cpu"}, dtype=torch.float32)
     scores = quality.compare(quality.next_token_logprobs(cpu, sequences),
                              engine.worker.call(lambda: quality.next_token_logprobs(
-                                 loaded.model, sequences)))
+                                 serving.loaded.model, sequences)))
     assert scores["kl_vs_fp32"] < 1e-3, scores
     reply = engine.generate_text(HELLO, FEW_TOKENS)
     assert reply.stats.new_tokens == 4

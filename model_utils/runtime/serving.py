@@ -1,0 +1,59 @@
+"""How one loaded model is served: what its preparation chose and built after the load.
+
+The loaded model (loading.loaded_model.LoadedModel) is the weights, the tokenizer, the mode and
+the device map; a `Serving` is the runtime's side of it: the decode path and why, the batch
+scheduler over its runner (the KV cache, the CUDA graphs), the memory each step of getting
+ready cost, and what the compile cache gave. The engine keeps the current one beside the
+loaded model and drops it with that model's unload.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from model_utils.memory import GB
+
+if TYPE_CHECKING:
+    from model_utils.loading.loaded_model import LoadedModel
+
+    from .scheduler import Scheduler
+
+
+@dataclass
+class Serving:
+    loaded: LoadedModel
+    decode_path: str = "eager"
+    decode_path_reason: str = ""
+    scheduler: Scheduler | None = None  # when replies are batched; else they take turns
+    # CUDA memory after each step of getting ready to decode (memory.torch_cuda_gb), in order
+    memory_stages: dict[str, dict] = field(default_factory=dict)
+    # Graphs the warm-up found in torch.compile's cache and compiled afresh (compile_cache)
+    compiled_graphs: dict[str, int] = field(default_factory=dict)
+
+    def held_gb(self) -> dict[str, float]:
+        """Per device, the memory serving holds beside the weights (the batch KV cache): a
+        switch's fit counts it as free, since it goes with the model."""
+        runner = self.scheduler.runner if self.scheduler is not None else None
+        device = getattr(runner, "device", None)
+        if device is None:
+            return {}
+        name = "cpu" if device.type == "cpu" else f"cuda:{device.index or 0}"
+        return {name: runner.cache_bytes() / GB}
+
+    def queue_status(self) -> dict | None:
+        """{active, waiting, max_batch, max_queue} of the batch, or None when not batched."""
+        return self.scheduler.load() if self.scheduler is not None else None
+
+    def status(self) -> dict:
+        """The decode path and what serving holds, as the status endpoint and the page show."""
+        status = {"decode_path": self.decode_path, "decode_path_reason": self.decode_path_reason}
+        if self.compiled_graphs:
+            status["compiled_graphs"] = dict(self.compiled_graphs)
+        if self.scheduler is not None:
+            status["kv_cache_gb"] = round(self.scheduler.runner.cache_bytes() / GB, 4)
+            if (blocks := self.scheduler.kv_blocks()) is not None:
+                status["kv_blocks"] = blocks
+        if self.memory_stages:
+            status["memory_stages"] = dict(self.memory_stages)
+        return status
