@@ -26,6 +26,7 @@ from .kv_cache import BLOCK_TOKENS, PagedKV, bucket, probe_layers
 from .linear_states import LinearStates, linear_layers
 from .prefill import PaddedPrefill
 from .readback import TokenReadback
+from .runner_protocol import Failures
 from .sampling import RowSampler, sample_rows
 
 if TYPE_CHECKING:
@@ -55,8 +56,6 @@ LINEAR_WARM_UP_LENGTHS = (64, 72, 1000, 1024, 4096, 4104)
 TAIL_ROWS = 64
 # step_fn(kv, b) -> logits [b, V] of one decode step for rows [0, b) of the cache.
 StepFn = Callable[[PagedKV, int], torch.Tensor]
-# Rows whose sampling raised: (index in the step's rows, the error).
-Failures = list[tuple[int, Exception]]
 
 
 class EagerStep:

@@ -13,6 +13,7 @@ if TYPE_CHECKING:
     from .requests import Request
     from .runner import Prefilled
 
+# Rows whose sampling raised: (index in the step's rows, the error).
 Failures = list[tuple[int, Exception]]
 
 
