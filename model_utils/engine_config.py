@@ -18,8 +18,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-# torch.compile modes offered for the fast path's decode step (cuda_graphs.COMPILE_MODES is
-# this tuple). The autotuned one benchmarks kernels at load; see the help text below.
+# torch.compile modes offered for the fast path's decode step (cuda_graphs.GraphedBatchStep
+# compiles in one of them). The autotuned one benchmarks matmul kernels for each shape while
+# warming up; see the help text below.
 COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")
 MAX_BATCH_LIMIT = 64  # rows of one decode step (the scheduler's and the CUDA graphs' bound)
 

@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-Progress = Callable[[float, str], None]
+Progress = Callable[[float, str], None]  # (fraction done, what is happening)
 
 
 def stage_name(message: str) -> str:

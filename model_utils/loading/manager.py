@@ -28,7 +28,7 @@ from model_utils.memory import GB
 
 from . import preflight
 from .adapter import apply_adapter
-from .load_stages import StageClock
+from .load_stages import Progress, StageClock
 from .load_stages import summary as stage_summary
 from .loaded_model import LoadedModel, LoadRequest, UnloadReport  # noqa: F401 (re-exported)
 from .memory_accounting import (  # re-exported: app.py and the tests import them from here
@@ -54,7 +54,6 @@ from .tokenizer_reuse import KeptTokenizer, tokenizer_key
 
 log = logging.getLogger(__name__)
 
-Progress = Callable[[float, str], None]  # (fraction done, what is happening)
 
 
 def text_only_note(config, model) -> str:

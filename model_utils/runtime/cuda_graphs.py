@@ -98,10 +98,6 @@ class GraphCapture:
         return graph, output
 
 
-# torch.compile modes offered for the decode step. The autotuned one benchmarks matmul kernels
-# for each shape while warming up: about a minute more per load (less once inductor's cache
-# has them), and it was not reliably faster on an H200 (BENCHMARKS.md).
-COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")
 
 
 class GraphedBatchStep:

@@ -167,12 +167,6 @@ def test_engine_config_from_flags():
         parser.parse_args(["--compile-mode", "fastest"])
 
 
-def test_compile_modes_are_the_fast_paths():
-    from model_utils.runtime.cuda_graphs import COMPILE_MODES as FAST_PATH_MODES
-
-    assert COMPILE_MODES == FAST_PATH_MODES
-
-
 def _helps(parser: argparse.ArgumentParser) -> dict[str, str]:
     out = {}
     for action in parser._actions:
