@@ -246,7 +246,7 @@ def load_initial_model(engine, args, info) -> None:
     """Load --model before serving; on failure serve anyway and show the error on the page."""
     import gradio as gr
 
-    from model_utils.loading.manager import LoadError
+    from model_utils.errors import LoadError
     from server.model_actions import default_placement, make_request
 
     try:

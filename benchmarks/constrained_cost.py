@@ -24,9 +24,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from model_utils.bench.inputs import build_random_model  # noqa: E402
 from model_utils.engine_config import EngineConfig  # noqa: E402
 from model_utils.engine_factory import build_engine  # noqa: E402
-from model_utils.loading.manager import LoadRequest  # noqa: E402
+from model_utils.loading.loaded_model import LoadRequest
 from model_utils.loading.placement import Placement  # noqa: E402
-from model_utils.runtime.generation import GenerationSettings  # noqa: E402
+from model_utils.runtime.generation_settings import GenerationSettings
 from model_utils.runtime.grammar import OutputFormat  # noqa: E402
 
 # Bounded values only: a random or tiny model still closes the object within the limit.

@@ -51,7 +51,7 @@ from model_utils.bench import quality
 from model_utils.bench import run as bench
 from model_utils.engine import Engine
 from model_utils.layers.fused_qkv import fuse_qkv
-from model_utils.loading.manager import LoadRequest
+from model_utils.loading.loaded_model import LoadRequest
 from model_utils.loading.placement import Placement
 from model_utils.memory import GB
 

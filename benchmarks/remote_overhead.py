@@ -154,7 +154,7 @@ def main() -> int:
     args.new_tokens = args.new_tokens or (256 if cuda else 32)
     workdir = Path(tempfile.mkdtemp(prefix="remote-overhead-"))
     if cuda:
-        from model_utils.bench.run import build_random_model
+        from model_utils.bench.inputs import build_random_model
 
         config = Path(args.config) if args.config else workdir / "config.json"
         if not args.config:

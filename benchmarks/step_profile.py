@@ -24,7 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from model_utils.engine import Engine  # noqa: E402
-from model_utils.loading.manager import LoadRequest  # noqa: E402
+from model_utils.loading.loaded_model import LoadRequest
 from model_utils.loading.placement import Placement  # noqa: E402
 
 

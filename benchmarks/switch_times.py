@@ -62,7 +62,7 @@ def one_phase(model: str, modes: list[str], cycles: int, placement: str, rows_fi
     from model_utils import process_tuning
     from model_utils.engine_config import EngineConfig
     from model_utils.engine_factory import build_engine
-    from model_utils.loading.manager import LoadRequest
+    from model_utils.loading.loaded_model import LoadRequest
     from model_utils.loading.placement import Placement
     from model_utils.runtime.generation_settings import GenerationSettings
 

@@ -132,7 +132,7 @@ def cmd_chat(args) -> int:
     settings = requested_settings(args)
     placement = requested_placement(args)
     _quiet_transformers(args.verbose)
-    from .loading.manager import LoadRequest
+    from model_utils.loading.loaded_model import LoadRequest
 
     engine = build_engine(EngineConfig.from_args(args))
     request = LoadRequest(model=args.model, mode=args.mode, placement=placement,
@@ -222,8 +222,10 @@ def cmd_prompt(args) -> int:
     _quiet_transformers(args.verbose)
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
+    from model_utils.loading.loaded_model import LoadRequest
+
     from .chat.prompt import prepare_prompt
-    from .loading.manager import LoadRequest, ModelManager
+    from .loading.manager import ModelManager
 
     trust = args.trust_remote_code
     try:

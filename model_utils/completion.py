@@ -15,12 +15,15 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from model_utils.runtime.generation_settings import GenerationSettings
+from model_utils.runtime.reply_stats import ReplyStats
+
 from .chat.prompt import PreparedPrompt
 from .chat.reply_stream import reply_updates
 from .chat.updates import ChatUpdate, TokenLogprob
 from .engine import token_logprobs
 from .errors import ChatInputError
-from .runtime.generation import GenerationSettings, LogprobRecord, ReplyStats
+from .runtime.generation import LogprobRecord
 
 if TYPE_CHECKING:
     from .engine import Engine

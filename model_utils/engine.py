@@ -14,6 +14,11 @@ from pathlib import Path
 
 import torch
 
+from model_utils.loading.load_stages import Progress
+from model_utils.loading.loaded_model import LoadedModel, LoadRequest
+from model_utils.runtime.generation_settings import GenerationSettings
+from model_utils.runtime.reply_stats import ReplyStats
+
 from . import process_tuning
 from .chat.prompt import render_prompt, supports_thinking
 from .chat.reasoning import prompt_opens_thinking
@@ -21,17 +26,12 @@ from .chat.reply_stream import prepare_reply, reply_updates
 from .chat.updates import ChatUpdate, TokenLogprob
 from .engine_config import EngineConfig
 from .errors import LoadError, ShuttingDown
-from .loading.manager import LoadedModel, LoadRequest, ModelManager, Progress
+from .loading.manager import ModelManager
 from .loading.placement import FitEstimate
 from .loading.registry import ModelRegistry
 from .memory import MemoryHistory, MemorySnapshot
 from .runtime.decoders import EagerDecoder
-from .runtime.generation import (
-    GenerationSettings,
-    LogprobRecord,
-    ReplyStats,
-    decode_tokens,
-)
+from .runtime.generation import LogprobRecord, decode_tokens
 from .runtime.grammar import Constraint, Grammars, OutputFormat, reasoning_mode
 from .runtime.preparation import DecodePreparation
 from .runtime.serving import Serving

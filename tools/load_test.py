@@ -50,12 +50,8 @@ sys.path.insert(1, str(Path(__file__).resolve().parents[1]))
 from load_clients import connect, one_openai_request, one_request  # noqa: E402
 from load_report import Result, print_report, summarize  # noqa: E402
 
-from model_utils.runtime.generation_settings import (  # noqa: E402
-    InvalidParameter,
-    add_setting_flags,
-    public,
-    settings_from_args,
-)
+from model_utils.errors import InvalidParameter
+from model_utils.runtime.generation_settings import add_setting_flags, public, settings_from_args
 
 MAX_CLIENTS = 64
 MAX_REQUESTS = 100

@@ -14,14 +14,8 @@ from typing import TYPE_CHECKING
 
 import gradio as gr
 
-from model_utils.bench.run import (
-    LOADED_LIMITS,
-    bench_loaded,
-    chart_figure,
-    details_table,
-    speed_note,
-    summary_table,
-)
+from model_utils.bench.per_mode import LOADED_LIMITS, bench_loaded
+from model_utils.bench.report import chart_figure, details_table, speed_note, summary_table
 from server.common import require_admin, user_error
 
 from .bench_gate import admin_note, admin_only, whole_number

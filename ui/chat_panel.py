@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 import gradio as gr
 
-from model_utils.runtime.generation_settings import InvalidParameter
+from model_utils.errors import InvalidParameter
 from server.common import DEMO_NOTICE, reply_concurrency, user_error
 from server.conversation import (
     MAX_IMPORT_BYTES,

@@ -16,9 +16,9 @@ from typing import TYPE_CHECKING
 import gradio as gr
 import pandas as pd
 
+from model_utils.errors import ModelNotFound
 from model_utils.finetune.models import METHODS
 from model_utils.finetune.runner import TrainingRunner, TrainRefused, TrainRequest
-from model_utils.loading.registry import ModelNotFound
 from server import model_actions as actions
 from server.common import require_admin, user_error
 from server.shutdown import on_shutdown

@@ -17,10 +17,11 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 if TYPE_CHECKING:  # the types only: importing them would import torch
     from model_utils.chat.updates import ChatUpdate
-    from model_utils.loading.manager import LoadRequest, Progress
+    from model_utils.loading.load_stages import Progress
+    from model_utils.loading.loaded_model import LoadRequest
     from model_utils.loading.placement import FitEstimate
     from model_utils.memory import MemorySnapshot
-    from model_utils.runtime.generation import GenerationSettings
+    from model_utils.runtime.generation_settings import GenerationSettings
     from model_utils.runtime.grammar import OutputFormat
 
 

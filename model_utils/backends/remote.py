@@ -15,10 +15,10 @@ import time
 from collections.abc import Iterator
 from dataclasses import replace
 
-from model_utils.chat.prompt import ChatInputError, normalize_messages
+from model_utils.chat.prompt import normalize_messages
 from model_utils.chat.reasoning import EMPTY_TEXT, ReplyText, SeparatedReasoning
 from model_utils.chat.updates import ChatUpdate, TokenLogprob
-from model_utils.errors import LoadError
+from model_utils.errors import ChatInputError, LoadError
 from model_utils.memory import MemoryHistory, MemorySnapshot
 from model_utils.runtime.generation_settings import GenerationSettings
 from model_utils.runtime.grammar import OutputFormat

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from model_utils.engine import Engine
-from model_utils.loading.manager import LoadRequest
+from model_utils.loading.loaded_model import LoadRequest
 from model_utils.loading.placement import Placement
 
 from . import logprobs as bench_logprobs

@@ -16,9 +16,10 @@ import torch
 
 from model_utils.engine import Engine, eos_ids
 from model_utils.runtime.decoders import input_device
-from model_utils.runtime.generation import GenerationSettings, ReplyStats
+from model_utils.runtime.generation_settings import GenerationSettings
 from model_utils.runtime.kv_blocks import blocks_for
 from model_utils.runtime.kv_cache import bucket
+from model_utils.runtime.reply_stats import ReplyStats
 
 from .gate import Yielded, stopping_when
 from .logprob_check import Steps, steps_from_logits, steps_from_topk

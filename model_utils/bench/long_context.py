@@ -38,10 +38,10 @@ import torch
 from model_utils.engine import Engine, eos_ids
 from model_utils.engine_config import EngineConfig, add_model_args
 from model_utils.engine_factory import build_engine
-from model_utils.loading.manager import LoadRequest
+from model_utils.loading.loaded_model import LoadRequest
 from model_utils.loading.placement import Placement
 from model_utils.runtime.decoders import input_device
-from model_utils.runtime.generation import ReplyStats
+from model_utils.runtime.reply_stats import ReplyStats
 
 from .inputs import build_random_model, random_prompts
 from .logprob_runs import greedy_settings as greedy

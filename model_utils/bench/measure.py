@@ -23,7 +23,8 @@ import torch
 from model_utils.engine import Engine, eos_ids
 from model_utils.memory import GB
 from model_utils.runtime.decoders import input_device
-from model_utils.runtime.generation import ReplyStats, decode_tokens
+from model_utils.runtime.generation import decode_tokens
+from model_utils.runtime.reply_stats import ReplyStats
 
 from .logprob_runs import greedy_settings as greedy
 

@@ -12,7 +12,7 @@ import torch
 
 from model_utils.engine import Engine
 from model_utils.layers.weight_only import load_quantized
-from model_utils.loading.manager import LoadRequest
+from model_utils.loading.loaded_model import LoadRequest
 from model_utils.loading.modes import get_mode, quantization_config
 from model_utils.loading.placement import Placement
 

@@ -14,9 +14,6 @@ from dataclasses import dataclass
 
 from model_utils.errors import ChatInputError
 
-# split_reasoning: re-exported, where callers have always found it
-from .reasoning import THINK_CLOSE, THINK_OPEN, split_reasoning  # noqa: F401
-
 # Bounds on what is rendered and tokenized at all, checked before either (a request over them
 # is refused, whatever path it came by): the UI keeps at most 2000 turns of history, plus the
 # new message and a system prompt; a million characters is some 250 000 tokens of English,

@@ -8,7 +8,9 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import replace
 
-from model_utils.runtime.generation import GenerationSettings, IncrementalDetokenizer, ReplyStats
+from model_utils.runtime.generation import IncrementalDetokenizer
+from model_utils.runtime.generation_settings import GenerationSettings
+from model_utils.runtime.reply_stats import ReplyStats
 
 from .prompt import PreparedPrompt, prepare_prompt
 from .reasoning import (

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 from .reasoning import EMPTY_TEXT, ReasoningDelta, TextSoFar
 
 if TYPE_CHECKING:  # the type only: runtime.generation imports torch
-    from model_utils.runtime.generation import ReplyStats
+    from model_utils.runtime.reply_stats import ReplyStats
 
 
 @dataclass(frozen=True)

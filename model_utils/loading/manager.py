@@ -30,8 +30,8 @@ from . import preflight
 from .adapter import apply_adapter
 from .load_stages import Progress, StageClock
 from .load_stages import summary as stage_summary
-from .loaded_model import LoadedModel, LoadRequest, UnloadReport  # noqa: F401 (re-exported)
-from .memory_accounting import (  # re-exported: app.py and the tests import them from here
+from .loaded_model import LoadedModel, LoadRequest, UnloadReport
+from .memory_accounting import (
     _fmt,
     _release_freed_memory,
     memory_counters,

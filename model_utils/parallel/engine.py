@@ -15,6 +15,9 @@ import time
 from collections.abc import Iterator
 from dataclasses import fields, replace
 
+from model_utils.runtime.generation_settings import GenerationSettings
+from model_utils.runtime.reply_stats import ReplyStats
+
 from ..chat.prompt import render_prompt, supports_thinking
 from ..chat.reply_stream import prepare_reply, reply_updates
 from ..chat.updates import ChatUpdate
@@ -23,7 +26,6 @@ from ..errors import InvalidParameter, LoadError
 from ..loading import preflight
 from ..loading.modes import get_mode
 from ..loading.registry import ModelRegistry
-from ..runtime.generation import GenerationSettings, ReplyStats
 from ..runtime.grammar import OutputFormat
 from ..runtime.sampling import is_greedy
 from .group import WorkerGroup

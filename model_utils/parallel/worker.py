@@ -165,8 +165,10 @@ def _digest(tokens: list[int]) -> str:
 def _serve(model, rank: int, conn, stop_event, device) -> None:
     import torch.distributed as dist
 
+    from model_utils.runtime.reply_stats import ReplyStats
+
     from ..runtime.decoders import EagerDecoder
-    from ..runtime.generation import ReplyStats, decode_tokens
+    from ..runtime.generation import decode_tokens
 
     while True:
         try:

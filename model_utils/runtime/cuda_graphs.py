@@ -24,7 +24,7 @@ from model_utils.layers.weight_only import inductor_options
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-    from model_utils.loading.manager import LoadedModel
+    from model_utils.loading.loaded_model import LoadedModel
 
     from .kv_cache import PagedKV
 

@@ -16,14 +16,8 @@ import tokenizers
 import torch
 from tokenizers.decoders import DecodeStream
 
-# The settings (fields, ranges, defaults, refusals) are declared once, in generation_settings;
-# they and sample_token are re-exported here, where callers have always found them.
 from .generation_settings import BY_NAME as _SETTING
-from .generation_settings import (  # noqa: F401
-    MAX_SEED,
-    GenerationSettings,
-    InvalidParameter,
-)
+from .generation_settings import GenerationSettings
 
 if TYPE_CHECKING:
     from .decoders import EagerDecoder
@@ -34,7 +28,6 @@ from .reply_stats import ReplyStats
 from .sampling import (
     is_greedy,
     sample_next,
-    sample_token,  # noqa: F401
     suppress,
 )
 

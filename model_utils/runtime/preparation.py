@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from model_utils.layers.fused_qkv import fuse_qkv
-from model_utils.loading.manager import LoadedModel, Progress
+from model_utils.loading.load_stages import Progress
+from model_utils.loading.loaded_model import LoadedModel
 from model_utils.memory import torch_cuda_gb
 
 from . import compile_cache, cuda_graphs, kv_cache, paged_attention

@@ -14,7 +14,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .generation import GenerationSettings, ReplyStats
+    from model_utils.runtime.generation_settings import GenerationSettings
+    from model_utils.runtime.reply_stats import ReplyStats
+
     from .grammar import Constraint
     from .sampling import TopK
 

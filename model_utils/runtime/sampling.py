@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from .generation import GenerationSettings
+    from model_utils.runtime.generation_settings import GenerationSettings
 
 # Below GREEDY_TEMPERATURE (declared with the settings) a temperature is greedy: dividing
 # float32 logits by 2.28e-39 gives inf, and then NaN probabilities. At 1e-5 a logit gap of

@@ -46,7 +46,9 @@ from .requests import DONE, Request
 from .runner_protocol import Failures, Runner, check_limits
 
 if TYPE_CHECKING:
-    from .generation import GenerationSettings, ReplyStats
+    from model_utils.runtime.generation_settings import GenerationSettings
+    from model_utils.runtime.reply_stats import ReplyStats
+
     from .grammar import Constraint
     from .runner import Prefilled
     from .sampling import TopK

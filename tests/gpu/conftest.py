@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from model_utils.engine import Engine
-from model_utils.loading.manager import LoadRequest
+from model_utils.loading.loaded_model import LoadRequest
 from model_utils.loading.placement import Placement
 
 CUDA = Placement("cuda:0")

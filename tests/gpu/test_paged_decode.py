@@ -13,8 +13,8 @@ from model_utils.bench import logprob_check as check
 from model_utils.bench.logprob_runs import engine_greedy, greedy_settings, plain_greedy
 from model_utils.bench.peaked_model import sample_prompts
 from model_utils.engine import eos_ids
-from model_utils.runtime.generation import ReplyStats
 from model_utils.runtime.paged_attention import reference_decode
+from model_utils.runtime.reply_stats import ReplyStats
 from tests.model_utils.test_paged_attention import scattered_rows
 
 from .conftest import gpu_marks, load_engine, plain

@@ -5,9 +5,9 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from model_utils.loading.manager import LoadRequest
+from model_utils.loading.loaded_model import LoadRequest
 from model_utils.loading.placement import Placement
-from model_utils.runtime.generation import GenerationSettings
+from model_utils.runtime.generation_settings import GenerationSettings
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 # Files the tests compare against, kept in the repository (tests/fixtures/README.md says what).

@@ -15,7 +15,9 @@ import torch
 from model_utils.engine import Engine, eos_ids
 from model_utils.errors import ModelBusy, QueueFull
 from model_utils.runtime.decoders import EagerDecoder
-from model_utils.runtime.generation import GenerationSettings, ReplyStats, decode_tokens
+from model_utils.runtime.generation import decode_tokens
+from model_utils.runtime.generation_settings import GenerationSettings
+from model_utils.runtime.reply_stats import ReplyStats
 
 from .helpers import cpu_request, prefill_logits
 

@@ -61,7 +61,7 @@ def test_bench_refuses_an_unknown_mode_with_status_2(tmp_path):
 
 
 def test_a_table_with_differing_greedy_tokens_says_where_and_gives_the_reference():
-    from model_utils.bench.run import BenchRow, markdown_table
+    from model_utils.bench.report import BenchRow, markdown_table
 
     row = BenchRow(mode="bf16", batch=1, decode_path="static", load_s=1.0, weights_gb=14.2,
                    peak_gb={"cuda:0": 16.3}, peak_reserved_gb={}, kv_gb=1.8,
@@ -83,7 +83,7 @@ def test_a_table_with_differing_greedy_tokens_says_where_and_gives_the_reference
 
 
 def test_the_summary_shows_units_and_a_dash_where_a_figure_does_not_apply():
-    from model_utils.bench.run import BenchRow, summary_table
+    from model_utils.bench.report import BenchRow, summary_table
 
     row = BenchRow(mode="nf4", batch=1, decode_path="eager", load_s=1.0, weights_gb=0.1,
                    peak_gb={"cpu_rss": 0.5}, peak_reserved_gb={}, kv_gb=0.01,

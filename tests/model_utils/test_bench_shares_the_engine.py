@@ -9,8 +9,8 @@ import time
 import pytest
 
 from model_utils.bench.gate import Gate
-from model_utils.bench.run import LOADED_LIMITS, bench_loaded
-from model_utils.runtime.generation import GenerationSettings
+from model_utils.bench.per_mode import LOADED_LIMITS, bench_loaded
+from model_utils.runtime.generation_settings import GenerationSettings
 
 from .helpers import HELLO
 

@@ -9,13 +9,7 @@ import jinja2
 import pytest
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from model_utils.chat.prompt import (
-    ChatInputError,
-    normalize_messages,
-    prepare_prompt,
-    render_prompt,
-    split_reasoning,
-)
+from model_utils.chat.prompt import normalize_messages, prepare_prompt, render_prompt
 from model_utils.chat.reasoning import (
     THINK_CLOSE,
     THINK_OPEN,
@@ -23,8 +17,11 @@ from model_utils.chat.reasoning import (
     ReplyText,
     SeparatedReasoning,
     prompt_opens_thinking,
+    split_reasoning,
 )
-from model_utils.runtime.generation import GenerationSettings, IncrementalDetokenizer
+from model_utils.errors import ChatInputError
+from model_utils.runtime.generation import IncrementalDetokenizer
+from model_utils.runtime.generation_settings import GenerationSettings
 
 from .helpers import FIXTURES, copy_demo, cpu_request
 

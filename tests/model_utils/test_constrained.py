@@ -12,7 +12,8 @@ from model_utils.chat.tool_calls import parse_tool_calls
 from model_utils.engine import eos_ids
 from model_utils.errors import InvalidParameter
 from model_utils.runtime.decoders import EagerDecoder
-from model_utils.runtime.generation import GenerationSettings, decode_tokens
+from model_utils.runtime.generation import decode_tokens
+from model_utils.runtime.generation_settings import GenerationSettings
 from model_utils.runtime.grammar import Grammars, OutputFormat
 
 from .test_batching import greedy, run_together, submit

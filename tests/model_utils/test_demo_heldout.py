@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from model_utils.runtime.generation import GenerationSettings
+from model_utils.runtime.generation_settings import GenerationSettings
 
 from .helpers import cpu_request
 

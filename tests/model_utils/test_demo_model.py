@@ -8,7 +8,7 @@ import json
 import pytest
 
 from model_utils.loading.demo_chats import DATA_FILE, TOPICS, conversations
-from model_utils.runtime.generation import GenerationSettings
+from model_utils.runtime.generation_settings import GenerationSettings
 
 GREEDY = GenerationSettings(temperature=0.0, max_new_tokens=120)
 ANSWERS = {answer for _, answer, _ in TOPICS}

@@ -9,7 +9,7 @@ import json
 import time
 
 from model_utils.finetune import defaults
-from model_utils.runtime.generation import GenerationSettings
+from model_utils.runtime.generation_settings import GenerationSettings
 
 from .helpers import FIXTURES, cpu_request
 from .test_finetune import finetune

@@ -9,14 +9,11 @@ import torch
 
 from model_utils.chat.prompt import render_prompt
 from model_utils.engine import eos_ids
+from model_utils.errors import InvalidParameter
 from model_utils.runtime.decoders import EagerDecoder
-from model_utils.runtime.generation import (
-    GenerationSettings,
-    IncrementalDetokenizer,
-    InvalidParameter,
-    ReplyStats,
-    decode_tokens,
-)
+from model_utils.runtime.generation import IncrementalDetokenizer, decode_tokens
+from model_utils.runtime.generation_settings import GenerationSettings
+from model_utils.runtime.reply_stats import ReplyStats
 
 from .helpers import HELLO
 

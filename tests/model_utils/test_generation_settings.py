@@ -11,11 +11,11 @@ from dataclasses import fields
 import pytest
 
 from model_utils.engine_config import COMPILE_MODES, EngineConfig
+from model_utils.errors import InvalidParameter
 from model_utils.runtime.generation_settings import (
     MAX_SEED,
     SETTINGS,
     GenerationSettings,
-    InvalidParameter,
     Setting,
     add_setting_flags,
     public,

@@ -11,11 +11,13 @@ import pytest
 import torch
 
 from model_utils.engine import Engine, eos_ids
-from model_utils.loading.manager import LoadRequest
+from model_utils.loading.loaded_model import LoadRequest
 from model_utils.loading.modes import unpackable_linears
 from model_utils.loading.placement import Placement, kv_cache_bytes
 from model_utils.runtime.decoders import EagerDecoder
-from model_utils.runtime.generation import GenerationSettings, ReplyStats, decode_tokens
+from model_utils.runtime.generation import decode_tokens
+from model_utils.runtime.generation_settings import GenerationSettings
+from model_utils.runtime.reply_stats import ReplyStats
 
 from .helpers import prefill_logits
 

@@ -16,13 +16,10 @@ import pytest
 import torch
 
 from model_utils.engine import eos_ids
-from model_utils.runtime.generation import (
-    MAX_SEED,
-    REPETITION_PENALTY_RANGE,
-    GenerationSettings,
-    InvalidParameter,
-    ReplyStats,
-)
+from model_utils.errors import InvalidParameter
+from model_utils.runtime.generation import REPETITION_PENALTY_RANGE
+from model_utils.runtime.generation_settings import MAX_SEED, GenerationSettings
+from model_utils.runtime.reply_stats import ReplyStats
 from model_utils.runtime.sampling import sample_token
 
 from .helpers import HELLO

@@ -59,7 +59,7 @@ def test_the_largest_live_tensors_name_what_is_still_referenced():
 
 def test_an_unload_is_reported_in_the_status_until_the_next_load(demo_path):
     from model_utils.engine import Engine
-    from model_utils.loading.manager import LoadRequest
+    from model_utils.loading.loaded_model import LoadRequest
     from model_utils.loading.placement import Placement
 
     engine = Engine()  # its own: the session's engine stays loaded for the tests after this

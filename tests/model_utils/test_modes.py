@@ -73,7 +73,8 @@ def test_mode_for_other_hardware_says_where_it_runs():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without one")
 def test_gpu_placement_without_a_gpu_is_refused(engine):
-    from model_utils.loading.manager import LoadError, LoadRequest
+    from model_utils.errors import LoadError
+    from model_utils.loading.loaded_model import LoadRequest
     from model_utils.loading.placement import Placement
 
     # Only cuda:N needs a GPU: accelerate's strategies place over the CPU and disk without one
@@ -86,7 +87,7 @@ def test_gpu_placement_without_a_gpu_is_refused(engine):
 def test_a_4bit_weight_counts_its_block_scales(load_demo):
     """The footprint shown is what the weights hold: nf4's per-block absmax is memory too
     (model.get_memory_footprint() leaves it out: 0.4 GB for a 7B model)."""
-    from model_utils.loading.manager import stored_bytes
+    from model_utils.loading.memory_accounting import stored_bytes
     from model_utils.memory import GB
 
     engine = load_demo("nf4")

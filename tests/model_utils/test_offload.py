@@ -6,9 +6,10 @@ from __future__ import annotations
 import pytest
 
 from model_utils.engine import Engine
-from model_utils.loading.manager import LoadError, LoadRequest
+from model_utils.errors import LoadError
+from model_utils.loading.loaded_model import LoadRequest
 from model_utils.loading.placement import Placement
-from model_utils.runtime.generation import GenerationSettings
+from model_utils.runtime.generation_settings import GenerationSettings
 
 GREEDY = GenerationSettings(max_new_tokens=6, temperature=0.0)
 HELLO = [{"role": "user", "content": "Hello"}]

@@ -10,7 +10,8 @@ import re
 import pytest
 
 from model_utils.engine import Engine
-from model_utils.loading.manager import LoadError, LoadRequest
+from model_utils.errors import LoadError
+from model_utils.loading.loaded_model import LoadRequest
 from model_utils.loading.placement import Placement, estimate_fit
 from model_utils.loading.preflight import held_gb
 

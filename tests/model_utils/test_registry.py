@@ -7,8 +7,9 @@ from pathlib import Path
 
 import pytest
 
+from model_utils.errors import ModelNotFound
 from model_utils.loading.demo_model import DEMO_NAME
-from model_utils.loading.registry import ModelNotFound, ModelRegistry
+from model_utils.loading.registry import ModelRegistry
 
 
 @pytest.fixture

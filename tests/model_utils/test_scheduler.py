@@ -16,10 +16,12 @@ import threading
 
 import pytest
 
+from model_utils.engine_config import MAX_BATCH_LIMIT
 from model_utils.errors import QueueFull
-from model_utils.runtime.generation import GenerationSettings, ReplyStats
+from model_utils.runtime.generation_settings import GenerationSettings
 from model_utils.runtime.kv_blocks import BlockPool
-from model_utils.runtime.runner_protocol import MAX_BATCH_LIMIT, check_limits
+from model_utils.runtime.reply_stats import ReplyStats
+from model_utils.runtime.runner_protocol import check_limits
 from model_utils.runtime.scheduler import Scheduler
 
 pytestmark = pytest.mark.unit

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from model_utils.loading.manager import LoadError
+from model_utils.errors import LoadError
 from model_utils.memory import MemoryHistory
 
 from .helpers import cpu_request

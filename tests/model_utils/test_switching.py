@@ -11,7 +11,8 @@ import pytest
 
 from model_utils import process_tuning
 from model_utils.engine import Engine
-from model_utils.loading.manager import LoadError, LoadRequest
+from model_utils.errors import LoadError
+from model_utils.loading.loaded_model import LoadRequest
 from model_utils.loading.placement import Placement
 from model_utils.memory import GB
 
@@ -217,7 +218,7 @@ def test_the_unload_report_counts_what_stayed_over_the_memory_before_the_load():
 
 def test_an_unload_report_is_never_negative():
     from model_utils.engine import Engine
-    from model_utils.loading.manager import LoadRequest
+    from model_utils.loading.loaded_model import LoadRequest
     from model_utils.loading.placement import Placement
 
     engine = Engine()

@@ -24,7 +24,7 @@ import pytest
 
 from model_utils.errors import LoadError, WorkerLost
 from model_utils.parallel.engine import TensorParallelEngine
-from model_utils.runtime.generation import GenerationSettings
+from model_utils.runtime.generation_settings import GenerationSettings
 
 from .helpers import HELLO, REPO_ROOT, cpu_request
 

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from model_utils.engine import eos_ids
+from model_utils.errors import LoadError
 from model_utils.layers.weight_only import (
     Int4WeightOnlyLinear,
     Int8WeightOnlyLinear,
@@ -23,12 +24,15 @@ from model_utils.layers.weight_only import (
     quantize_int8,
     unpack_nibbles,
 )
-from model_utils.loading.manager import LoadError, LoadRequest, stored_bytes
+from model_utils.loading.loaded_model import LoadRequest
+from model_utils.loading.memory_accounting import stored_bytes
 from model_utils.loading.modes import MODES, dropdown_choices, get_mode
 from model_utils.loading.placement import Placement
 from model_utils.memory import GB
 from model_utils.runtime.decoders import EagerDecoder
-from model_utils.runtime.generation import GenerationSettings, ReplyStats, decode_tokens
+from model_utils.runtime.generation import decode_tokens
+from model_utils.runtime.generation_settings import GenerationSettings
+from model_utils.runtime.reply_stats import ReplyStats
 
 from .helpers import FEW_TOKENS, HELLO, cpu_request
 from .test_switching import wide_models_dir  # noqa: F401 - a fixture: a 31M-parameter model

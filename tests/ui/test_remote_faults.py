@@ -14,7 +14,7 @@ from gradio_client import Client
 from model_utils.backends.errors import BackendBusy, BackendError, BackendTimeout
 from model_utils.backends.openai_client import ServerConfig
 from model_utils.backends.remote import RemoteEngine
-from model_utils.runtime.generation import GenerationSettings
+from model_utils.runtime.generation_settings import GenerationSettings
 
 from .conftest import free_port
 from .fake_model_server import MODEL, FakeModelServer
@@ -197,7 +197,7 @@ def test_a_server_that_is_down_then_up(server):
 
 
 def test_load_and_unload_are_refused_with_the_reason(engine):
-    from model_utils.loading.manager import LoadError
+    from model_utils.errors import LoadError
 
     for action in (lambda: engine.load(None), engine.unload, lambda: engine.estimate(None)):
         with pytest.raises(LoadError, match="models, modes and placements are chosen there"):

@@ -15,7 +15,7 @@ import pytest
 from model_utils.backends.errors import BackendError, BackendRejected, BackendTimeout
 from model_utils.backends.redaction import REDACTED
 from model_utils.backends.sse import MAX_EVENT_BYTES, MAX_LINE_BYTES
-from model_utils.runtime.generation import GenerationSettings
+from model_utils.runtime.generation_settings import GenerationSettings
 
 from .fake_model_server import FakeModelServer
 from .test_remote_faults import HELLO, engine_for

@@ -8,9 +8,8 @@ import pytest
 from pydantic import ValidationError
 
 from model_utils.chat.reasoning import ReasoningSplitter, ReplyText, split_reasoning
-from model_utils.engine import ChatUpdate
-from model_utils.loading.manager import LoadError, ModelBusy
-from model_utils.runtime.generation import InvalidParameter
+from model_utils.chat.updates import ChatUpdate
+from model_utils.errors import InvalidParameter, LoadError, ModelBusy
 from server import replies
 from server.errors import SERVER_FAILED, client_error, hide_paths, status_for
 from server.request_models import ChatCompletionRequest, parse_json

@@ -84,7 +84,7 @@ def test_settings_from_sliders_and_json():
 
 
 def test_stats_line_says_when_a_reply_was_cut():
-    from model_utils.runtime.generation import ReplyStats
+    from model_utils.runtime.reply_stats import ReplyStats
 
     stopped = ReplyStats(prompt_tokens=3, new_tokens=5, stopped=True, finish_reason="stop")
     assert stats_line(stopped, "nf4").endswith("· nf4 · stopped")
