@@ -76,7 +76,7 @@ def load_for_training(path: str | Path, method: Method, *, device: torch.device,
         # What peft's prepare_model_for_kbit_training does, less its upcast of every
         # non-quantized weight to fp32: those (norms, embeddings, lm_head: 4.4 GB in fp32 on
         # the 7B shape) never train, and in bf16 they cost half the memory and keep the
-        # residual stream in bf16, as with --method lora. Measured faster (BENCHMARKS.md).
+        # residual stream in bf16, as with --method lora. Measured faster (benchmarks/HISTORY.md).
         for parameter in model.parameters():
             parameter.requires_grad = False
     if gradient_checkpointing:

@@ -2,7 +2,8 @@
 
 Decoding one token, each projection is a matrix-vector product, and the key and value ones are
 small (Qwen2.5-7B: 3584 x 512): too small to reach the GPU's memory bandwidth, each costs a
-kernel of fixed latency plus cuBLAS's split-K reduction (6-9 us each on the H200, BENCHMARKS.md).
+kernel of fixed latency plus cuBLAS's split-K reduction (6-9 us each on the H200,
+benchmarks/HISTORY.md).
 Concatenating the three weights into one [q + k + v, hidden] matrix makes them one product of the
 size of the query's alone.
 

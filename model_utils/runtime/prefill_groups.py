@@ -9,7 +9,7 @@ it is computing, not launching, that takes its time.
 
 Why not one eager forward for a group of the others, which is one pass over the weights: on
 the H200 groups of 7-15 prompts prefilled that way waited 0.7-1.8 s for their first token
-(BENCHMARKS.md; the cause is not pinned down: a shape not seen before, or hundreds of Python
+(benchmarks/HISTORY.md; the cause is not pinned down: a shape not seen before, or hundreds of Python
 launches beside the web server's threads), where a replay has neither: 8 prompts arriving at
 once had their first tokens after 45 ms (bf16 7B).
 """
