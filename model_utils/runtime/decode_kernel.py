@@ -9,8 +9,9 @@ design of SGLang's and vLLM's Triton decode kernels) splits each row's tokens ov
 programs, each computing a partial softmax over its share, and a second small kernel merges the
 partials by their log-sum-exp. Scores are accumulated in fp32 by tl.dot (the logprob checks
 need that; casting K to fp32 first, as the old path did, copies the whole window every step).
-torch's FlexAttention with a per-row block mask was measured slower than this for one row at
-4k-32k tokens (see BENCHMARKS.md), and sdpa cannot read a block table.
+sdpa cannot read a block table; torch's FlexAttention with a per-row block mask can, but it
+has not been measured against this kernel here (benchmarks/decode_attention.py is where such a
+comparison belongs).
 
 The number of splits a row uses follows its length and the step's total (split_size: a short
 reply beside a long one takes one program, the long one many), bounded by `max_splits`, which
