@@ -67,23 +67,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return build_parser().parse_args(argv)
 
 
-def read_logins(args: argparse.Namespace, parser_error) -> list[tuple[str, str]]:
-    lines = [(value, "--auth") for value in args.auth]
+def read_logins(args: argparse.Namespace, parser_error):
+    """The logins of --auth and --auth-file (server.logins.Logins: the file is read again
+    whenever it changes); a bad line at start is a flag error."""
+    from server.logins import Logins, parse_logins
+
+    fixed, problems = parse_logins("\n".join(args.auth), "--auth")
+    problems = ["--auth: expected user:password" for _ in problems]
+    from_file = []
     if args.auth_file:
         try:
             text = Path(args.auth_file).read_text(encoding="utf-8")
         except OSError as error:
             parser_error(f"--auth-file: cannot read {args.auth_file}: {error.strerror}")
-        lines += [(line.strip(), f"--auth-file line {n}")
-                  for n, line in enumerate(text.splitlines(), 1)
-                  if line.strip() and not line.lstrip().startswith("#")]
-    logins = []
-    for value, where in lines:
-        user, sep, password = value.partition(":")
-        if not sep or not user or not password:
-            parser_error(f"{where}: expected user:password")
-        logins.append((user, password))
-    return logins
+        from_file, file_problems = parse_logins(text, "--auth-file")
+        problems += file_problems
+    if problems:
+        parser_error(problems[0])
+    return Logins(fixed, args.auth_file, from_file)
 
 
 def is_loopback(host: str) -> bool:
@@ -144,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     config = {k: v for k, v in vars(args).items() if k not in ("auth", "auth_file",
                                                                  "backend_key")}
     config["backend"] = args.backend and redact(args.backend)  # no user:password@ in the log
-    config["logins"] = [user for user, _ in logins]  # user names only, never passwords
+    config["logins"] = sorted(logins.users())  # user names only, never passwords
     log.info("starting with %s", config)
 
     if reason := port_unavailable(args.host, args.port):
@@ -196,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         _, local_url, share_url = demo.launch(
             server_name=args.host, server_port=args.port, share=args.share,
-            auth=logins or None, auth_message=ui.LOGIN_MESSAGE, prevent_thread_lock=True,
+            auth=logins.check if logins else None, auth_message=ui.LOGIN_MESSAGE, prevent_thread_lock=True,
             ssr_mode=False, css=ui.CSS, max_threads=reply_slots + 40,
             # The guards (guards.py) run before any route; both are in place before the port
             # opens.
