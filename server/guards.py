@@ -10,6 +10,11 @@ middleware around the whole app):
 - Logins: FastAPI's schema and docs (/openapi.json, /docs, /redoc) need one when logins are on.
 - Logins on /login: failures logged and limited (login_limit.py). A page session of a user
   taken out of --auth-file ends at its next request (logins.py reads the file again).
+- Images: every response says (Content-Security-Policy) that the page loads images and media
+  from this app only (and data:/blob: URLs). A reply or an imported conversation may hold
+  ![](http://elsewhere/pixel) or <img src=http://...>, which the chatbot's Markdown draws: the
+  browser would fetch it, telling an outside server who reads what (a tracking pixel), or
+  reaching an address inside the user's network. The browser refuses those fetches.
 - JSON bodies: parsed once here by request_models.parse_json, so that a body gradio or the
   OpenAI route could not parse safely (100 000 nested brackets, a lone surrogate) is a 400 with
   a plain message instead of a RecursionError or a TypeError deep inside.
@@ -34,6 +39,8 @@ log = logging.getLogger("ui")
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
 DOCS_PATHS = ("/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc")
 REALM = 'Bearer realm="Qwen chat"'
+# What the page may load images and media from: this app only.
+CONTENT_POLICY = b"img-src 'self' data: blob:; media-src 'self' data: blob:"
 
 
 def login_user(authorization: str, logins: list[tuple[str, str]]) -> str | None:
@@ -95,7 +102,7 @@ class RequestGuard:
         except ClientError as error:
             await self._refuse(scope, send, error)
             return
-        await self.app(scope, receive, send)
+        await self.app(scope, receive, _with_content_policy(send))
 
     async def _limit_login(self, scope, receive, send):
         body = await _read_body(receive, MAX_FORM_BYTES)
@@ -178,6 +185,16 @@ def request_guard(logins: Logins | None,
     before the port opens: demo.launch(app_kwargs={"middleware": [request_guard(...)]}).
     allowed_hosts: the Host names answered when there are no logins (None: any)."""
     return Middleware(RequestGuard, logins=logins, allowed_hosts=allowed_hosts)
+
+
+def _with_content_policy(send):
+    async def send_with_policy(message):
+        if message["type"] == "http.response.start":
+            message = {**message, "headers": [*message.get("headers", ()),
+                                              (b"content-security-policy", CONTENT_POLICY)]}
+        await send(message)
+
+    return send_with_policy
 
 
 def _session_token(scope) -> str | None:

@@ -6,6 +6,9 @@ One app for the module: admin "ann" from --auth, guests "bob" and "cat" from --a
 
 from __future__ import annotations
 
+import http.server
+import json
+import threading
 import time
 
 import httpx
@@ -13,6 +16,8 @@ import pytest
 from gradio_client import Client
 
 from .attacks import Victims, page_login
+from .browser import open_browser, wait_until_ready
+from .test_ui_login import import_file
 
 ADMIN, GUEST, LEAVER, NEWCOMER = ("ann", "ann-secret"), ("bob", "bob-secret"), \
     ("cat", "cat-secret"), ("dan", "dan-secret")
@@ -81,3 +86,84 @@ def test_a_user_taken_out_of_the_logins_file_is_refused_and_one_added_can_log_in
     page.close()
     newcomer.close()
     wait_for(lambda: "added ['dan'], removed ['cat']" in app.log(), what="the reload's log line")
+
+
+# -- images in what the chatbot shows come only from the app ---------------------------------------
+class HitCounter:
+    """An HTTP server of our own on another port, counting the requests that reach it."""
+
+    def __init__(self):
+        counter = self
+        self.paths: list[str] = []
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):  # noqa: N802 - http.server's name
+                counter.paths.append(self.path)
+                self.send_response(200)
+                self.send_header("Content-Type", "image/gif")
+                self.end_headers()
+                self.wfile.write(PIXEL)
+
+            def log_message(self, *args):
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.server.shutdown()
+
+
+PIXEL = bytes.fromhex("47494638396101000100800000ffffff00000021f90401000000002c00000000010001"
+                      "0000020144003b")
+
+
+@pytest.fixture
+def outside():
+    counter = HitCounter()
+    yield counter
+    counter.close()
+
+
+@pytest.fixture(scope="module")
+def browser():
+    with open_browser() as browser:
+        yield browser
+
+
+def guest_page(browser, app):
+    page = browser.new_context(viewport={"width": 1400, "height": 900}).new_page()
+    page.set_default_timeout(120000)
+    page.goto(app.url)
+    page.get_by_label("username").fill(GUEST[0])
+    page.get_by_label("password").fill(GUEST[1])
+    page.get_by_role("button", name="Login").click()
+    wait_until_ready(page)
+    return page
+
+
+ALL_IMAGES_SETTLED = """(count) => {
+    const images = [...document.querySelectorAll('#chatbot img')];
+    return images.length >= count && images.every((image) => image.complete);
+}"""
+
+
+def test_images_in_messages_and_imports_are_not_fetched_from_outside(
+        browser, app, outside, tmp_path):
+    page = guest_page(browser, app)
+    imported = tmp_path / "imported.json"
+    imported.write_text(json.dumps([
+        {"role": "user", "content": f"IMPORTED ![pixel]({outside.url}/markdown-import.gif)"},
+        {"role": "assistant", "content": f'HTML <img src="{outside.url}/html-import.gif">'}]))
+    import_file(page, imported)
+    page.locator("#chatbot").get_by_text("IMPORTED", exact=False).first.wait_for()
+    page.locator("#message textarea").fill(f"TYPED ![pixel]({outside.url}/markdown-typed.gif)")
+    page.locator("#message textarea").press("Enter")
+    page.locator("#chatbot").get_by_text("TYPED", exact=False).first.wait_for()
+    # Each image has been tried (loaded or refused) before the count is read.
+    page.wait_for_function(ALL_IMAGES_SETTLED, arg=3)
+    assert outside.paths == []
+    page.context.close()
+    policy = httpx.get(app.url + "/", timeout=60).headers["content-security-policy"]
+    assert "img-src 'self'" in policy
