@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import http.server
 import json
+import os
+import shutil
 import threading
 import time
 
@@ -15,7 +17,9 @@ import httpx
 import pytest
 from gradio_client import Client
 
-from .attacks import Victims, page_login
+from model_utils.loading.demo_model import demo_model_path
+
+from .attacks import Victims, page_load_outputs, page_login, run_by_index
 from .browser import open_browser, wait_until_ready
 from .test_ui_login import import_file
 
@@ -44,7 +48,9 @@ def logins_file(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def models_dir(tmp_path_factory):
-    return tmp_path_factory.mktemp("models")
+    root = tmp_path_factory.mktemp("models")
+    shutil.copytree(demo_model_path(), root / "demo-copy")
+    return root
 
 
 @pytest.fixture(scope="module")
@@ -167,3 +173,53 @@ def test_images_in_messages_and_imports_are_not_fetched_from_outside(
     page.context.close()
     policy = httpx.get(app.url + "/", timeout=60).headers["content-security-policy"]
     assert "img-src 'self'" in policy
+
+
+# -- a guest's page names no server folder --------------------------------------------------------
+def server_folders(models_dir) -> list[str]:
+    return [str(models_dir), str(demo_model_path().parent), os.path.expanduser("~") + "/"]
+
+
+def test_a_guests_page_config_and_page_load_name_no_server_folder(app, models_dir):
+    guest = page_login(app.url, *GUEST)
+    others = victims(app).start()
+    config = guest.get("/config").text
+    loaded = page_load_outputs(guest)
+    assert others.finish() == {"v1": "complete", "chat": "complete"}
+    assert "demo-copy (folder)" in config  # the list is there, by its labels
+    assert len(loaded) >= 4 and all('"error"' not in out for out in loaded.values()), loaded
+    for folder in server_folders(models_dir):
+        assert folder not in config
+        for name, out in loaded.items():
+            assert folder not in out, (name, out)
+    guest.close()
+
+
+def by_elem_id(http: httpx.Client, api_name: str, values: dict[str, object]) -> str:
+    """Call a page handler with its default inputs except `values` (by elem_id)."""
+    config = http.get("/config").json()
+    components = {c["id"]: c for c in config["components"]}
+    dep = next(d for d in config["dependencies"] if d.get("api_name") == api_name)
+    data = [values.get(components[i]["props"].get("elem_id"), components[i]["props"].get("value"))
+            for i in dep["inputs"]]
+    return run_by_index(http, dep["id"], data)
+
+
+def test_a_model_picked_by_its_label_is_the_folder_it_names(app):
+    admin = page_login(app.url, *ADMIN)
+    estimate = by_elem_id(admin, "estimate", {"model": "demo-copy (folder)", "mode": "fp32"})
+    assert "**Fits**" in estimate and "Cannot estimate" not in estimate, estimate
+    unknown = by_elem_id(admin, "estimate", {"model": "nowhere (folder)", "mode": "fp32"})
+    assert "not in the list of choices" in unknown, unknown
+    admin.close()
+
+
+# -- the Train tab's base models follow the models folder ---------------------------------------------
+def test_the_train_tabs_base_models_follow_the_models_folder(app, models_dir):
+    admin = page_login(app.url, *ADMIN)
+    assert "arrived-later (folder)" not in admin.get("/config").text
+    shutil.copytree(demo_model_path(), models_dir / "arrived-later")
+    listed = by_elem_id(admin, "train_models", {})
+    assert "arrived-later (folder)" in listed, listed
+    assert str(models_dir) not in listed
+    admin.close()
