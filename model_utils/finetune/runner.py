@@ -168,6 +168,8 @@ class TrainingRunner:
                     raise TrainRefused(f"{request.name!r} exists already: pick another name")
                 # A run that ended before its first checkpoint: nothing in it to keep.
                 shutil.rmtree(out)
+            if ckpt.has_checkpoint(out):
+                _check_resumable(out, request, source.path)
             out.mkdir(parents=True, exist_ok=True)
             console = out / "console.txt"
             # nice(1): replies come first on a shared CPU (a preexec_fn is unsafe in a
@@ -291,6 +293,20 @@ class TrainingRunner:
                         job.request.name, grace_s)
             job.process.kill()
             job.process.wait()
+
+
+def _check_resumable(out: Path, request: TrainRequest, model_path: Path) -> None:
+    """A Start under the name of a run with a checkpoint continues it: refused, saying what
+    differs, when the form asks for another run (the data's content is compared by the run
+    itself, which reads the file anyway)."""
+    now = {"model_path": str(model_path), "method": request.method,
+           "lora_r": request.lora_r, "max_len": request.max_len,
+           "batch_size": request.batch_size, "grad_accum": request.grad_accum,
+           "packing": request.packing}
+    if differences := ckpt.resume_differences(ckpt.checkpoint_state(out), now):
+        raise TrainRefused(f"{request.name!r} holds the checkpoint of another run, which Start "
+                           f"would continue: {'; '.join(differences)}. Start with what it had "
+                           "to continue it, or pick another name")
 
 
 def curve(rows: list[dict], points: int = MAX_CURVE_POINTS) -> list[dict]:
