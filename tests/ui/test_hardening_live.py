@@ -19,7 +19,14 @@ from gradio_client import Client
 
 from model_utils.loading.demo_model import demo_model_path
 
-from .attacks import Victims, page_load_outputs, page_login, run_by_index
+from .attacks import (
+    Victims,
+    page_load_outputs,
+    page_login,
+    plain_problems,
+    run_by_index,
+    train,
+)
 from .browser import open_browser, wait_until_ready
 from .test_ui_login import import_file
 
@@ -223,3 +230,36 @@ def test_the_train_tabs_base_models_follow_the_models_folder(app, models_dir):
     assert "arrived-later (folder)" in listed, listed
     assert str(models_dir) not in listed
     admin.close()
+
+
+# -- a big training file is read by the run, not by the server ---------------------------------------
+BIG_DATA_MB = 100
+START_BOUND_S = 5.0  # the server parsing it took ~8 s for 100 MB on an idle machine
+
+
+def test_a_big_training_file_is_checked_by_the_run_and_replies_go_on(app, models_dir):
+    line = json.dumps({"messages": [{"role": "user", "content": "sea " * 120},
+                                    {"role": "assistant", "content": "waves " * 120}]}) + "\n"
+    count = BIG_DATA_MB * 2**20 // len(line)
+    big = models_dir / "big.jsonl"
+    with big.open("w") as out:
+        for _ in range(count):
+            out.write(line)
+        out.write("{not json\n")  # the run must find this, with its line number
+    admin = Client(app.url, auth=ADMIN, verbose=False)
+    others = victims(app).start()
+    started = time.monotonic()
+    outcome = train(admin, big, name="big-run")
+    start_s = time.monotonic() - started
+    assert others.finish() == {"v1": "complete", "chat": "complete"}
+    assert outcome.status == 200 and "Training" in outcome.message, outcome
+    assert start_s < START_BOUND_S, f"Start took {start_s:.1f} s"
+
+    def ended():
+        return admin.predict(api_name="/train_status")["state"] not in ("running", "idle")
+
+    wait_for(ended, timeout=600, what="the run's end")
+    status = admin.predict(api_name="/train_status")
+    assert status["state"] == "failed", status
+    assert f"big.jsonl:{count + 1}: not valid JSON" in status["message"], status
+    assert not plain_problems(status["message"]), status
