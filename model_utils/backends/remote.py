@@ -55,6 +55,9 @@ class RemoteEngine:
         self.log_prompts = log_prompts
         self.memory = MemoryHistory()  # this host's memory (the memory endpoint still answers)
         self.client = api.make_client(config, connections=max_batch + max_queue + 2)
+        # The replies' own: a new connection each, whose socket the header watch can cut.
+        self.stream_client = api.make_client(config, connections=max_batch + max_queue + 2,
+                                             keep_alive=False)
         self.monitor = HealthMonitor(lambda: api.list_models(self.client, config),
                                      name=self.url, interval_s=health_interval_s,
                                      retry_s=health_retry_s)
@@ -69,6 +72,7 @@ class RemoteEngine:
     def close(self) -> None:
         self.monitor.close()
         self.client.close()
+        self.stream_client.close()
 
     # -- what serves ----------------------------------------------------------------------------
     def _model_entry(self, models: tuple[dict, ...]) -> dict | None:
@@ -295,7 +299,8 @@ class RemoteEngine:
         for attempt in (1, 2):
             body = api.request_body(model, wire, options, thinking, leave_out=leave_out)
             try:
-                yield from api.stream_chunks(self.client, self.config, body, stop, deadline)
+                yield from api.stream_chunks(self.stream_client, self.config, body, stop,
+                                             deadline)
                 return
             except BackendRejected as error:
                 named = set(error.extensions) & (set(body) & set(EXTENSIONS))

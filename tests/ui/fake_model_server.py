@@ -14,7 +14,8 @@ innocent replies can stream beside it): "byte_trickle" (one byte every 0.2 s, ne
 newline; "token_then_byte_trickle" after a first token), "long_line" (64 MB without a
 newline), "huge_event" (one 1.5 MB event), "reasoning_flood" (reasoning without end,
 max_tokens ignored), "surrogate" (a lone "\\ud800" escape in the text), "400_key" and
-"error_event_key" (the server's message quotes this app's key and Authorization header).
+"error_event_key" (the server's message quotes this app's key and Authorization header),
+"header_trickle" (the status line, then a header one byte every 0.2 s: the headers never end).
 `models_mode`: "ok", "500_key" (likewise), or "huge_error" (a 64 MB error body). `sent`
 counts the bytes hostile modes wrote, `hangups` the clients that closed on them,
 `open_streams` the replies being written now.
@@ -168,6 +169,9 @@ class _Handler(BaseHTTPRequestHandler):
             return
         if mode == "slow_start":
             time.sleep(3)
+        if mode == "header_trickle":
+            self._header_trickle()
+            return
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
         self.send_header("Transfer-Encoding", "chunked")  # as uvicorn streams
@@ -182,6 +186,26 @@ class _Handler(BaseHTTPRequestHandler):
                 self._stream(mode)
             if mode != "die":
                 self.wfile.write(b"0\r\n\r\n")
+        except (BrokenPipeError, ConnectionResetError):
+            self._hung_up()
+        finally:
+            with self.server.counts:
+                self.server.open_streams -= 1
+        self.close_connection = True
+
+    def _header_trickle(self) -> None:
+        """The status line, then one byte of a header every 0.2 s for 60 s: the headers never
+        end, and every read brings a byte."""
+        with self.server.counts:
+            self.server.open_streams += 1
+        try:
+            self.wfile.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nX-Slow: ")
+            self.wfile.flush()
+            self.server.streaming.set()
+            for _ in range(300):
+                time.sleep(0.2)
+                self.wfile.write(b"x")
+                self.wfile.flush()
         except (BrokenPipeError, ConnectionResetError):
             self._hung_up()
         finally:
