@@ -69,6 +69,12 @@ class RemoteEngine:
             self.monitor.check_now()  # the first status already says up or down
             self.monitor.start()
 
+    def bench_places(self) -> int:
+        """The most places the Benchmark's streams take together: a quarter of them (two at
+        least) stay for other users' replies, which a 32-stream run used to turn away as busy."""
+        places = self.max_batch + self.max_queue
+        return max(1, places - max(2, places // 4))
+
     def close(self) -> None:
         self.monitor.close()
         self.client.close()
