@@ -24,6 +24,9 @@ log = logging.getLogger("app")
 LOOPBACK_NAMES = {"localhost"}
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
 # The engine's options this app takes (the bench's --no-compile / --compiled-rows are not).
+# What names the local model: left out of the start line with --backend.
+LOCAL_MODEL_FLAGS = ("model", "mode", "placement", "context_tokens", "compile_cache",
+                     "compile_mode", "models_dir", "trust_remote_code")
 APP_ENGINE_FLAGS = ("models_dir", "log_prompts", "trust_remote_code", "max_queue", "max_batch",
                     "compile_mode")
 
@@ -145,6 +148,8 @@ def main(argv: list[str] | None = None) -> int:
     config = {k: v for k, v in vars(args).items() if k not in ("auth", "auth_file",
                                                                  "backend_key")}
     config["backend"] = args.backend and redact(args.backend)  # no user:password@ in the log
+    if args.backend:  # the model server's model serves: this app loads none of its own
+        config = {k: v for k, v in config.items() if k not in LOCAL_MODEL_FLAGS}
     config["logins"] = sorted(logins.users())  # user names only, never passwords
     log.info("starting with %s", config)
 
@@ -179,6 +184,8 @@ def main(argv: list[str] | None = None) -> int:
     info = ui.AppInfo()
     if not args.backend:  # a model server's models are loaded there
         load_initial_model(engine, args, info)
+    else:
+        log_model_server(engine)
     engine.start_memory_sampler()  # one history for every page, however many are open
 
     demo = ui.build(engine, admin=args.admin, info=info, logout=bool(logins))
@@ -254,6 +261,18 @@ def load_initial_model(engine, args, info) -> None:
         message = getattr(error, "message", None) or str(error)
         info.startup_error = message
         log.error("initial model did not load: %s; serving without a model", message)
+
+
+def log_model_server(engine) -> None:
+    """The start line of --backend: the server and the model it serves (as the page names
+    it), or why it does not yet."""
+    status = engine.status()
+    if status["loaded"]:
+        log.info("serving %s from the model server %s (context %s tokens)", status["model"],
+                 status["backend_url"], status["context_tokens"] or "not reported")
+    else:
+        log.warning("the model server %s serves nothing now (%s); serving anyway and checking "
+                    "again", status["backend_url"], status["health"].get("error") or "down")
 
 
 def _parser_error(message: str) -> None:
