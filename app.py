@@ -25,6 +25,9 @@ log = logging.getLogger("app")
 LOOPBACK_NAMES = {"localhost"}
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
 # The engine's options this app takes (the bench's --no-compile / --compiled-rows are not).
+# What names the local model: left out of the start line with --backend.
+LOCAL_MODEL_FLAGS = ("model", "mode", "placement", "context_tokens", "compile_cache",
+                     "compile_mode", "models_dir", "trust_remote_code")
 APP_ENGINE_FLAGS = ("models_dir", "log_prompts", "trust_remote_code", "max_queue", "max_batch",
                     "compile_mode")
 
@@ -68,23 +71,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return build_parser().parse_args(argv)
 
 
-def read_logins(args: argparse.Namespace, parser_error) -> list[tuple[str, str]]:
-    lines = [(value, "--auth") for value in args.auth]
+def read_logins(args: argparse.Namespace, parser_error):
+    """The logins of --auth and --auth-file (server.logins.Logins: the file is read again
+    whenever it changes); a bad line at start is a flag error."""
+    from server.logins import Logins, parse_logins
+
+    fixed, problems = parse_logins("\n".join(args.auth), "--auth")
+    problems = ["--auth: expected user:password" for _ in problems]
+    from_file = []
     if args.auth_file:
         try:
             text = Path(args.auth_file).read_text(encoding="utf-8")
         except OSError as error:
             parser_error(f"--auth-file: cannot read {args.auth_file}: {error.strerror}")
-        lines += [(line.strip(), f"--auth-file line {n}")
-                  for n, line in enumerate(text.splitlines(), 1)
-                  if line.strip() and not line.lstrip().startswith("#")]
-    logins = []
-    for value, where in lines:
-        user, sep, password = value.partition(":")
-        if not sep or not user or not password:
-            parser_error(f"{where}: expected user:password")
-        logins.append((user, password))
-    return logins
+        from_file, file_problems = parse_logins(text, "--auth-file")
+        problems += file_problems
+    if problems:
+        parser_error(problems[0])
+    return Logins(fixed, args.auth_file, from_file)
 
 
 def engine_config_of(args: argparse.Namespace, parser_error) -> EngineConfig:
@@ -156,7 +160,9 @@ def main(argv: list[str] | None = None) -> int:
     config = {k: v for k, v in vars(args).items() if k not in ("auth", "auth_file",
                                                                  "backend_key")}
     config["backend"] = args.backend and redact(args.backend)  # no user:password@ in the log
-    config["logins"] = [user for user, _ in logins]  # user names only, never passwords
+    if args.backend:  # the model server's model serves: this app loads none of its own
+        config = {k: v for k, v in config.items() if k not in LOCAL_MODEL_FLAGS}
+    config["logins"] = sorted(logins.users())  # user names only, never passwords
     log.info("starting with %s", config)
 
     if reason := port_unavailable(args.host, args.port):
@@ -186,6 +192,8 @@ def main(argv: list[str] | None = None) -> int:
     info = ui.AppInfo()
     if not args.backend:  # a model server's models are loaded there
         load_initial_model(engine, args, info)
+    else:
+        log_model_server(engine)
     engine.start_memory_sampler()  # one history for every page, however many are open
 
     demo = ui.build(engine, admin=args.admin, info=info, logout=bool(logins))
@@ -204,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         _, local_url, share_url = demo.launch(
             server_name=args.host, server_port=args.port, share=args.share,
-            auth=logins or None, auth_message=ui.LOGIN_MESSAGE, prevent_thread_lock=True,
+            auth=logins.check if logins else None, auth_message=ui.LOGIN_MESSAGE, prevent_thread_lock=True,
             ssr_mode=False, css=ui.CSS, max_threads=reply_slots + 40,
             # The guards (guards.py) run before any route; both are in place before the port
             # opens.
@@ -261,6 +269,18 @@ def load_initial_model(engine, args, info) -> None:
         message = getattr(error, "message", None) or str(error)
         info.startup_error = message
         log.error("initial model did not load: %s; serving without a model", message)
+
+
+def log_model_server(engine) -> None:
+    """The start line of --backend: the server and the model it serves (as the page names
+    it), or why it does not yet."""
+    status = engine.status()
+    if status["loaded"]:
+        log.info("serving %s from the model server %s (context %s tokens)", status["model"],
+                 status["backend_url"], status["context_tokens"] or "not reported")
+    else:
+        log.warning("the model server %s serves nothing now (%s); serving anyway and checking "
+                    "again", status["backend_url"], status["health"].get("error") or "down")
 
 
 def _parser_error(message: str) -> None:

@@ -8,7 +8,13 @@ middleware around the whole app):
 - Content-Type: with no logins, POST /v1/... must be application/json. A cross-site page may
   send text/plain without the browser asking first (no CORS preflight); it may not send JSON.
 - Logins: FastAPI's schema and docs (/openapi.json, /docs, /redoc) need one when logins are on.
-- Logins on /login: failures logged and limited (login_limit.py).
+- Logins on /login: failures logged and limited (login_limit.py). A page session of a user
+  taken out of --auth-file ends at its next request (logins.py reads the file again).
+- Images: every response says (Content-Security-Policy) that the page loads images and media
+  from this app only (and data:/blob: URLs). A reply or an imported conversation may hold
+  ![](http://elsewhere/pixel) or <img src=http://...>, which the chatbot's Markdown draws: the
+  browser would fetch it, telling an outside server who reads what (a tracking pixel), or
+  reaching an address inside the user's network. The browser refuses those fetches.
 - JSON bodies: parsed once here by request_models.parse_json, so that a body gradio or the
   OpenAI route could not parse safely (100 000 nested brackets, a lone surrogate) is a 400 with
   a plain message instead of a RecursionError or a TypeError deep inside.
@@ -25,6 +31,7 @@ from starlette.middleware import Middleware
 
 from .errors import ClientError
 from .login_limit import LOGIN_PATHS, MAX_FORM_BYTES, LoginLimiter, form_user
+from .logins import Logins
 from .request_models import MAX_JSON_BYTES, parse_json
 
 log = logging.getLogger("ui")
@@ -32,6 +39,8 @@ log = logging.getLogger("ui")
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
 DOCS_PATHS = ("/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc")
 REALM = 'Bearer realm="Qwen chat"'
+# What the page may load images and media from: this app only.
+CONTENT_POLICY = b"img-src 'self' data: blob:; media-src 'self' data: blob:"
 
 
 def login_user(authorization: str, logins: list[tuple[str, str]]) -> str | None:
@@ -66,10 +75,12 @@ def host_name(host: str) -> str:
 class RequestGuard:
     """The middleware; `request_guard` makes its entry for the app's middleware list."""
 
-    def __init__(self, app, *, logins: list[tuple[str, str]] | None,
+    def __init__(self, app, *, logins: Logins | None,
                  allowed_hosts: set[str] | None):
         self.app = app
-        self.logins = logins or []
+        if isinstance(logins, list):
+            logins = Logins(logins)
+        self.logins = logins if logins else []
         self.login_limiter = LoginLimiter()
         # Logins protect the app on their own (and a share link has a Host of its own).
         self.allowed_hosts = {h.lower() for h in allowed_hosts} \
@@ -82,6 +93,8 @@ class RequestGuard:
                 return
             await self.app(scope, receive, send)
             return
+        if self.logins:
+            self._end_sessions_of_removed_users(scope)
         try:
             receive = await self._check(scope, receive)
             if self.logins and scope["method"] == "POST" and scope["path"] in LOGIN_PATHS:
@@ -89,7 +102,7 @@ class RequestGuard:
         except ClientError as error:
             await self._refuse(scope, send, error)
             return
-        await self.app(scope, receive, send)
+        await self.app(scope, receive, _with_content_policy(send))
 
     async def _limit_login(self, scope, receive, send):
         body = await _read_body(receive, MAX_FORM_BYTES)
@@ -137,17 +150,18 @@ class RequestGuard:
     def _logged_in(self, scope) -> bool:
         if login_user(_header(scope, b"authorization"), self.logins):
             return True
-        app = scope.get("app")  # gradio's App (Starlette puts itself here): its sessions
-        cookie_id = getattr(app, "cookie_id", None)
-        if app is None or cookie_id is None:
-            return False
-        cookies = {}
-        for item in _header(scope, b"cookie").split(";"):
-            name, _, value = item.strip().partition("=")
-            cookies[name] = value
-        token = cookies.get(f"access-token-{cookie_id}") or \
-            cookies.get(f"access-token-unsecure-{cookie_id}")
-        return bool(token) and token in getattr(app, "tokens", {})
+        token = _session_token(scope)
+        return bool(token) and token in getattr(scope.get("app"), "tokens", {})
+
+    def _end_sessions_of_removed_users(self, scope) -> None:
+        """A page session (gradio's login cookie) of a user no longer among the logins (taken
+        out of --auth-file) ends here: gradio then answers it as not logged in."""
+        token = _session_token(scope)
+        tokens = getattr(scope.get("app"), "tokens", None)
+        user = tokens.get(token) if token and tokens is not None else None
+        if user is not None and user not in self.logins.users():
+            tokens.pop(token, None)
+            log.info("ended a page session of user %r: no longer among the logins", user[:64])
 
     @staticmethod
     async def _refuse(scope, send, error: ClientError) -> None:
@@ -165,12 +179,35 @@ class RequestGuard:
         await send({"type": "http.response.body", "body": body})
 
 
-def request_guard(logins: list[tuple[str, str]] | None,
+def request_guard(logins: Logins | None,
                   allowed_hosts: set[str] | None) -> Middleware:
     """The guard as an entry of the FastAPI app's middleware list, so that it is in place
     before the port opens: demo.launch(app_kwargs={"middleware": [request_guard(...)]}).
     allowed_hosts: the Host names answered when there are no logins (None: any)."""
     return Middleware(RequestGuard, logins=logins, allowed_hosts=allowed_hosts)
+
+
+def _with_content_policy(send):
+    async def send_with_policy(message):
+        if message["type"] == "http.response.start":
+            message = {**message, "headers": [*message.get("headers", ()),
+                                              (b"content-security-policy", CONTENT_POLICY)]}
+        await send(message)
+
+    return send_with_policy
+
+
+def _session_token(scope) -> str | None:
+    """The request's gradio login cookie (its session token), if it has one."""
+    cookie_id = getattr(scope.get("app"), "cookie_id", None)  # gradio's App: Starlette's scope
+    if cookie_id is None:
+        return None
+    cookies = {}
+    for item in _header(scope, b"cookie").split(";"):
+        name, _, value = item.strip().partition("=")
+        cookies[name] = value
+    return cookies.get(f"access-token-{cookie_id}") or \
+        cookies.get(f"access-token-unsecure-{cookie_id}")
 
 
 def _header(scope, name: bytes) -> str:

@@ -182,3 +182,22 @@ def _user(who: gr.Request | None) -> str:
 def _first_line(error: BaseException) -> str:
     text = str(error).strip()
     return text.splitlines()[0] if text else type(error).__name__
+
+
+# -- the model lists of the Model and Train tabs ----------------------------------------------------
+# A dropdown's choices go to every browser in the page config, guests' too, so their values
+# are the list's labels ("demo-copy (folder)"), never the server's paths; the handlers turn a
+# label back into the name the registry loads (model_named).
+def model_picks(registry, *, bases_only: bool = False) -> list[tuple[str, str]]:
+    """(label, value) pairs for a dropdown of the models offered; bases_only: no adapters."""
+    return [(label, label) for label, _ in registry.choices()
+            if not bases_only or "adapter on" not in label]
+
+
+def model_named(registry, value: str | None) -> str | None:
+    """A model dropdown's value -> the registry's name for it. A value that is not a label of
+    the list (an API client's "demo", folder path or hub id) is passed on as it is."""
+    for label, name in registry.choices():
+        if label == value:
+            return name
+    return value

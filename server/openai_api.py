@@ -6,8 +6,8 @@
 Why beside gradio's queue rather than through it: every request there joins a queue, gets a
 session state built from all the page's components and streams through the queue's message
 machinery, all on one event loop; with many clients that machinery, not the model, set the pace
-(BENCHMARKS.md, many users through the HTTP APIs). Here a request is one HTTP call whose reply streams as server-sent
-events straight from the engine, which batches concurrent replies the same way.
+(BENCHMARKS.md, many users through the HTTP APIs). Here a request is one HTTP call whose reply
+streams as server-sent events straight from the engine, which batches concurrent replies alike.
 
 What it takes (request_models.ChatCompletionRequest): messages (an optional leading system or
 developer message, then user/assistant/tool turns ending with a user or tool one; content a
@@ -16,8 +16,9 @@ parallel_tool_calls and response_format (openai_tools.py), logprobs and top_logp
 stream_options.include_usage, max_tokens (or max_completion_tokens), temperature, top_p, seed,
 stop (a string or a list of strings), and the extensions top_k, repetition_penalty and
 enable_thinking (or chat_template_kwargs {"enable_thinking": ...}, as other Qwen servers take
-it). /v1/completions: openai_completions.py. The model field is ignored: the
-loaded model answers, under the id /v1/models lists ("demo" or its folder's name). Reasoning
+it). /v1/completions: openai_completions.py. The model field is ignored: the loaded model
+answers, under the id /v1/models lists ("demo" or its folder's name, with max_model_len and
+default_settings, the generation_config's sampling values). Reasoning
 (Qwen3 thinking) comes as reasoning_content beside content. With logins (--auth), send one as
 a bearer token "user:password" or as HTTP basic auth.
 """
@@ -38,6 +39,7 @@ import anyio
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from model_utils.backends.server_defaults import NAMES as SAMPLING_NAMES
 from model_utils.chat.tool_calls import ToolCall
 from model_utils.chat.updates import TokenLogprob
 
@@ -76,10 +78,22 @@ def error_response(error: ClientError) -> JSONResponse:
     return JSONResponse(error_body(error), status_code=error.status, headers=headers)
 
 
+def sampling_defaults(engine: Engine) -> dict:
+    """The loaded model's sampling defaults (its generation_config), {} without any."""
+    try:
+        settings = engine.default_settings().as_dict()
+    except Exception:  # noqa: BLE001 - no model, or a model server that cannot be asked now
+        return {}
+    return {k: settings[k] for k in SAMPLING_NAMES if settings.get(k) is not None}
+
+
 def model_id(status: dict) -> str:
-    """The loaded model's id for clients: "demo", a hub id, or its folder's name; no spaces."""
+    """The loaded model's id for clients: "demo", a hub id, or its folder's name (a model
+    server's: the name it gives, model_entry.shown_name); no spaces."""
     if status.get("is_demo"):
         return "demo"
+    if status.get("remote"):
+        return str(status.get("model", "")).replace(" ", "-") or "model"
     label = str(status.get("model", ""))
     name = label.removesuffix(" (HF cache)") if label.endswith(" (HF cache)") \
         else Path(str(status.get("path", label))).name
@@ -113,9 +127,15 @@ def register_openai_api(app: FastAPI | APIRouter, engine: Engine,
         except ClientError as error:
             return error_response(error)
         status = engine.status()
-        data = [{"id": model_id(status), "object": "model", "created": 0,
-                 "owned_by": "local"}] if status.get("loaded") else []
-        return {"object": "list", "data": data}
+        if not status.get("loaded"):
+            return {"object": "list", "data": []}
+        entry = {"id": model_id(status), "object": "model", "created": 0, "owned_by": "local"}
+        # As vLLM says them; an instance of this app in front of this one reads both.
+        if status.get("context_tokens"):
+            entry["max_model_len"] = status["context_tokens"]
+        if defaults := sampling_defaults(engine):
+            entry["default_settings"] = defaults
+        return {"object": "list", "data": [entry]}
 
     async def chat_completions(request: Request):
         call = None

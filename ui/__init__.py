@@ -95,12 +95,12 @@ def build(engine: Engine, *, admin: str | None = None, info: AppInfo | None = No
                     build_remote_bench_panel(engine, demo=demo, admin=admin)
                 else:
                     build_bench_panel(engine, demo=demo, admin=admin)
-            with gr.Tab("Train", id="train"):
+            with gr.Tab("Train", id="train") as train_tab:
                 if remote:
                     gr.Markdown("Training runs on this machine's own engine; with --backend "
                                 "the models are the model server's.")
                 else:
-                    build_train_panel(engine, status=status, admin=admin)
+                    build_train_panel(engine, status=status, admin=admin, tab=train_tab)
             # Further panels are passed in by the caller.
             for title, builder in extra_panels:
                 with gr.Tab(title):

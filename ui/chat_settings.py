@@ -109,12 +109,16 @@ def keep_settings(c: dict, engine: Engine, demo: gr.Blocks, settings_inputs: lis
         saved = {k: v for k, v in (saved or {}).items() if k in names and v is not None}
         values = {**_model_defaults(engine, setting_names), **saved}
         context = engine.status().get("context_tokens") or default_context
+        notes = server_default_notes(engine.status(), setting_names)
         updates = []
         for name in names:
             if name in bounded:
                 value = values.get(name)
                 updates.append(gr.update(maximum=context, **(
                     {"value": min(int(value), context)} if value is not None else {})))
+            elif name in notes:
+                updates.append(gr.update(info=notes[name], **(
+                    {"value": values[name]} if name in values else {})))
             else:
                 updates.append(values[name] if name in values else gr.skip())
         # The message box opens only now: a message typed or a setting changed before the
@@ -136,3 +140,17 @@ def _model_defaults(engine: Engine, names: list[str]) -> dict:
     except Exception:  # noqa: BLE001 - no model loaded: keep the sliders as they are
         return {}
     return {k: v for k, v in settings.items() if k in names and v is not None}
+
+
+SAMPLING = ("temperature", "top_p", "top_k", "repetition_penalty")
+
+
+def server_default_notes(status: dict, names: list[str]) -> dict[str, str]:
+    """In front of a model server: each sampling widget's note, saying whether it starts at
+    the server's default for the model (where the server reports one) or at this app's."""
+    if not status.get("remote"):
+        return {}
+    reported = status.get("server_defaults") or {}
+    return {name: f"server default: {reported[name]:g}" if name in reported
+            else "server default: not reported by the server (this value is sent)"
+            for name in SAMPLING if name in names}

@@ -10,11 +10,12 @@ from typing import TYPE_CHECKING
 
 import gradio as gr
 
+from model_utils.loading.demo_model import DEMO_LABEL
 from model_utils.loading.modes import dropdown_choices, dropdown_info
 from model_utils.loading.placement import STRATEGIES, available_placements
 from server import model_actions as actions
 from server.common import AppInfo
-from server.errors import shows_full_paths
+from server.errors import client_path, models_dir_of, shows_full_paths
 
 if TYPE_CHECKING:
     from model_utils.engine import Engine
@@ -32,7 +33,7 @@ def build_model_panel(engine: Engine, *, demo: gr.Blocks, status: gr.State,
     placements = available_placements()
     with gr.Row(equal_height=False):
         with gr.Column(scale=1):
-            c["model"] = gr.Dropdown(picks["choices"], label="Model", value=picks["model"],
+            c["model"] = gr.Dropdown(actions.model_picks(engine.registry), label="Model", value=picks["model"],
                                      elem_id="model")
             c["model_path"] = gr.Textbox(label="…or a folder path / Hugging Face hub id "
                                          "(overrides the list when filled)",
@@ -87,7 +88,8 @@ def _wire(c: dict, engine: Engine, demo: gr.Blocks, status: gr.State,
 
     def request_from(values: dict):
         return actions.make_request(
-            model=values[c["model_path"]] or values[c["model"]], mode=values[c["mode"]],
+            model=values[c["model_path"]]
+            or actions.model_named(engine.registry, values[c["model"]]), mode=values[c["mode"]],
             placement=values[c["placement"]],
             max_memory_gb={device: values[slider] for device, slider in caps.items()},
             offload_folder=values[c["offload_folder"]],
@@ -153,10 +155,13 @@ def _wire(c: dict, engine: Engine, demo: gr.Blocks, status: gr.State,
         current = current_picks(engine)
         values = {**values, c["model"]: current["model"], c["mode"]: current["mode"],
                   c["model_path"]: current["model_path"], c["placement"]: current["placement"]}
+        typed_path = current["model_path"]
+        if typed_path and not shows_full_paths(admin, getattr(request, "username", None)):
+            typed_path = client_path(typed_path, models_dir_of(engine))  # a guest's view
         return (actions.status_markdown(current["status"]), current["status"],
                 estimate(values, request),
                 gr.update(choices=current["choices"], value=current["model"]),
-                current["model_path"], current["mode"], current["placement"])
+                typed_path, current["mode"], current["placement"])
 
     demo.load(on_page_load, picks,
               [c["status"], status, c["estimate"], c["model"], c["model_path"], c["mode"],
@@ -201,17 +206,17 @@ def progress_from_any_thread(progress: gr.Progress):
 def current_picks(engine: Engine) -> dict:
     """What the pickers should show for the model that is loaded now."""
     current = engine.status()
-    choices = engine.registry.choices()
-    model, model_path = (choices[0][1] if choices else "demo"), ""
+    listed = engine.registry.choices()
+    choices = actions.model_picks(engine.registry)  # labels: no server path in the page
+    model, model_path = (listed[0][0] if listed else DEMO_LABEL), ""
     if current.get("loaded"):
-        by_label = {label: name for label, name in choices}
-        names = set(by_label.values())
+        label_of = {name: label for label, name in reversed(listed)}
         if current.get("is_demo"):
-            model = "demo"
-        elif current["model"] in by_label:  # folders and cached hub ids carry the same label
-            model = by_label[current["model"]]
-        elif current.get("path") in names:
-            model = current["path"]
+            model = DEMO_LABEL
+        elif current["model"] in {label for label, _ in listed}:
+            model = current["model"]  # folders and cached hub ids carry the same label
+        elif current.get("path") in label_of:
+            model = label_of[current["path"]]
         else:
             model_path = current.get("path", "")
     placements = available_placements()

@@ -120,7 +120,8 @@ def build_remote_bench_panel(engine, *, demo: gr.Blocks | None = None,
             raise user_error("pick at least one number of concurrent streams")
         counts = tuple(sorted(whole_number(s, "concurrent streams") for s in streams))
         try:
-            rows = bench_remote(engine, streams=counts, new_tokens=tokens)
+            rows = bench_remote(engine, streams=counts, new_tokens=tokens,
+                                at_once=engine.bench_places())
         except (RuntimeError, ValueError) as error:  # the server down, bad sizes
             raise user_error(str(error)) from error
         return markdown_table(rows), gr.update(value=[asdict(r) for r in rows], visible=True)

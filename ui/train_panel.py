@@ -19,6 +19,7 @@ import pandas as pd
 from model_utils.errors import ModelNotFound
 from model_utils.finetune.models import METHODS
 from model_utils.finetune.runner import TrainingRunner, TrainRefused, TrainRequest
+from model_utils.loading.demo_model import DEMO_LABEL
 from server import model_actions as actions
 from server.common import require_admin, user_error
 from server.shutdown import on_shutdown
@@ -29,15 +30,23 @@ if TYPE_CHECKING:
 REFRESH_S = 2.0
 
 
-def build_train_panel(engine: Engine, *, status: gr.State, admin: str | None = None) -> dict:
+def build_train_panel(engine: Engine, *, status: gr.State, admin: str | None = None,
+                      tab: gr.Tab | None = None) -> dict:
+    """The Train tab. `tab`: its gr.Tab, whose selection reads the base-model list again."""
     runner = TrainingRunner(engine.registry, output_dir=engine.registry.trained_dir)
     on_shutdown(runner.shutdown)  # a run never outlives the server
     c: dict = {}
     first_plan, first_lr = _first_plan(runner)
-    bases = [(label, name) for label, name in engine.registry.choices() if "adapter on" not in label]
+    bases = actions.model_picks(engine.registry, bases_only=True)  # labels: no server path
     with gr.Row(equal_height=False):
         with gr.Column(scale=1):
-            c["model"] = gr.Dropdown(bases, value="demo", label="Base model", elem_id="train-model")
+            with gr.Row(equal_height=True):
+                # Custom values: an API client names a base by "demo", a folder or a hub id.
+                c["model"] = gr.Dropdown(bases, value=DEMO_LABEL, label="Base model",
+                                         elem_id="train-model", scale=8,
+                                         allow_custom_value=True)
+                c["refresh_models"] = gr.Button("↻ Refresh", size="sm", scale=1, min_width=90,
+                                                elem_id="train-refresh-models")
             c["upload"] = gr.File(label="Data (JSONL: one {\"messages\": [...]} per line)",
                                   file_types=[".jsonl"], type="filepath", elem_id="train-upload")
             c["data_path"] = gr.Textbox(label="…or a data file path under an allowed folder",
@@ -79,7 +88,22 @@ def build_train_panel(engine: Engine, *, status: gr.State, admin: str | None = N
                                     elem_id="train-plot", height=260)
     c["timer"] = gr.Timer(REFRESH_S)
     _wire(c, engine, runner, status, admin)
+    _follow_models(c, engine, tab)
     return c
+
+
+def _follow_models(c: dict, engine: Engine, tab: gr.Tab | None) -> None:
+    """The base-model list as the models folder holds it now (a model copied there, a
+    training result): read again on Refresh and whenever the tab is opened."""
+
+    def list_bases(picked: str | None):
+        bases = actions.model_picks(engine.registry, bases_only=True)
+        values = {value for _, value in bases}
+        return gr.update(choices=bases, value=picked if picked in values else DEMO_LABEL)
+
+    triggers = [c["refresh_models"].click] + ([tab.select] if tab is not None else [])
+    gr.on(triggers, list_bases, c["model"], c["model"], api_name="train_models",
+          api_visibility="private", show_progress="hidden")
 
 
 def _first_plan(runner: TrainingRunner) -> tuple[str, str]:
@@ -101,7 +125,7 @@ def _wire(c: dict, engine: Engine, runner: TrainingRunner, status: gr.State,
                    grad_accum, max_len, lora_r, packing) -> TrainRequest:
         data = upload or (data_path or "").strip()
         return TrainRequest(
-            model=model or "demo", data=Path(data) if data else None,
+            model=actions.model_named(engine.registry, model) or "demo", data=Path(data) if data else None,
             name=(name or "").strip(), method=method, steps=_int(steps, "steps"),
             epochs=epochs, lr=_float(lr, "the learning rate"),
             batch_size=_int(batch_size, "batch size"),

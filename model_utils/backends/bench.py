@@ -36,6 +36,7 @@ class RemoteBenchRow:
     aggregate_tok_s: float  # every reply's tokens over the wall time
     new_tokens: int
     wall_s: float
+    at_once: int = 0  # streams in flight together (fewer than `streams` where places are kept)
     error_samples: list[str] = field(default_factory=list)
 
 
@@ -46,16 +47,22 @@ def prompt_of(words: int, index: int) -> str:
     return " ".join(text.split()[:max(words, 4)])
 
 
-def one_round(engine, streams: int, new_tokens: int, prompt_words: int) -> RemoteBenchRow:
+def one_round(engine, streams: int, new_tokens: int, prompt_words: int,
+              at_once: int | None = None) -> RemoteBenchRow:
+    """`streams` replies, at most `at_once` of them in flight together (the others wait for
+    one to end, here, without taking a place of the engine's)."""
+    at_once = min(streams, at_once or streams)
     settings = GenerationSettings(temperature=0.0, max_new_tokens=new_tokens)
     results: list = [None] * streams
     start_together = threading.Barrier(streams)
+    places = threading.Semaphore(at_once)
 
     def run(i: int) -> None:
         messages = [{"role": "user", "content": prompt_of(prompt_words, i)}]
         try:
             start_together.wait(timeout=60)
-            results[i] = engine.generate_text(messages, settings, thinking=False).stats
+            with places:
+                results[i] = engine.generate_text(messages, settings, thinking=False).stats
         except Exception as error:  # noqa: BLE001 - counted and shown in the row
             results[i] = f"{type(error).__name__}: {error}"
 
@@ -77,18 +84,20 @@ def one_round(engine, streams: int, new_tokens: int, prompt_words: int) -> Remot
         ttft_ms_max=round(max(ttft), 1) if ttft else None,
         tok_s_per_stream_p50=round(statistics.median(speeds), 1) if speeds else None,
         aggregate_tok_s=round(tokens / wall, 1), new_tokens=tokens, wall_s=round(wall, 3),
-        error_samples=errors[:3])
+        at_once=at_once, error_samples=errors[:3])
 
 
 def bench_remote(engine, *, streams: tuple[int, ...] = (1, 8), new_tokens: int = 64,
-                 prompt_words: int = 32) -> list[RemoteBenchRow]:
-    """One round per number of streams (a short warm-up round first)."""
+                 prompt_words: int = 32, at_once: int | None = None) -> list[RemoteBenchRow]:
+    """One round per number of streams (a short warm-up round first). `at_once`: the most
+    streams in flight together (the Benchmark tab keeps places for other users' replies:
+    RemoteEngine.bench_places)."""
     if not streams or min(streams) < 1 or max(streams) > 256:
         raise ValueError("streams must be between 1 and 256")
     if not 1 <= new_tokens <= 8192:
         raise ValueError("new_tokens must be between 1 and 8192")
     one_round(engine, 1, min(new_tokens, 8), prompt_words)  # connection and server warm-up
-    return [one_round(engine, n, new_tokens, prompt_words) for n in streams]
+    return [one_round(engine, n, new_tokens, prompt_words, at_once) for n in streams]
 
 
 def markdown_table(rows: list[RemoteBenchRow]) -> str:
@@ -96,12 +105,15 @@ def markdown_table(rows: list[RemoteBenchRow]) -> str:
         return "-" if value is None else f"{value:g}"
 
     header = ("| streams | replies | errors | TTFT p50 (ms) | TTFT max (ms) | tok/s per stream "
-              "(p50) | tok/s all streams | tokens | wall (s) |")
-    lines = [header, "|---" * 9 + "|"]
+              "(p50) | tok/s all streams | tokens | wall (s) | at once |")
+    lines = [header, "|---" * 10 + "|"]
     for r in rows:
         lines.append(f"| {r.streams} | {r.replies} | {r.errors} | {f(r.ttft_ms_p50)} | "
                      f"{f(r.ttft_ms_max)} | {f(r.tok_s_per_stream_p50)} | {r.aggregate_tok_s:g} "
-                     f"| {r.new_tokens} | {r.wall_s:g} |")
+                     f"| {r.new_tokens} | {r.wall_s:g} | {r.at_once or r.streams} |")
+    if any(r.at_once and r.at_once < r.streams for r in rows):
+        lines.append("\nAt once: the most streams in flight together; the other places are "
+                     "kept for other users' replies.")
     for r in rows:
         lines += [f"\n{r.streams} streams: {sample}" for sample in r.error_samples]
     return "\n".join(lines)

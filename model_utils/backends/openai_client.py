@@ -36,7 +36,7 @@ from .sse import (
     read_head,
     without_surrogates,
 )
-from .stream_watch import StreamWatch
+from .stream_watch import HeaderWatch, StreamWatch
 from .urls import redact
 
 
@@ -53,7 +53,10 @@ class ServerConfig:
         return redact(self.base_url)
 
 
-def make_client(config: ServerConfig, connections: int) -> httpx.Client:
+def make_client(config: ServerConfig, connections: int, *,
+                keep_alive: bool = True) -> httpx.Client:
+    """keep_alive False: every request on a new connection (the streamed replies: their
+    header watch needs the socket, which only a new connection announces)."""
     # identity: bodies are bounded as read (sse.py), which a compressed one would defeat.
     headers = {"Accept-Encoding": "identity"}
     if config.key:
@@ -62,7 +65,8 @@ def make_client(config: ServerConfig, connections: int) -> httpx.Client:
                             write=config.read_timeout_s, pool=config.connect_timeout_s)
     # Idle connections are let go after 2 s, before the server's own keep-alive timeout
     # (uvicorn's, under vLLM and this app: 5 s) can close one just as a request goes out.
-    limits = httpx.Limits(max_connections=connections, max_keepalive_connections=connections,
+    limits = httpx.Limits(max_connections=connections,
+                          max_keepalive_connections=connections if keep_alive else 0,
                           keepalive_expiry=2.0)
     # trust_env off: a proxy set for the rest of the machine is not the way to the cluster.
     return httpx.Client(base_url=config.base_url, headers=headers, timeout=timeout,
@@ -134,9 +138,11 @@ def stream_chunks(client: httpx.Client, config: ServerConfig, body: dict,
     set, the deadline passes or no line comes for the read timeout (BackendTimeout, even
     mid-line), a line is too long (MalformedStream), or the consumer closes this generator."""
     watch = None
+    headers = HeaderWatch(stop, deadline=deadline, idle_timeout_s=config.read_timeout_s)
     try:
         with contextlib.ExitStack() as stack:
-            response = _open_stream(stack, client, body)
+            with headers:
+                response = _open_stream(stack, client, body, headers)
             if response.status_code != 200:
                 raise error_for_status(response.status_code, read_head(response),
                                        response.headers.get("retry-after"))
@@ -152,6 +158,8 @@ def stream_chunks(client: httpx.Client, config: ServerConfig, body: dict,
     except httpx.HTTPError as error:
         if watch is not None and watch.reason:  # the watcher hung up: a bound passed
             raise redacted(BackendTimeout(watch.reason), config) from None
+        if headers.reason:  # likewise, before the body
+            raise redacted(BackendTimeout(headers.reason), config) from None
         if stop.is_set():
             return  # the hang-up cut the read short: a stopped reply, not a failure
         raise translate(error, config) from error
@@ -159,15 +167,21 @@ def stream_chunks(client: httpx.Client, config: ServerConfig, body: dict,
         raise redacted(error, config) from None
 
 
-def _open_stream(stack: contextlib.ExitStack, client: httpx.Client,
-                 body: dict) -> httpx.Response:
+def _open_stream(stack: contextlib.ExitStack, client: httpx.Client, body: dict,
+                 headers: HeaderWatch) -> httpx.Response:
     """client.stream, once more on a fresh connection when a kept-alive one turns out to be
     closed before any answer ("disconnected without sending a response"): the server never
-    saw that request, so sending it again cannot run it twice."""
+    saw that request, so sending it again cannot run it twice. Not after the header watch
+    hung up: that server did see it."""
+    extensions = {"trace": headers.trace}
     try:
-        return stack.enter_context(client.stream("POST", "/chat/completions", json=body))
+        return stack.enter_context(client.stream("POST", "/chat/completions", json=body,
+                                                 extensions=extensions))
     except httpx.RemoteProtocolError:
-        return stack.enter_context(client.stream("POST", "/chat/completions", json=body))
+        if headers.reason or headers.stop.is_set():
+            raise
+        return stack.enter_context(client.stream("POST", "/chat/completions", json=body,
+                                                 extensions=extensions))
 
 
 def _events(response: httpx.Response, watch: StreamWatch) -> Iterator[dict]:

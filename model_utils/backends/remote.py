@@ -27,6 +27,8 @@ from model_utils.runtime.reply_stats import ReplyStats
 from . import openai_client as api
 from .errors import EXTENSIONS, BackendBusy, BackendError, BackendRejected, BackendUnavailable
 from .health import HealthMonitor
+from .model_entry import context_of, shown_name
+from .server_defaults import reported_defaults
 from .wire_extras import StreamedCalls, format_options, token_logprobs, wire_message
 
 log = logging.getLogger(__name__)
@@ -55,20 +57,31 @@ class RemoteEngine:
         self.log_prompts = log_prompts
         self.memory = MemoryHistory()  # this host's memory (the memory endpoint still answers)
         self.client = api.make_client(config, connections=max_batch + max_queue + 2)
+        # The replies' own: a new connection each, whose socket the header watch can cut.
+        self.stream_client = api.make_client(config, connections=max_batch + max_queue + 2,
+                                             keep_alive=False)
         self.monitor = HealthMonitor(lambda: api.list_models(self.client, config),
                                      name=self.url, interval_s=health_interval_s,
                                      retry_s=health_retry_s)
         self._lock = threading.Lock()
         self._in_flight = 0
+        self._defaults: dict[str, dict] = {}  # model id -> the sampling defaults it reports
         # Extensions the server refused once: left out of later requests, with a notice.
         self.refused: set[str] = set()
         if start_health:
             self.monitor.check_now()  # the first status already says up or down
             self.monitor.start()
 
+    def bench_places(self) -> int:
+        """The most places the Benchmark's streams take together: a quarter of them (two at
+        least) stay for other users' replies, which a 32-stream run used to turn away as busy."""
+        places = self.max_batch + self.max_queue
+        return max(1, places - max(2, places // 4))
+
     def close(self) -> None:
         self.monitor.close()
         self.client.close()
+        self.stream_client.close()
 
     # -- what serves ----------------------------------------------------------------------------
     def _model_entry(self, models: tuple[dict, ...]) -> dict | None:
@@ -79,16 +92,21 @@ class RemoteEngine:
     def status(self) -> dict:
         health = self.monitor.health
         entry = self._model_entry(health.models)
+        model_id = entry["id"] if entry else (self.wanted_model or "")
         status = {
             "loaded": health.ok and entry is not None,
             "remote": True,
             "backend_url": self.url,
-            "model": entry["id"] if entry else (self.wanted_model or ""),
-            "models": [m["id"] for m in health.models],
+            # As this app's /v1/models names it (a path the server lists: its last part).
+            "model": shown_name(model_id),
+            "models": [shown_name(m["id"]) for m in health.models],
             "mode": "remote",
             "placement": self.url,
             "is_demo": False,
-            "context_tokens": (entry or {}).get("max_model_len"),
+            "context_tokens": context_of(entry),
+            # The sampling defaults the server reports for it (None: not asked yet, {}:
+            # none reported, so the sliders' values are this app's).
+            "server_defaults": self._defaults.get(model_id),
             "decode_path": "remote",
             "health": health.as_dict(),
             "refused_extensions": sorted(self.refused),
@@ -127,8 +145,17 @@ class RemoteEngine:
         return "chat_template_kwargs" not in self.refused
 
     def default_settings(self) -> GenerationSettings:
-        """All None: the server applies the model's own defaults to what is not sent."""
-        return GenerationSettings()
+        """The sampling defaults the server reports for its model (asked once per model),
+        the rest None: the server applies its own to what is not sent."""
+        entry = self._model_entry(self.monitor.health.models)
+        if entry is None:
+            return GenerationSettings()
+        if entry["id"] not in self._defaults:
+            found = reported_defaults(self.client, self.config.base_url, entry)
+            self._defaults[entry["id"]] = found
+            log.info("model server %s: %s's sampling defaults %s", self.url,
+                     shown_name(entry["id"]), found or "not reported")
+        return GenerationSettings(**self._defaults[entry["id"]])
 
     # -- what cannot be done here ---------------------------------------------------------------
     def load(self, request, progress=None) -> dict:
@@ -154,7 +181,7 @@ class RemoteEngine:
             if entry is None:
                 raise BackendError(self.status()["health"]["error"] or
                                    "the model server serves no models", http_status=503)
-        return entry["id"], int(entry.get("max_model_len") or UNBOUNDED_CONTEXT)
+        return entry["id"], context_of(entry) or UNBOUNDED_CONTEXT
 
     def chat(self, messages: list[dict], settings: GenerationSettings | None = None, *,
              system_prompt: str | None = None, thinking: bool = True,
@@ -295,7 +322,8 @@ class RemoteEngine:
         for attempt in (1, 2):
             body = api.request_body(model, wire, options, thinking, leave_out=leave_out)
             try:
-                yield from api.stream_chunks(self.client, self.config, body, stop, deadline)
+                yield from api.stream_chunks(self.stream_client, self.config, body, stop,
+                                             deadline)
                 return
             except BackendRejected as error:
                 named = set(error.extensions) & (set(body) & set(EXTENSIONS))

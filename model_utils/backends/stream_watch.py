@@ -79,3 +79,56 @@ class StreamWatch:
             if self._reading:
                 with contextlib.suppress(OSError):
                     self.sock.shutdown(socket.SHUT_RDWR)
+
+
+class HeaderWatch:
+    """The same bounds before the body: from the request to the end of the response's headers
+    at most the idle timeout (and never past the deadline or a Stop). httpx's read timeout
+    restarts with each byte, so a server trickling a header a byte at a time held a place for
+    as long as it liked. Pass `trace` as the request's "trace" extension: it is told the
+    socket when the connection is made, which is why the streamed replies' connections are not
+    kept alive between requests (a reused one announces no socket)."""
+
+    POLL_S = 0.05
+
+    def __init__(self, stop: threading.Event, *, deadline: float, idle_timeout_s: float):
+        self.stop = stop
+        self.until = min(deadline, time.monotonic() + idle_timeout_s)
+        self.idle_timeout_s = idle_timeout_s
+        self.sock: socket.socket | None = None
+        self.reason = ""
+        self._done = threading.Event()  # the headers are in, or the request ended
+        self._lock = threading.Lock()
+
+    def trace(self, name: str, info: dict) -> None:
+        if name == "connection.connect_tcp.complete":
+            stream = info.get("return_value")
+            with self._lock:
+                self.sock = stream.get_extra_info("socket") if stream is not None else None
+        elif name == "http11.receive_response_headers.complete":
+            self._done.set()
+
+    def __enter__(self) -> HeaderWatch:
+        threading.Thread(target=self._watch, daemon=True, name="header-watch").start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        with self._lock:
+            self._done.set()  # from here the socket belongs to the body's StreamWatch
+
+    def _watch(self) -> None:
+        while not self._done.wait(self.POLL_S):
+            if self.stop.is_set():
+                reason = ""
+            elif time.monotonic() > self.until:
+                reason = f"the model server sent no complete answer headers for " \
+                         f"{self.idle_timeout_s:g} s"
+            else:
+                continue
+            with self._lock:
+                if self._done.is_set() or self.sock is None:
+                    return
+                self.reason = reason
+                with contextlib.suppress(OSError):
+                    self.sock.shutdown(socket.SHUT_RDWR)
+            return

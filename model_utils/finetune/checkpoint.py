@@ -75,6 +75,51 @@ def load_checkpoint(out: Path, *, model, optimizer, scheduler) -> dict:
     return state
 
 
+# What a run continued from a checkpoint must share with the run that wrote it: with another
+# rank the saved matrices do not fit (a raw tensor-size error), with other data or settings
+# the run would go on silently as a different run under the same name.
+RESUME_FIELDS = {"model_path": "the base model", "method": "the method",
+                 "lora_r": "the LoRA rank", "max_len": "max tokens",
+                 "batch_size": "the batch size", "grad_accum": "grad accumulation",
+                 "packing": "packing", "seed": "the seed"}
+
+
+def checkpoint_state(out: Path) -> dict:
+    """The checkpoint's state.json ({} if it cannot be read)."""
+    try:
+        state = json.loads((Path(out) / CHECKPOINT / "state.json").read_text())
+    except (OSError, ValueError, RecursionError):
+        return {}
+    return state if isinstance(state, dict) else {}
+
+
+def resume_differences(state: dict, now: dict) -> list[str]:
+    """What differs between the run a checkpoint was written for (its state.json) and `now`
+    (the same keys as TrainConfig, and data_sha256 where known), as phrases for a message."""
+    saved = state.get("config") if isinstance(state.get("config"), dict) else {}
+    differences = []
+    for key, what in RESUME_FIELDS.items():
+        if key in saved and key in now and not _same(key, saved[key], now[key]):
+            if key == "model_path":
+                differences.append(f"{what} ({Path(str(saved[key])).name} then, "
+                                   f"{Path(str(now[key])).name} now)")
+            else:
+                differences.append(f"{what} ({saved[key]} then, {now[key]} now)")
+    if key_differs(state, now, "data_sha256"):
+        differences.append("the data (the file's content is not the one it trained on)")
+    return differences
+
+
+def key_differs(saved: dict, now: dict, key: str) -> bool:
+    return bool(saved.get(key)) and bool(now.get(key)) and saved[key] != now[key]
+
+
+def _same(key: str, saved, now) -> bool:
+    if key == "model_path":
+        return Path(str(saved)).resolve() == Path(str(now)).resolve()
+    return saved == now
+
+
 def has_checkpoint(out: Path) -> bool:
     return (out / CHECKPOINT / "state.json").is_file()
 

@@ -174,7 +174,13 @@ def run(config: TrainConfig, examples: list[Example], tokenizer) -> RunResult:
     scheduler.split_batches = True
 
     start_step, losses = 0, []
+    data_sha256 = file_sha256(Path(config.data))
     if config.resume and ckpt.has_checkpoint(out):
+        if differences := ckpt.resume_differences(ckpt.checkpoint_state(out), {
+                **asdict(config), "data_sha256": data_sha256}):
+            raise ValueError(f"--resume: the checkpoint in {out.name} was written for another "
+                             f"run: {'; '.join(differences)}. Continue with what it had, or "
+                             "train under another name")
         state = ckpt.load_checkpoint(out, model=accelerator.unwrap_model(loss_module).model,
                                      optimizer=optimizer, scheduler=scheduler)
         if state.get("steps") != steps or state.get("world") != accelerator.num_processes:
@@ -240,7 +246,8 @@ def run(config: TrainConfig, examples: list[Example], tokenizer) -> RunResult:
                             # checkpoint is the last whole step (this step's gradients are dropped).
                             _save(accelerator, out, loss_module, optimizer, scheduler,
                                   {"step": step, "steps": steps, "losses": losses,
-                                   "world": accelerator.num_processes, "config": asdict(config)})
+                                   "world": accelerator.num_processes, "config": asdict(config),
+                                   "data_sha256": data_sha256})
                             raise Interrupted(f"stopped during step {step + 1}/{steps}; checkpoint "
                                               f"of step {step} saved in {out / ckpt.CHECKPOINT} "
                                               "(continue with --resume)")
@@ -266,7 +273,8 @@ def run(config: TrainConfig, examples: list[Example], tokenizer) -> RunResult:
                                        and done < steps):
                         _save(accelerator, out, loss_module, optimizer, scheduler,
                               {"step": done, "steps": steps, "losses": losses,
-                               "world": accelerator.num_processes, "config": asdict(config)})
+                               "world": accelerator.num_processes, "config": asdict(config),
+                               "data_sha256": data_sha256})
                     if interrupted:
                         raise Interrupted(f"stopped at step {done}/{steps}; checkpoint saved in "
                                           f"{out / ckpt.CHECKPOINT} (continue with --resume)")
@@ -280,7 +288,7 @@ def run(config: TrainConfig, examples: list[Example], tokenizer) -> RunResult:
                 "base_model": config.model_name or config.model_path,
                 "base_path": str(Path(config.model_path).resolve()),
                 "method": config.method, "data_file": str(config.data),
-                "data_sha256": file_sha256(Path(config.data)), "steps": steps,
+                "data_sha256": data_sha256, "steps": steps,
                 "final_loss": losses[-1], "first_loss": losses[0], "lr": config.lr,
                 "batch_size": config.batch_size, "grad_accum": config.grad_accum,
                 "processes": accelerator.num_processes, "max_len": config.max_len,

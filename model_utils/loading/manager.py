@@ -27,7 +27,7 @@ from model_utils.layers.weight_only import load_quantized
 from model_utils.memory import GB
 
 from . import preflight
-from .adapter import apply_adapter
+from .adapter import apply_adapter, check_adapter
 from .load_stages import Progress, StageClock
 from .load_stages import summary as stage_summary
 from .loaded_model import LoadedModel, LoadRequest, UnloadReport
@@ -251,6 +251,8 @@ class ModelManager:
             # weight-only layers, and merging first would mean a second copy of the weights.
             raise LoadError(f"{source.label}: an adapter loads in fp32, bf16, fp16 and the "
                             f"bitsandbytes modes, not in {mode.name}")
+        if source.adapter is not None:
+            check_adapter(source.adapter)  # a crafted folder: refused before the unload
         check_placement(request.placement)
         target = request.placement.target
         device_kind = "cpu" if target == "cpu" else "cuda"

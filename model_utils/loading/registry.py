@@ -161,8 +161,11 @@ class ModelRegistry:
         """An adapter folder written by model_utils.finetune: its base (named in the manifest)
         resolved the usual way, so the base too must lie under an allowed root."""
         manifest = trained_adapter(folder)
-        base_name = manifest.get("base_model") or ""
-        base = self.resolve("demo" if base_name == "demo" else manifest.get("base_path", ""))
+        base_name, base_path = manifest.get("base_model"), manifest.get("base_path")
+        if base_name != "demo" and not isinstance(base_path, str):
+            raise ModelNotFound(f"adapter {folder.name}: its finetune.json names no base model "
+                                "folder")
+        base = self.resolve("demo" if base_name == "demo" else base_path)
         return ModelSource(name, base.path, _adapter_label(folder), adapter=folder)
 
     def _hub_snapshot(self, hub_id: str) -> Path | None:

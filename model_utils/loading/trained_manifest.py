@@ -16,7 +16,7 @@ def read_manifest(folder: str | Path) -> dict | None:
     path = Path(folder) / MANIFEST
     try:
         manifest = json.loads(path.read_text())
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):  # a crafted one: nested too deeply
         return None
     return manifest if isinstance(manifest, dict) and manifest.get("format") == \
         MANIFEST_FORMAT else None

@@ -225,3 +225,32 @@ def train(client: Client, data, **changes) -> Outcome:
               "method": "lora", "epochs": 1, "steps": 1, "lr": None, "batch_size": 1,
               "grad_accum": 1, "max_len": 64, "lora_r": 4, "packing": False, **changes}
     return named(client, "/train_start", *(values[f] for f in TRAIN_FIELDS))
+
+
+def page_load_outputs(http: httpx.Client) -> dict[str, str]:
+    """What each of the page's load events gives this login (by the event's api name, as
+    JSON): every handler that runs when the page opens, called the way the browser does."""
+    config = http.get("/config").json()
+    components = {c["id"]: c for c in config["components"]}
+    outputs = {}
+    for dep in config["dependencies"]:
+        if not any(target[1] == "load" for target in dep["targets"]):
+            continue
+        data = [components[i]["props"].get("value") for i in dep["inputs"]]
+        outputs[dep.get("api_name") or str(dep["id"])] = run_by_index(http, dep["id"], data)
+    return outputs
+
+
+def run_by_index(http: httpx.Client, fn_index: int, data: list) -> str:
+    session = uuid.uuid4().hex[:12]
+    joined = http.post("/gradio_api/queue/join", json={
+        "data": data, "fn_index": fn_index, "session_hash": session, "event_data": None,
+        "trigger_id": None})
+    assert joined.status_code == 200, joined.text
+    with http.stream("GET", "/gradio_api/queue/data", params={"session_hash": session}) as s:
+        for line in s.iter_lines():
+            if line.startswith("data:"):
+                message = json.loads(line[5:])
+                if message.get("msg") == "process_completed":
+                    return json.dumps(message.get("output"))
+    return ""

@@ -14,8 +14,10 @@ innocent replies can stream beside it): "byte_trickle" (one byte every 0.2 s, ne
 newline; "token_then_byte_trickle" after a first token), "long_line" (64 MB without a
 newline), "huge_event" (one 1.5 MB event), "reasoning_flood" (reasoning without end,
 max_tokens ignored), "surrogate" (a lone "\\ud800" escape in the text), "400_key" and
-"error_event_key" (the server's message quotes this app's key and Authorization header).
-`models_mode`: "ok", "500_key" (likewise), or "huge_error" (a 64 MB error body). `sent`
+"error_event_key" (the server's message quotes this app's key and Authorization header),
+"header_trickle" (the status line, then a header one byte every 0.2 s: the headers never end).
+`model_id`: the id /v1/models lists; `model_info`: SGLang's /get_model_info answer (None:
+404). `models_mode`: "ok", "500_key" (likewise), or "huge_error" (a 64 MB error body). `sent`
 counts the bytes hostile modes wrote, `hangups` the clients that closed on them,
 `open_streams` the replies being written now.
 """
@@ -42,6 +44,8 @@ class FakeModelServer(ThreadingHTTPServer):
         self.hung_up = threading.Event()  # a "trickle" reply's client closed the connection
         self.streaming = threading.Event()  # a "trickle" reply has started
         self.models_mode = "ok"
+        self.model_id = MODEL  # the id /v1/models lists (a test may make it a path)
+        self.model_info: dict | None = None  # GET /get_model_info's answer (SGLang's); 404
         self.sent = 0
         self.hangups = 0
         self.open_streams = 0
@@ -140,7 +144,9 @@ class _Handler(BaseHTTPRequestHandler):
             self._big(500, 64 << 20, b"x" * 65536, "text/plain")
         elif self.path == "/v1/models":
             self._json(200, {"object": "list", "data": [
-                {"id": MODEL, "object": "model", "max_model_len": 4096}]})
+                {"id": self.server.model_id, "object": "model", "max_model_len": 4096}]})
+        elif self.path == "/get_model_info" and self.server.model_info is not None:
+            self._json(200, self.server.model_info)
         else:
             self._json(404, {"error": {"message": "no such path"}})
 
@@ -168,6 +174,9 @@ class _Handler(BaseHTTPRequestHandler):
             return
         if mode == "slow_start":
             time.sleep(3)
+        if mode == "header_trickle":
+            self._header_trickle()
+            return
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
         self.send_header("Transfer-Encoding", "chunked")  # as uvicorn streams
@@ -182,6 +191,26 @@ class _Handler(BaseHTTPRequestHandler):
                 self._stream(mode)
             if mode != "die":
                 self.wfile.write(b"0\r\n\r\n")
+        except (BrokenPipeError, ConnectionResetError):
+            self._hung_up()
+        finally:
+            with self.server.counts:
+                self.server.open_streams -= 1
+        self.close_connection = True
+
+    def _header_trickle(self) -> None:
+        """The status line, then one byte of a header every 0.2 s for 60 s: the headers never
+        end, and every read brings a byte."""
+        with self.server.counts:
+            self.server.open_streams += 1
+        try:
+            self.wfile.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nX-Slow: ")
+            self.wfile.flush()
+            self.server.streaming.set()
+            for _ in range(300):
+                time.sleep(0.2)
+                self.wfile.write(b"x")
+                self.wfile.flush()
         except (BrokenPipeError, ConnectionResetError):
             self._hung_up()
         finally:

@@ -21,7 +21,7 @@ import pytest
 from gradio_client import Client
 
 from model_utils.bench.per_mode import LOADED_LIMITS
-from model_utils.loading.demo_model import demo_model_path
+from model_utils.loading.demo_model import DEMO_LABEL, demo_model_path
 
 from .attacks import (
     PROMPT,
@@ -220,7 +220,7 @@ NAMED = [
                                                 [1, 2]), ("AppError", "only the admin")),
     ("unload-as-guest", lambda s: named(s.guest, "/unload_model"),
      ("AppError", "only the admin")),
-    ("page-load-as-guest", lambda s: page_handler(s.page, "load", {0: "demo", 2: "bf16"}),
+    ("page-load-as-guest", lambda s: page_handler(s.page, "load", {0: DEMO_LABEL, 2: "bf16"}),
      (200, "only the admin")),
     ("page-estimate-any-path", lambda s: page_handler(s.page, "estimate", {1: "/etc"}),
      (200, "outside the allowed model folders")),

@@ -75,6 +75,25 @@ def test_a_line_trickled_byte_by_byte_is_cut_after_the_read_timeout(server):
         remote.close()
 
 
+def test_headers_trickled_byte_by_byte_are_cut_after_the_read_timeout(server):
+    """The status line, then a header one byte every 0.2 s: httpx's read timeout restarts
+    with each byte; the header watch hangs up once the headers have taken 1 s."""
+    remote = engine_for(server.url, read_timeout_s=1.0, reply_timeout_s=30.0)
+    try:
+        innocent = Innocent(remote)
+        start = time.monotonic()
+        with pytest.raises(BackendTimeout, match="no complete answer headers for 1 s"):
+            remote.generate_text(hostile("header_trickle"))
+        assert time.monotonic() - start < 4  # the server would trickle for 60 s
+        assert server.hung_up.wait(5), "the connection stayed open"
+        assert innocent.finish() == "Hello there."
+        assert served_again(remote)
+        header_trickles = [b for b in server.bodies if "header_trickle" in str(b["messages"])]
+        assert len(header_trickles) == 1  # not sent again after the hang-up
+    finally:
+        remote.close()
+
+
 def test_the_reply_deadline_holds_mid_line(server):
     remote = engine_for(server.url, read_timeout_s=20.0, reply_timeout_s=1.5)
     try:

@@ -6,7 +6,9 @@ nowhere; clients that go away free their places; a guest cannot run the benchmar
 from __future__ import annotations
 
 import json
+import re
 import socket
+import threading
 import time
 
 import httpx
@@ -239,3 +241,27 @@ def test_the_admin_runs_the_benchmark_and_bad_sizes_are_named(app, fake, guest):
             assert not plain_problems(refused.message), refused
     finally:
         page.close()
+
+
+def test_other_users_replies_complete_during_the_admins_32_stream_benchmark(app, fake, guest):
+    """3 places: the benchmark's 32 streams take at most one at a time (two stay for other
+    users), so both innocent replies are served while it runs, and none of its own fails."""
+    serving(fake, guest)
+    fake.mode = "trickle"  # a piece every 0.05 s: each stream lasts its 8 tokens' 0.4 s
+    page = page_login(app.url, *ADMIN)
+    done: dict = {}
+    runner = threading.Thread(target=lambda: done.update(outcome=bench(page, 8, ["32"])),
+                              daemon=True)
+    try:
+        runner.start()
+        wait_until(lambda: fake.open_streams >= 1, 60, "the benchmark never reached the server")
+        assert victims(app).finish() == {"v1": "complete", "chat": "complete"}
+        assert runner.is_alive(), "the benchmark ended before the replies were sent"
+        runner.join(300)
+    finally:
+        fake.mode = "ok"
+        page.close()
+    outcome = done.get("outcome")
+    assert outcome is not None and outcome.status == 200, outcome
+    # Every stream served, none refused, one at a time (the row's last column).
+    assert re.search(r"\| 32 \| 32 \| 0 \|[^\\]*\| 1 \|", outcome.message), outcome
