@@ -6,7 +6,9 @@ an exported file unchanged:
     {"role": "user", "content": "..."}
     {"role": "assistant", "content": "answer", "reasoning": "...", "stats": "stats line"}
 The chatbot is only a view of this list: the stats line and the reasoning bubble are drawn
-from it, and never sent back to the model as if they were part of the answer.
+from it, and never sent back to the model as if they were part of the answer. A message may
+also carry its other versions ("branches", "branch": server/branches.py); the list itself is
+always the current path, the one shown and sent.
 """
 
 from __future__ import annotations
@@ -17,6 +19,11 @@ from typing import Any
 EXPORT_FORMAT = "qwen-chat-conversation"
 MAX_IMPORT_BYTES = 5 * 1024 * 1024
 MAX_TURNS = 2000
+# All the versions of a conversation together (server/branches.py), and how deep versions may
+# nest (a version holding versions of a later message, and so on): bounds the checks' work
+# and their recursion.
+MAX_TREE_MESSAGES = 10_000
+MAX_BRANCH_DEPTH = 50
 # What the browser can keep: gr.BrowserState stores the conversation encrypted and base64'd in
 # localStorage (about 4/3 of its UTF-8 size, as UTF-16: 2 bytes a character), and a browser
 # gives a site 5-10 MB in all. A conversation past this was accepted, then lost at the next
@@ -52,6 +59,17 @@ def chatbot_messages(conversation: list[dict], pending: dict | None = None) -> l
     if pending is not None:
         out.extend(_assistant_view(pending, streaming=True))
     return out
+
+
+def turn_of_view(conversation: list[dict], view_index: int) -> int | None:
+    """Which turn of the conversation the chatbot's message number `view_index` shows (an
+    assistant turn is drawn as one or two messages); None past the end."""
+    drawn = 0
+    for i, turn in enumerate(conversation):
+        drawn += 1 if turn["role"] == "user" else len(_assistant_view(turn, streaming=False))
+        if view_index < drawn:
+            return i
+    return None
 
 
 def _assistant_view(turn: dict, *, streaming: bool) -> list[dict]:
@@ -132,25 +150,65 @@ def import_json(text: str) -> tuple[list[dict], str | None]:
 
 
 def validate_history(history: Any) -> list[dict]:
-    """Check a history from a file or an API call and keep only the known fields."""
+    """Check a history from a file or an API call and keep only the known fields (the other
+    versions of a message too: server/branches.py; the model is sent the current path)."""
     if history is None:
         return []
     if not isinstance(history, list):
         raise ConversationError("history must be a list of {role, content} objects")
     if len(history) > MAX_TURNS:
         raise ConversationError(f"history has {len(history)} messages; at most {MAX_TURNS}")
+    counted = [0]
+    turns = _checked(history, "", 0, counted)
+    if counted[0] > MAX_TREE_MESSAGES:
+        raise ConversationError(f"the conversation has {counted[0]} messages in all its "
+                                f"versions; at most {MAX_TREE_MESSAGES}")
+    return turns
+
+
+def _checked(items: list, where: str, depth: int, counted: list[int]) -> list[dict]:
     turns = []
-    for i, item in enumerate(history):
+    for i, item in enumerate(items):
+        at = f"{where}message {i}"
         if not isinstance(item, dict) or item.get("role") not in ("system", "user", "assistant"):
-            raise ConversationError(f"message {i} needs a role of system, user or assistant")
+            raise ConversationError(f"{at} needs a role of system, user or assistant")
         content = item.get("content", "")
         if not isinstance(content, str):
-            raise ConversationError(f"message {i}: content must be a string")
-        if item["role"] == "system" and i != 0:
-            raise ConversationError(f"message {i}: a system message may only come first")
+            raise ConversationError(f"{at}: content must be a string")
+        if item["role"] == "system" and (i != 0 or where):
+            raise ConversationError(f"{at}: a system message may only come first")
         turn = {"role": item["role"], "content": content}
         for key in ("reasoning", "stats"):
             if item["role"] == "assistant" and isinstance(item.get(key), str) and item[key]:
                 turn[key] = item[key]
+        counted[0] += 1
+        if counted[0] > MAX_TREE_MESSAGES:
+            raise ConversationError(f"the conversation has more than {MAX_TREE_MESSAGES} "
+                                    "messages in all its versions")
+        if item.get("branches"):
+            turn.update(_checked_versions(item, at, depth, counted))
         turns.append(turn)
     return turns
+
+
+def _checked_versions(item: dict, at: str, depth: int, counted: list[int]) -> dict:
+    """The other versions of a message: {"branches": [[message, ...], ...], "branch": n}."""
+    others, chosen = item["branches"], item.get("branch")
+    if depth >= MAX_BRANCH_DEPTH:
+        raise ConversationError(f"{at}: versions nested more than {MAX_BRANCH_DEPTH} deep")
+    if not isinstance(others, list) or not all(isinstance(t, list) and t for t in others):
+        raise ConversationError(f"{at}: branches must be a list of non-empty message lists")
+    if isinstance(chosen, bool) or not isinstance(chosen, int) or \
+            not 0 <= chosen <= len(others):
+        raise ConversationError(f"{at}: branch must be a number from 0 to {len(others)}")
+    tails = []
+    for j, tail in enumerate(others):
+        where = f"{at}, version {j + (j >= chosen) + 1}, "
+        if not isinstance(tail[0], dict) or tail[0].get("role") != item["role"]:
+            raise ConversationError(f"{where}message 0: a version of a {item['role']} "
+                                    f"message must be a {item['role']} message")
+        if "branches" in tail[0]:
+            raise ConversationError(f"{where}message 0: its versions belong to the message "
+                                    "shown")
+        tails.append(_checked(tail, where, depth + 1, counted))
+    return {"branches": tails, "branch": chosen}
