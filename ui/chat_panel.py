@@ -1,6 +1,8 @@
 """The chat panel: a streaming chatbot with Stop, Regenerate, Undo, Clear, settings, the
 thinking switch, export/import, and a conversation and settings kept in the browser across
-reloads (a reply cut short by a reload is kept as far as it got).
+reloads (a reply cut short by a reload is kept as far as it got). A user message can be edited
+in place; the edit and Regenerate start a new version and keep the old one to page back to
+(server/branches.py, ui/branch_controls.py).
 
 While a reply streams, Send and Regenerate are disabled and Stop is the red, enabled button;
 afterwards (done, stopped, failed or cancelled) they change back."""
@@ -16,6 +18,7 @@ from typing import TYPE_CHECKING
 import gradio as gr
 
 from model_utils.errors import InvalidParameter
+from server.branches import fork, reply_point
 from server.common import DEMO_NOTICE, reply_concurrency, user_error
 from server.conversation import (
     MAX_IMPORT_BYTES,
@@ -24,12 +27,13 @@ from server.conversation import (
     engine_messages,
     export_json,
     import_json,
+    turn_of_view,
     validate_history,
-    without_last_reply,
     without_last_turn,
 )
 from server.replies import StopSignals, make_settings, stats_line, stream
 
+from .branch_controls import build_branch_controls, wire_branch_controls
 from .chat_settings import context_bounded, keep_settings, setting_controls
 
 if TYPE_CHECKING:
@@ -68,7 +72,9 @@ def build_chat_panel(engine: Engine, *, demo: gr.Blocks, status: gr.State) -> di
                                            visible=bool(engine.status().get("is_demo")))
             c["chatbot"] = gr.Chatbot(label="Conversation", height=480, elem_id="chatbot",
                                       buttons=["copy", "copy_all"], feedback_options=None,
+                                      editable="user",
                                       placeholder="Say something to the model.")
+            c.update(build_branch_controls())
             c["notice"] = gr.Markdown("", elem_id="chat-notice")
             with gr.Row():
                 # Opened by the page load, once the saved conversation and settings are back.
@@ -119,28 +125,25 @@ def _wire(c: dict, engine: Engine, signals: StopSignals, export_dir: Path, demo:
     controls = [c["send"], c["stop"], c["regenerate"]]
     stream_outputs = [c["chatbot"], c["conversation"], c["message"], c["notice"], *controls]
 
-    def reply(before: list[dict], message: str, system_prompt: str, thinking: bool,
-              values: dict, request: gr.Request | None, restore_box):
-        """Stream one reply after `before` + the user's `message`. Yields (chatbot,
-        conversation, message box, notice, Send, Stop, Regenerate). The conversation in the
-        browser is written as the reply grows, so a reload keeps the turn as far as it got."""
+    def reply(turns: list[dict], finish, restore: list[dict], system_prompt: str,
+              thinking: bool, values: dict, request: gr.Request | None, restore_box):
+        """Stream one reply to `turns` (checked; they end with the user's message).
+        finish(reply turn) is the conversation with the reply in it; `restore` is the one
+        put back when the reply cannot be made. Yields (chatbot, conversation, message box,
+        notice, Send, Stop, Regenerate). The conversation in the browser is written as the
+        reply grows, so a reload keeps the turn as far as it got."""
         try:  # bad values: gr.Error before anything changes
             settings = make_settings(values)
         except InvalidParameter as error:
             raise user_error(str(error)) from error
-        try:  # the browser holds the conversation: the same checks as an API history
-            before = validate_history(before)
-        except ConversationError as error:
-            raise user_error(str(error)) from error
-        turns = [*before, {"role": "user", "content": message}]
         mode = engine.status().get("mode", "?")
         session = getattr(request, "session_hash", None)
         stop = signals.start(session)
         log.info("chat: session %s, %d earlier messages, new message of %d chars, settings %s",
-                 (session or "-")[:8], len(before), len(message), values)
+                 (session or "-")[:8], len(turns) - 1, len(turns[-1]["content"]), values)
 
         def saved(pending: dict) -> list[dict]:
-            return [*turns, {"role": "assistant", **pending, "stats": INTERRUPTED}]
+            return finish({"role": "assistant", **pending, "stats": INTERRUPTED})
 
         try:
             yield (chatbot_messages(turns, {"content": ""}), saved({"content": ""}), "", "",
@@ -160,16 +163,16 @@ def _wire(c: dict, engine: Engine, signals: StopSignals, export_dir: Path, demo:
                            *controls_now)
             except gr.Error:
                 # Nothing is lost: the conversation as it was, the message back in the box.
-                yield chatbot_messages(before), before, restore_box, "", *(gr.skip(),) * 3
+                yield chatbot_messages(restore), restore, restore_box, "", *(gr.skip(),) * 3
                 raise
             if update is None:  # stopped before the first token
-                turns.append({"role": "assistant", "content": "", "stats": "stopped"})
+                done = finish({"role": "assistant", "content": "", "stats": "stopped"})
             else:
-                turns.append({"role": "assistant", "content": update.answer,
-                              "reasoning": update.reasoning,
-                              "stats": stats_line(update.stats, mode, no_answer=bool(
-                                  update.reasoning and not update.answer.strip())) or "stopped"})
-            yield (chatbot_messages(turns), turns, gr.skip(), update.notice if update else "",
+                done = finish({"role": "assistant", "content": update.answer,
+                               "reasoning": update.reasoning,
+                               "stats": stats_line(update.stats, mode, no_answer=bool(
+                                   update.reasoning and not update.answer.strip())) or "stopped"})
+            yield (chatbot_messages(done), done, gr.skip(), update.notice if update else "",
                    *buttons(generating=False))
         finally:
             signals.finish(session, stop)
@@ -182,23 +185,45 @@ def _wire(c: dict, engine: Engine, signals: StopSignals, export_dir: Path, demo:
             yield (gr.skip(),) * len(stream_outputs)
             return
         values = dict(zip(setting_names, setting_values, strict=True))
-        yield from reply(conversation or [], message, system_prompt, thinking, values,
-                         request, restore_box=message)
+        before = checked(conversation)
+        turns = [*before, {"role": "user", "content": message}]
+        yield from reply(turns, lambda answer: [*turns, answer], before, system_prompt,
+                         thinking, values, request, restore_box=message)
 
     def regenerate(conversation: list[dict], system_prompt: str, thinking: bool,
                    request: gr.Request, *setting_values):
-        before, message = without_last_reply(conversation or [])
-        if message is None:
+        conversation = checked(conversation)
+        at = reply_point(conversation)
+        if at is None:
             raise user_error("nothing to regenerate: send a message first")
         values = dict(zip(setting_names, setting_values, strict=True))
-        try:
-            yield from reply(before, message, system_prompt, thinking, values, request,
-                             restore_box=gr.skip())
-        except gr.Error:
-            # The old reply stays when the new one cannot be made.
-            yield (chatbot_messages(conversation), conversation, gr.skip(), "",
-                   *(gr.skip(),) * 3)
-            raise
+        # The old reply stays as the earlier version, and as it was when the new one cannot
+        # be made.
+        yield from reply(conversation[:at], lambda answer: fork(conversation, at, [answer]),
+                         conversation, system_prompt, thinking, values, request,
+                         restore_box=gr.skip())
+
+    def edit(conversation: list[dict], system_prompt: str, thinking: bool,
+             request: gr.Request, edited: gr.EditData, *setting_values):
+        """An earlier user message edited in the chatbot: a reply from there, the turns it
+        replaces kept as the earlier version of that message."""
+        conversation = checked(conversation)
+        at = turn_of_view(conversation, edited.index if isinstance(edited.index, int) else -1)
+        text = edited.value if isinstance(edited.value, str) else ""
+        if at is None or conversation[at]["role"] != "user" or not text.strip():
+            # Not a message of the conversation (or emptied): the chatbot as it was.
+            yield chatbot_messages(conversation), *(gr.skip(),) * (len(stream_outputs) - 1)
+            return
+        turns = fork(conversation, at, [{"role": "user", "content": text}])
+        values = dict(zip(setting_names, setting_values, strict=True))
+        yield from reply(turns, lambda answer: [*turns, answer], conversation, system_prompt,
+                         thinking, values, request, restore_box=gr.skip())
+
+    def checked(conversation: list[dict] | None) -> list[dict]:
+        try:  # the browser holds the conversation: the same checks as an API history
+            return validate_history(conversation or [])
+        except ConversationError as error:
+            raise user_error(str(error)) from error
 
     def after_failure(request: gr.Request):
         """After a failed reply: the buttons back, and the chatbot and message box out of
@@ -221,7 +246,13 @@ def _wire(c: dict, engine: Engine, signals: StopSignals, export_dir: Path, demo:
         regenerate, [c["conversation"], *settings_inputs], stream_outputs,
         concurrency_id="reply", concurrency_limit=reply_concurrency(engine),
         api_visibility="private", show_progress="minimal", trigger_mode="once")
-    for event in (sent, regenerated):
+    # Editing cancels a reply in progress, as Undo does: what it wrote so far is kept in the
+    # version the edit replaces.
+    edited = c["chatbot"].edit(
+        edit, [c["conversation"], *settings_inputs], stream_outputs, cancels=[sent, regenerated],
+        concurrency_id="reply", concurrency_limit=reply_concurrency(engine),
+        api_visibility="private", show_progress="minimal")
+    for event in (sent, regenerated, edited):
         reply_events.append(event)
         event.failure(after_failure, None, [c["chatbot"], c["message"], *controls],
                       concurrency_limit=None, api_visibility="private", show_progress="hidden")
@@ -231,6 +262,8 @@ def _wire(c: dict, engine: Engine, signals: StopSignals, export_dir: Path, demo:
         # is kept with its stats (a cancel would drop it).
         signals.stop(getattr(request, "session_hash", None))
 
+    wire_branch_controls(c, cancels=reply_events, controls=controls,
+                         idle=lambda: buttons(generating=False))
     c["stop"].click(stop_reply, None, None, concurrency_limit=None, api_visibility="private",
                     show_progress="hidden")
 
