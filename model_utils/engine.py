@@ -20,6 +20,7 @@ from model_utils.runtime.generation_settings import GenerationSettings
 from model_utils.runtime.reply_stats import ReplyStats
 
 from . import process_tuning
+from .chat.budget import PromptBudget, measure_prompt
 from .chat.prompt import render_prompt, supports_thinking
 from .chat.reasoning import prompt_opens_thinking
 from .chat.reply_stream import prepare_reply, reply_updates
@@ -209,6 +210,20 @@ class Engine:
         with self.manager.use() as loaded:
             return render_prompt(loaded.tokenizer, messages, system_prompt=system_prompt,
                                  thinking=thinking)
+
+    def count_prompt(self, messages: list[dict], settings: GenerationSettings | None = None,
+                     *, system_prompt: str | None = None, thinking: bool = True) -> PromptBudget:
+        """How much of the context these messages would take as a reply's prompt (trimmed as
+        chat() would trim them). A read of the loaded tokenizer: no use of the model is held,
+        so a count does not wait for replies or a switch."""
+        loaded = self.manager.loaded
+        if loaded is None:
+            raise LoadError("no model is loaded: load one in the model panel first")
+        settings = (settings or GenerationSettings()).resolved(
+            loaded.model.generation_config, context_tokens=loaded.context_tokens)
+        return measure_prompt(loaded.tokenizer, messages, settings,
+                              context_tokens=loaded.context_tokens,
+                              system_prompt=system_prompt, thinking=thinking)
 
     def chat(self, messages: list[dict], settings: GenerationSettings | None = None, *,
              system_prompt: str | None = None, thinking: bool = True,

@@ -1,5 +1,5 @@
-"""Named endpoints for scripts (gradio_client): /chat, /load_model, /unload_model, /status,
-/memory. Typed functions registered with gr.api, so the client sees plain JSON parameters
+"""Named endpoints for scripts (gradio_client): /chat, /count_tokens, /load_model,
+/unload_model, /status, /memory. Typed functions registered with gr.api, so the client sees plain JSON parameters
 rather than the page's widgets. Parameters are checked by pydantic (request_models), errors
 are mapped once (errors.py) and raised as gr.Error with a plain message: the client gets an
 error status with that text, never an exception's, and a guest never sees a server path.
@@ -21,12 +21,13 @@ from typing import TYPE_CHECKING
 
 import gradio as gr
 
+from . import context_budget
 from . import model_actions as actions
 from .common import reply_concurrency
 from .conversation import validate_history
 from .errors import api_error, models_dir_of, shows_full_paths, status_for
 from .replies import make_settings, paced, stats_line
-from .request_models import ChatParams, LoadParams
+from .request_models import ChatParams, CountParams, LoadParams
 
 if TYPE_CHECKING:
     from model_utils.engine import Engine
@@ -92,6 +93,22 @@ def register_api(engine: Engine, *, admin: str | None = None) -> None:
                 updates.close()
 
     @plain_errors
+    def count_tokens(message: str = "", history: list[dict] | None = None,
+                     settings: dict | None = None, system_prompt: str = "",
+                     thinking: bool = True, request: gr.Request = None) -> dict:
+        """How much of the context `history` + `message` would take as the reply's prompt,
+        counted by the loaded model's tokenizer through its chat template (the oldest turns
+        left out as a reply would leave them out). Returns {prompt_tokens, context_tokens,
+        reply_tokens (kept for the reply), dropped_messages, near_limit, estimated (no
+        tokenizer here: characters / 4), error (why it could not be sent), line}."""
+        params = CountParams(message=message, history=history, settings=settings,
+                             system_prompt=system_prompt, thinking=thinking)
+        budget = context_budget.count(engine, params.history, params.message, params.settings,
+                                      system_prompt=params.system_prompt or "",
+                                      thinking=params.thinking)
+        return {**budget.as_dict(), "line": context_budget.budget_line(budget)}
+
+    @plain_errors
     def load_model(model: str = "demo", mode: str = "bf16", placement: str | None = None,
                    max_memory_gb: dict | None = None, offload_folder: str | None = None,
                    compute_dtype: str = "bf16", context_tokens: int | None = None,
@@ -135,6 +152,8 @@ def register_api(engine: Engine, *, admin: str | None = None) -> None:
 
     gr.api(chat, api_name="chat", concurrency_id="reply",
            concurrency_limit=reply_concurrency(engine))
+    # Counting renders and tokenizes the conversation: a few at once, beside the replies.
+    gr.api(count_tokens, api_name="count_tokens", concurrency_id="count", concurrency_limit=4)
     gr.api(load_model, api_name="load_model", concurrency_id="model", concurrency_limit=1)
     gr.api(unload_model, api_name="unload_model", concurrency_id="model", concurrency_limit=1)
     gr.api(status, api_name="status", concurrency_limit=None)

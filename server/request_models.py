@@ -296,6 +296,15 @@ class ChatParams(_Strict):
         return value
 
 
+class CountParams(_Strict):
+    """/count_tokens: as /chat, and the message may be empty (what the history takes)."""
+    message: Text = ""
+    history: Any = None
+    settings: dict[str, Any] | None = None
+    system_prompt: Text | None = ""
+    thinking: bool = True
+
+
 class LoadParams(_Strict):
     model: Text | None = "demo"
     mode: Text = "bf16"

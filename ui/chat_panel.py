@@ -35,6 +35,7 @@ from server.replies import StopSignals, make_settings, stats_line, stream
 
 from .branch_controls import build_branch_controls, wire_branch_controls
 from .chat_settings import context_bounded, keep_settings, setting_controls
+from .context_budget import build_budget_line, wire_context_budget
 
 if TYPE_CHECKING:
     from model_utils.engine import Engine
@@ -81,6 +82,7 @@ def build_chat_panel(engine: Engine, *, demo: gr.Blocks, status: gr.State) -> di
                 c["message"] = gr.Textbox(show_label=False, scale=8, elem_id="message",
                                           placeholder="Loading…", interactive=False)
                 c["send"] = gr.Button("Send", variant="primary", scale=1, elem_id="send")
+            c.update(build_budget_line())
             with gr.Row():
                 c["stop"] = gr.Button("Stop", elem_id="stop", size="sm", interactive=False)
                 c["regenerate"] = gr.Button("Regenerate", elem_id="regenerate", size="sm")
@@ -305,6 +307,8 @@ def _wire(c: dict, engine: Engine, signals: StopSignals, export_dir: Path, demo:
                        api_visibility="private")
     keep_settings(c, engine, demo, settings_inputs, setting_names,
                   default_context=DEFAULT_CONTEXT)
+    wire_context_budget(c, engine, demo=demo, status=status, settings_inputs=settings_inputs,
+                        setting_names=setting_names)
     bounded = [c[name] for name in context_bounded(setting_names)]
 
     def on_model_change(current: dict, *values):

@@ -15,6 +15,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import replace
 
+from model_utils.chat.budget import PromptBudget, estimate_prompt
 from model_utils.chat.prompt import normalize_messages
 from model_utils.chat.reasoning import EMPTY_TEXT, ReplyText, SeparatedReasoning
 from model_utils.chat.updates import ChatUpdate, TokenLogprob
@@ -156,6 +157,16 @@ class RemoteEngine:
             log.info("model server %s: %s's sampling defaults %s", self.url,
                      shown_name(entry["id"]), found or "not reported")
         return GenerationSettings(**self._defaults[entry["id"]])
+
+    def count_prompt(self, messages: list[dict], settings: GenerationSettings | None = None,
+                     *, system_prompt: str | None = None, thinking: bool = True) -> PromptBudget:
+        """An estimate from the characters: the model's tokenizer is the server's. The
+        context is what the server says (max_model_len), or not known."""
+        entry = self._model_entry(self.monitor.health.models)
+        context = (entry or {}).get("max_model_len")
+        return estimate_prompt(messages, settings or GenerationSettings(),
+                               context_tokens=int(context) if context else None,
+                               system_prompt=system_prompt)
 
     # -- what cannot be done here ---------------------------------------------------------------
     def load(self, request, progress=None) -> dict:

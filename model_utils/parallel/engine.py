@@ -18,6 +18,7 @@ from dataclasses import fields, replace
 from model_utils.runtime.generation_settings import GenerationSettings
 from model_utils.runtime.reply_stats import ReplyStats
 
+from ..chat.budget import PromptBudget, measure_prompt
 from ..chat.prompt import render_prompt, supports_thinking
 from ..chat.reply_stream import prepare_reply, reply_updates
 from ..chat.updates import ChatUpdate
@@ -148,6 +149,15 @@ class TensorParallelEngine:
     def render_prompt(self, messages, *, system_prompt=None, thinking=True) -> str:
         return render_prompt(self._require()["tokenizer"], messages,
                              system_prompt=system_prompt, thinking=thinking)
+
+    def count_prompt(self, messages, settings=None, *, system_prompt=None,
+                     thinking=True) -> PromptBudget:
+        info = self._require()
+        settings = (settings or GenerationSettings()).resolved(
+            info["generation_config"], context_tokens=info["context_tokens"])
+        return measure_prompt(info["tokenizer"], messages, settings,
+                              context_tokens=info["context_tokens"],
+                              system_prompt=system_prompt, thinking=thinking)
 
     def _eos_ids(self, info: dict) -> set[int]:
         ids = info["generation_config"].eos_token_id

@@ -144,7 +144,8 @@ def test_send_is_disabled_and_stop_enabled_only_while_a_reply_streams(browser, a
 def test_error_badges_go_with_the_error(browser, app, artifacts):
     page = open_page(browser, app.url)
     send(page, "hello " * 5000)
-    toast = page.get_by_text("context window", exact=False).first
+    # In the toast: the context budget line under the box says it too, and stays.
+    toast = page.locator(".toast-body").get_by_text("context window", exact=False).first
     toast.wait_for()
     badges = page.locator("#chatbot span.error, #message span.error")
     wait_until(lambda: badges.count() == 0, "the red Error badges to go")

@@ -1,0 +1,140 @@
+"""The context budget line under the message box, in a real browser against the real app with
+a small context (1024 tokens): counted after typing stops, the same count as the prompt then
+sent, the warning before the oldest turns would be left out, the notice after; and with
+--backend (no tokenizer here) an estimate that says it is one, from the page and /count_tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+from gradio_client import Client
+
+from .browser import open_browser, set_number, wait_until_ready
+from .fake_model_server import FakeModelServer
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+
+CONTEXT = 1024
+REPLY = 24  # max_new_tokens: the room kept for the reply, and short replies
+SETTLED = """(replies) => {
+    const chat = document.querySelector('#chatbot');
+    return !document.querySelector('#send').disabled && !chat.innerText.includes('▌')
+        && chat.querySelectorAll('[data-testid=bot] sub').length === replies;
+}"""
+
+
+@pytest.fixture(scope="module")
+def app(start_app):
+    return start_app("--model", "demo", "--mode", "bf16", "--placement", "cpu",
+                     "--context-tokens", str(CONTEXT))
+
+
+@pytest.fixture(scope="module")
+def browser():
+    with open_browser() as browser:
+        yield browser
+
+
+@pytest.fixture(scope="module")
+def page(app, browser):
+    page = browser.new_page(viewport={"width": 1400, "height": 1000})
+    page.set_default_timeout(30000)
+    page.goto(app.url)
+    wait_until_ready(page)
+    set_number(page, "temperature", 0)
+    set_number(page, "max_new_tokens", REPLY)
+    page.locator(LINE, has_text=f"{REPLY} kept for the reply").wait_for()
+    return page
+
+
+LINE = "#context-budget [data-testid=markdown]"  # the text, not the (hidden) status tracker
+
+
+def line(page) -> str:
+    return page.locator(LINE).inner_text()
+
+
+def tokens(text: str) -> int:
+    return int(re.match(r"≈? ?([\d ]+) /", text).group(1).replace(" ", ""))
+
+
+def trigger_id(page) -> int:
+    """The component id of the hidden button whose click counts."""
+    return page.evaluate("() => window.gradio_config.components.find("
+                         "c => c.props.elem_id === 'context-budget-count').id")
+
+
+def test_counted_once_typing_stops_and_the_count_is_what_is_sent(page):
+    button = trigger_id(page)
+    counts = []
+    page.on("request", lambda r: counts.append(r) if r.method == "POST" and "queue/join" in
+            r.url and json.loads(r.post_data or "{}").get("trigger_id") == button else None)
+    before = line(page)
+    assert f"/ {CONTEXT:,} tokens".replace(",", " ") in before
+    page.locator("#message textarea").press_sequentially("How do I share it?", delay=40)
+    page.wait_for_function("([css, before]) => document.querySelector(css).innerText"
+                           " !== before", arg=[LINE, before])
+    typed = tokens(line(page))
+    assert typed > tokens(before)
+    # 18 keys, one count: the count waits for the typing to stop (a stall of the loaded
+    # machine between two keys may let one more through).
+    assert 1 <= len(counts) <= 2, [r.post_data for r in counts]
+    assert "⚠" not in line(page)
+
+    page.locator("#message textarea").press("Enter")
+    page.wait_for_function(SETTLED, arg=1, timeout=90000)
+    stats = page.locator('#chatbot [data-testid="bot"] sub').last.inner_text()
+    assert f"{typed} in /" in stats  # the count is the prompt the reply was given
+
+
+def test_the_warning_comes_before_the_oldest_turns_are_left_out(page):
+    for i, text in enumerate(["What are the modes?", "What is int8?"], start=2):
+        page.locator("#message textarea").fill(text)
+        page.locator("#message textarea").press("Enter")
+        page.wait_for_function(SETTLED, arg=i, timeout=90000)
+    short = line(page)
+    assert "⚠" not in short
+    # About 950 tokens: fits alone, not after the three turns and the room for the reply.
+    long_message = "word " * 475
+    page.locator("#message textarea").fill(long_message)
+    page.locator("#message textarea").press("End")
+    page.locator("#message textarea").press_sequentially("end")
+    page.locator(LINE, has_text="Sending this leaves the oldest").wait_for()
+    assert tokens(line(page)) <= CONTEXT
+    # Sent all the same: the notice after the reply says what was left out, and stays.
+    page.locator("#message textarea").press("Enter")
+    page.wait_for_function(SETTLED, arg=4, timeout=90000)
+    notice = page.locator("#chat-notice")
+    notice.get_by_text("were left out of the prompt").wait_for()
+    page.locator("#message textarea").press_sequentially("ok", delay=40)
+    page.locator(LINE, has_text="Sending this leaves the oldest").wait_for()
+    assert "were left out of the prompt" in notice.inner_text()
+
+
+@pytest.fixture(scope="module")
+def remote_app(start_app):
+    fake = FakeModelServer().start()  # says max_model_len 4096; no tokenizer comes with it
+    yield start_app("--backend", fake.url)
+    fake.stop()
+
+
+def test_with_a_backend_the_count_is_an_estimate_that_says_so(remote_app, browser):
+    client = Client(remote_app.url, verbose=False)
+    counted = client.predict("How are you?", [{"role": "user", "content": "Hi"},
+                                               {"role": "assistant", "content": "Hello."}],
+                             {"max_new_tokens": 64}, "", True, api_name="/count_tokens")
+    assert counted["estimated"] is True and counted["context_tokens"] == 4096
+    assert counted["prompt_tokens"] > 0 and counted["dropped_messages"] == 0
+    assert counted["line"].startswith("≈ ") and "an estimate" in counted["line"]
+
+    page = browser.new_page()
+    page.set_default_timeout(30000)
+    page.goto(remote_app.url)
+    wait_until_ready(page)
+    page.locator("#message textarea").press_sequentially("Hello there", delay=40)
+    page.locator(LINE, has_text="an estimate").wait_for()
+    assert line(page).startswith("≈ ") and "/ 4 096 tokens" in line(page)
+    page.close()
