@@ -12,6 +12,9 @@ import re
 import pytest
 from gradio_client import Client
 
+from model_utils.chat.budget import PromptBudget
+from server.context_budget import budget_line
+
 from .browser import open_browser, set_number, wait_until_ready
 from .fake_model_server import FakeModelServer
 
@@ -24,6 +27,17 @@ SETTLED = """(replies) => {
     return !document.querySelector('#send').disabled && !chat.innerText.includes('▌')
         && chat.querySelectorAll('[data-testid=bot] sub').length === replies;
 }"""
+
+
+def test_the_line_in_words():
+    assert budget_line(PromptBudget(1234, 8192, 512)) == \
+        "1 234 / 8 192 tokens · 512 kept for the reply"
+    assert "Close to the context window" in budget_line(PromptBudget(7000, 8192, 512))
+    assert "leaves the oldest 2 message(s) out" in budget_line(
+        PromptBudget(7600, 8192, 512, dropped_messages=2))
+    estimate = budget_line(PromptBudget(40, None, None, estimated=True))
+    assert estimate.startswith("≈ 40 tokens") and "an estimate" in estimate
+    assert budget_line(PromptBudget(0, 256, 16, error="too long")) == "⚠ too long"
 
 
 @pytest.fixture(scope="module")
