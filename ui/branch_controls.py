@@ -57,19 +57,25 @@ def pager(conversation: list[dict], selected: int | None, seen: dict | None) -> 
             gr.update(interactive=point.current < point.count), seen_state(points, total))
 
 
-def wire_branch_controls(c: dict, *, cancels: list, controls: list, idle) -> None:
-    """Redraw the pager whenever the conversation changes; page on ‹ / ›. Paging while a
+def wire_branch_controls(c: dict, *, demo: gr.Blocks, cancels: list, controls: list,
+                         idle) -> None:
+    """Redraw the pager on page load and whenever the conversation changes; page on ‹ / ›. Paging while a
     reply streams stops that reply (as Undo does: `cancels`, and `controls` set to `idle()`):
     what it had written stays in the version left."""
     pager_outputs = [c["branch_row"], c["branch_point"], c["branch_position"],
                      c["branch_prev"], c["branch_next"], c["branch_seen"]]
 
     def redraw(conversation: list[dict], selected: int | None, seen: dict | None):
-        return pager(conversation or [], selected, seen)
+        try:  # the browser's copy: a broken one is put aside by the page load
+            conversation = validate_history(conversation or [])
+        except ConversationError:
+            conversation = []
+        return pager(conversation, selected, seen)
 
-    c["conversation"].change(redraw, [c["conversation"], c["branch_point"], c["branch_seen"]],
-                             pager_outputs, api_visibility="private", show_progress="hidden",
-                             trigger_mode="always_last", concurrency_limit=None)
+    gr.on([demo.load, c["conversation"].change], redraw,
+          [c["conversation"], c["branch_point"], c["branch_seen"]], pager_outputs,
+          api_visibility="private", show_progress="hidden", trigger_mode="always_last",
+          concurrency_limit=None)
     c["branch_point"].input(redraw, [c["conversation"], c["branch_point"], c["branch_seen"]],
                             pager_outputs, api_visibility="private", show_progress="hidden",
                             concurrency_limit=None)

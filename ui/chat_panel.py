@@ -264,7 +264,7 @@ def _wire(c: dict, engine: Engine, signals: StopSignals, export_dir: Path, demo:
         # is kept with its stats (a cancel would drop it).
         signals.stop(getattr(request, "session_hash", None))
 
-    wire_branch_controls(c, cancels=reply_events, controls=controls,
+    wire_branch_controls(c, demo=demo, cancels=reply_events, controls=controls,
                          idle=lambda: buttons(generating=False))
     c["stop"].click(stop_reply, None, None, concurrency_limit=None, api_visibility="private",
                     show_progress="hidden")

@@ -110,6 +110,13 @@ def test_regenerate_adds_a_version_of_the_reply(page):
     page.locator("#branch-prev").click()
     wait_position(page, "1 / 2")
     assert page.locator('#chatbot [data-testid="bot"]').last.inner_text() == first_reply
+    # The versions are kept in the browser with the conversation: a reload has them all.
+    shown = chat_text(page)
+    page.reload()
+    wait_until_ready(page)
+    settle(page, 2)
+    page.locator("#branches").wait_for()
+    assert chat_text(page) == shown
     set_number(page, "max_new_tokens", 24)
 
 
