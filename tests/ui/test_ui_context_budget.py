@@ -11,6 +11,7 @@ import re
 
 import pytest
 from gradio_client import Client
+from gradio_client.exceptions import AppError
 
 from model_utils.chat.budget import PromptBudget
 from server.context_budget import budget_line
@@ -81,7 +82,7 @@ def trigger_id(page) -> int:
                          "c => c.props.elem_id === 'context-budget-count').id")
 
 
-def test_counted_once_typing_stops_and_the_count_is_what_is_sent(page):
+def test_counted_once_typing_stops_and_the_count_is_what_is_sent(page, app):
     button = trigger_id(page)
     counts = []
     page.on("request", lambda r: counts.append(r) if r.method == "POST" and "queue/join" in
@@ -97,6 +98,13 @@ def test_counted_once_typing_stops_and_the_count_is_what_is_sent(page):
     # machine between two keys may let one more through).
     assert 1 <= len(counts) <= 2, [r.post_data for r in counts]
     assert "⚠" not in line(page)
+    # The endpoint counts the same; bad input is a plain message.
+    client = Client(app.url, verbose=False)
+    counted = client.predict("How do I share it?", [], {"max_new_tokens": REPLY}, "", True,
+                             api_name="/count_tokens")
+    assert counted["prompt_tokens"] == typed and counted["estimated"] is False
+    with pytest.raises(AppError, match="history must be a list"):
+        client.predict("x", "not a list", None, "", True, api_name="/count_tokens")
 
     page.locator("#message textarea").press("Enter")
     page.wait_for_function(SETTLED, arg=1, timeout=90000)
