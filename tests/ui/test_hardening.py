@@ -188,6 +188,15 @@ V1 = [
     ("v1-seed-2**70", lambda s: v1(s.v1, {**OK, "seed": 2**70}), (400, "seed")),
 ]
 
+def nested_versions(levels: int) -> list[dict]:
+    """A history whose versions hold versions, `levels` deep."""
+    history = [{"role": "user", "content": "x"}]
+    for _ in range(levels):
+        history = [{"role": "user", "content": "y", "branch": 1,
+                    "branches": [[{"role": "user", "content": "old"}, *history]]}]
+    return history
+
+
 NAMED = [
     ("chat-lone-surrogate", lambda s: raw_post(s.page, "/gradio_api/call/chat",
                                                 b'{"data": ["\\ud800"]}'), (400, "not JSON")),
@@ -214,6 +223,19 @@ NAMED = [
      ("AppError", "at most 2000")),
     ("chat-seed-2**70", lambda s: named(s.guest, "/chat", "hi", [], {"seed": 2**70}),
      ("AppError", "seed")),
+    # A history's versions of a message (the chat page's branches): checked, bounded.
+    ("chat-branches-of-another-role", lambda s: named(s.guest, "/chat", "hi", [
+        {"role": "user", "content": "a", "branch": 1,
+         "branches": [[{"role": "assistant", "content": "b"}]]},
+        {"role": "assistant", "content": "c"}]),
+     ("AppError", "a version of a user message must be a user message")),
+    ("count-branches-nested-60-deep", lambda s: named(s.guest, "/count_tokens", "hi",
+                                                       nested_versions(60)),
+     ("AppError", "versions nested more than 50 deep")),
+    ("count-history-a-string", lambda s: named(s.guest, "/count_tokens", "hi", "x"),
+     ("AppError", "history must be a list")),
+    ("count-settings-a-list", lambda s: named(s.guest, "/count_tokens", "hi", [], [1]),
+     ("AppError", "settings")),
     ("load-as-guest", lambda s: named(s.guest, "/load_model", "demo", "bf16", "cpu"),
      ("AppError", "only the admin")),
     ("load-as-guest-bad-types", lambda s: named(s.guest, "/load_model", 123, "bf16", "cpu",
