@@ -5,12 +5,16 @@ the page and the /count_tokens endpoint."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from model_utils.chat.budget import PromptBudget, estimate_prompt
-from model_utils.engine import Engine
 
 from .branches import current_path
 from .conversation import engine_messages, validate_history
 from .replies import make_settings
+
+if TYPE_CHECKING:
+    from model_utils.engine import Engine
 
 
 def count(engine: Engine, history: list[dict] | None, message: str, settings: dict | None,

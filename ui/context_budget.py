@@ -11,14 +11,17 @@ changes the conversation once a second: a count of a small, bounded cost)."""
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 import gradio as gr
 
-from model_utils.engine import Engine
 from model_utils.errors import LoadError
 from model_utils.runtime.generation_settings import InvalidParameter
 from server.context_budget import budget_line, count
 from server.conversation import ConversationError
+
+if TYPE_CHECKING:
+    from model_utils.engine import Engine
 
 TYPING_PAUSE_MS = 400  # how long typing must stop before the message is counted
 TRIGGER_ID = "context-budget-count"
