@@ -19,9 +19,9 @@ if TYPE_CHECKING:
 
 def count(engine: Engine, history: list[dict] | None, message: str, settings: dict | None,
           *, system_prompt: str = "", thinking: bool = True) -> PromptBudget:
-    """The budget of sending `message` after `history`. Bad input raises as a reply would
-    (ConversationError, InvalidParameter, ChatInputError for what cannot be checked later);
-    no model loaded raises LoadError."""
+    """The budget of sending `message` after `history`. A history or settings a reply would
+    refuse raise as they would then (ConversationError, InvalidParameter), and so does no
+    model loaded (LoadError); a prompt that cannot be sent comes back with its error."""
     turns = current_path(validate_history(history))
     messages = [*engine_messages(turns), {"role": "user", "content": message or ""}]
     generation = make_settings(settings)
