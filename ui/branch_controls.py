@@ -1,6 +1,6 @@
 """The pager under the chatbot for the versions of a conversation ("< 2 / 3 >"): which message
-has versions, and buttons that page between them and swap the rest of the conversation with
-them. The versions themselves live in the conversation (server/branches.py); this module only
+has versions (picked in its list, or by a click on the message), and buttons that page between
+them and swap the rest of the conversation with them. The versions themselves live in the conversation (server/branches.py); this module only
 draws and wires the control, shown while the current path has a message with versions."""
 
 from __future__ import annotations
@@ -8,7 +8,12 @@ from __future__ import annotations
 import gradio as gr
 
 from server.branches import BranchPoint, branch_points, page, pick_point, seen_state, tree_size
-from server.conversation import ConversationError, chatbot_messages, validate_history
+from server.conversation import (
+    ConversationError,
+    chatbot_messages,
+    turn_of_view,
+    validate_history,
+)
 
 SNIPPET_CHARS = 40
 
@@ -79,6 +84,22 @@ def wire_branch_controls(c: dict, *, demo: gr.Blocks, cancels: list, controls: l
     c["branch_point"].input(redraw, [c["conversation"], c["branch_point"], c["branch_seen"]],
                             pager_outputs, api_visibility="private", show_progress="hidden",
                             concurrency_limit=None)
+
+    def picked(conversation: list[dict], seen: dict | None, chosen: gr.SelectData):
+        """A click on a message with versions shows its versions in the pager."""
+        try:
+            conversation = validate_history(conversation or [])
+        except ConversationError:
+            return (gr.skip(),) * len(pager_outputs)
+        index = chosen.index if isinstance(chosen.index, int) else -1
+        at = turn_of_view(conversation, index)
+        if at is None or not conversation[at].get("branches"):
+            return (gr.skip(),) * len(pager_outputs)
+        return pager(conversation, at, seen)
+
+    c["chatbot"].select(picked, [c["conversation"], c["branch_seen"]], pager_outputs,
+                        api_visibility="private", show_progress="hidden",
+                        concurrency_limit=None)
 
     def turn_page(step: int):
         def paged(conversation: list[dict], selected: int | None, seen: dict | None):

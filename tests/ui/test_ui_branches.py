@@ -142,6 +142,13 @@ def test_export_then_import_keeps_the_versions(page, tmp_path):
     wait_position(page, "1 / 2")
     assert chat_text(page) == shown
     # Both versions came back: at the edited message the earliest version, all three turns.
+    # A click on the message picks its versions in the pager.
+    users(page).nth(1).click()
+    wait_position(page, "2 / 2")
+    assert "your message 2" in page.locator("#branch-point input").input_value()
+    page.locator("#branch-point").click()  # and so does its list
+    page.get_by_role("option", name="the reply to message 2").click()
+    wait_position(page, "1 / 2")
     page.locator("#branch-point").click()
     page.get_by_role("option", name="your message 2").click()
     wait_position(page, "2 / 2")
