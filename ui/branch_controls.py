@@ -64,9 +64,9 @@ def pager(conversation: list[dict], selected: int | None, seen: dict | None) -> 
 
 def wire_branch_controls(c: dict, *, demo: gr.Blocks, cancels: list, controls: list,
                          idle) -> None:
-    """Redraw the pager on page load and whenever the conversation changes; page on ‹ / ›. Paging while a
-    reply streams stops that reply (as Undo does: `cancels`, and `controls` set to `idle()`):
-    what it had written stays in the version left."""
+    """Redraw the pager on page load and whenever the conversation changes; page on ‹ / ›.
+    Paging while a reply streams stops that reply (as Undo does: `cancels`, and `controls`
+    set to `idle()`): what it had written stays in the version left."""
     pager_outputs = [c["branch_row"], c["branch_point"], c["branch_position"],
                      c["branch_prev"], c["branch_next"], c["branch_seen"]]
 
