@@ -15,8 +15,7 @@ from typing import TYPE_CHECKING
 
 import gradio as gr
 
-from model_utils.errors import LoadError
-from model_utils.runtime.generation_settings import InvalidParameter
+from model_utils.errors import InvalidParameter, LoadError
 from server.context_budget import budget_line, count
 from server.conversation import ConversationError
 
