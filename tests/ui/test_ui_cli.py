@@ -59,7 +59,7 @@ def test_bad_login_flags_exit_2(args, expected):
 def test_compile_mode_offers_the_engine_modes_and_refuses_others():
     sys.path.insert(0, str(ROOT))
     import app
-    from model_utils.runtime.cuda_graphs import COMPILE_MODES
+    from model_utils.engine_config import COMPILE_MODES
 
     for mode in COMPILE_MODES:
         assert app.parse_args(["--compile-mode", mode]).compile_mode == mode
