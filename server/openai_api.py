@@ -32,14 +32,12 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import anyio
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from model_utils.backends.server_defaults import NAMES as SAMPLING_NAMES
 from model_utils.chat.tool_calls import ToolCall
 from model_utils.chat.updates import TokenLogprob
 
@@ -49,6 +47,7 @@ from .conversation import MAX_TURNS
 from .errors import ClientError, client_error, hide_paths, models_dir_of
 from .guards import REALM, login_user
 from .openai_completions import register_completions
+from .openai_models import model_id, sampling_defaults
 from .openai_tools import ToolCallStream, call_deltas, output_format
 from .replies import make_settings, paced
 from .request_models import ChatCompletionRequest, parse_json
@@ -76,28 +75,6 @@ def error_response(error: ClientError) -> JSONResponse:
     if error.status == 401:
         headers["WWW-Authenticate"] = REALM
     return JSONResponse(error_body(error), status_code=error.status, headers=headers)
-
-
-def sampling_defaults(engine: Engine) -> dict:
-    """The loaded model's sampling defaults (its generation_config), {} without any."""
-    try:
-        settings = engine.default_settings().as_dict()
-    except Exception:  # noqa: BLE001 - no model, or a model server that cannot be asked now
-        return {}
-    return {k: settings[k] for k in SAMPLING_NAMES if settings.get(k) is not None}
-
-
-def model_id(status: dict) -> str:
-    """The loaded model's id for clients: "demo", a hub id, or its folder's name (a model
-    server's: the name it gives, model_entry.shown_name); no spaces."""
-    if status.get("is_demo"):
-        return "demo"
-    if status.get("remote"):
-        return str(status.get("model", "")).replace(" ", "-") or "model"
-    label = str(status.get("model", ""))
-    name = label.removesuffix(" (HF cache)") if label.endswith(" (HF cache)") \
-        else Path(str(status.get("path", label))).name
-    return name.replace(" ", "-") or "model"
 
 
 def register_openai_api(app: FastAPI | APIRouter, engine: Engine,

@@ -211,7 +211,7 @@ class RemoteEngine:
         if not wire or wire[-1]["role"] not in ("user", "tool"):
             raise ChatInputError("the conversation must end with a user message")
         model, context = self._current_model()
-        _validated(settings, context)
+        settings.check_given()  # the local engine's checks; unset values are the server's
         options = {**_options(settings), **format_options(output_format)}
         if logprobs is not None:
             options.update(logprobs=True, top_logprobs=logprobs)
@@ -363,12 +363,6 @@ class RemoteEngine:
         for final in self.chat(messages, settings, **kwargs):
             pass
         return final
-
-
-def _validated(settings: GenerationSettings, context: int) -> None:
-    """The same checks as the local engine, on the values the user set (InvalidParameter);
-    the others are the server's defaults."""
-    settings.check_given()
 
 
 def _options(settings: GenerationSettings) -> dict:

@@ -1,14 +1,11 @@
 """Continuous batching, the deciding half: the queue, admission, rows, the KV blocks each reply
 holds, when a reply ends.
 
-Why our own scheduler: transformers' continuous batching ran 332 tok/s for 32 requests on an
-H200 (BENCHMARKS.md) and keeps its own thread and cache, where our CUDA graphs must stay on the
-decode worker. Its shape is vLLM's: a scheduler that owns the KV-cache accounting, a runner that
-owns the tensors; the model is transformers' own.
-
-Pure Python: every forward pass, tensor and the KV cache's memory belong to the runner
-(runner.py, the `Runner` protocol in runner_protocol.py), which this loop drives on the engine's DecodeWorker
-while there is work:
+Why our own: transformers' continuous batching is far slower at 32 requests (BENCHMARKS.md) and
+keeps its own thread and cache, where our CUDA graphs must stay on the decode worker. Its shape is
+vLLM's: a scheduler owns the KV-cache accounting, a runner (runner.py, the `Runner` protocol in
+runner_protocol.py) every forward pass and tensor. Pure Python; this loop drives the runner on
+the engine's DecodeWorker while there is work:
 
     admit   waiting requests take free rows, in the order they came, as long as the KV cache
             has blocks for their prompts (cache_manager.py: a prompt's start that is cached
