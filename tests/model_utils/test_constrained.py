@@ -77,11 +77,11 @@ def test_json_object_and_forced_tool_calls(load_demo):
 
 def test_free_replies_beside_a_constrained_one_are_what_they_are_alone(load_demo):
     engine = load_demo("fp32")
-    loaded = engine.manager.loaded
+    serving = engine.serving
     prompts = [[(7 * j + 11 * i) % 900 + 5 for j in range(20 + 30 * i)] for i in range(3)]
-    alone = [submit(loaded, p, greedy(64))[0] for p in prompts]
+    alone = [submit(serving, p, greedy(64))[0] for p in prompts]
     reply(engine, OutputFormat("json_schema", SCHEMA), n=4)  # its grammar compiled: it joins
-    jobs = [lambda p=p: submit(loaded, p, greedy(64))[0] for p in prompts]
+    jobs = [lambda p=p: submit(serving, p, greedy(64))[0] for p in prompts]
     jobs.append(lambda: reply(engine, OutputFormat("json_schema", SCHEMA)))
     *together, constrained = run_together(jobs)
     assert together == alone
