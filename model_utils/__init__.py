@@ -4,7 +4,8 @@ Public names, each imported from the module that defines it (no package re-expor
 engine_config.EngineConfig (the options, their checks and flags), engine_factory.build_engine
 (the engine a config describes), engine.Engine (load/unload/switch, chat, status, memory),
 errors (every error raised to callers), memory (snapshots and the sampler), process_tuning
-(what a long-running host changes process-wide). Subpackages: layers -> loading -> runtime ->
-engine; chat (prompts and replies as text), finetune, backends (--backend), parallel (--tp),
-bench. ARCHITECTURE.md draws the layers.
+(what a long-running host changes process-wide). Subpackages, bottom up: layers and training
+(the fine-tuning loop), loading, runtime, chat (prompts and replies as text), then the fronts:
+finetune (a training run as a process), backends (--backend), parallel (--tp), bench.
+ARCHITECTURE.md draws the layers.
 """

@@ -3,7 +3,7 @@
 The run is a subprocess (model_utils.finetune.runner): Stop ends it after saving a checkpoint
 (Continue, or Start with the same name, resumes it), and nothing it does can take the server or
 the served model down. Steps and learning rate left empty follow the data's and the model's size
-(model_utils.finetune.defaults); the form shows what they will be before the run starts. Chat keeps serving during a run. With --admin only the admin may start or stop a
+(model_utils.training.defaults); the form shows what they will be before the run starts. Chat keeps serving during a run. With --admin only the admin may start or stop a
 run, checked here on the server for clicks and API calls alike.
 """
 
@@ -17,9 +17,9 @@ import gradio as gr
 import pandas as pd
 
 from model_utils.errors import ModelNotFound
-from model_utils.finetune.models import METHODS
 from model_utils.finetune.runner import TrainingRunner, TrainRefused, TrainRequest
 from model_utils.loading.demo_model import DEMO_LABEL
+from model_utils.training.models import METHODS
 from server import model_actions as actions
 from server.common import require_admin, user_error
 from server.shutdown import on_shutdown

@@ -1,8 +1,8 @@
-"""Fine-tuning: LoRA, QLoRA (bitsandbytes 4-bit) or full, on JSONL chat data, with accelerate.
+"""A fine-tuning run as a process of its own: the command line and the app's handle on a run.
 
-data.py        the JSONL file: checked line by line, tokenized through the chat template
-models.py      the base model loaded for a method (peft for adapters), the token loss
-train.py       the accelerate loop (accumulation, clipping, checkpoints, resume)
-checkpoint.py  the output folder, its manifest, the resumable checkpoint, the step log
-cli.py         python -m model_utils.finetune (also under `accelerate launch`)
+cli.py         python -m model_utils.finetune (also under `accelerate launch`): resolves the
+               model by name through the registry, then runs model_utils.training
+runner.py      the server's side: starts, follows and stops a run in a child process
+run_lock.py    OUT/run.json: the run names its process, so a server finds a run it did not start
+bench.py       the training benchmark (ours against a plain loop)
 """

@@ -12,7 +12,7 @@ prompt (no loss). Each variant runs in its own process, so peak memory is its ow
             each example padded to --seq (the tutorials' tokenizer(padding="max_length")),
             the loss from the model's own forward; for qlora, prepare_model_for_kbit_training
             with its defaults (gradient checkpointing on)
-  ours      model_utils.finetune.train.run: examples packed back to back into rows of --seq
+  ours      model_utils.training.train.run: examples packed back to back into rows of --seq
             tokens (no pads), flash varlen attention over each example where CUDA has it
             (packed_attention), the loss over assistant tokens in chunks (no full logits), the
             same gradient checkpointing choice as the tutorial for each method
@@ -45,7 +45,7 @@ TINY_CONFIG = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hi
 
 
 def random_examples(n: int, seq: int, vocab: int, seed: int = 0):
-    from .data import IGNORE, Example
+    from model_utils.training.data import IGNORE, Example
 
     rng = random.Random(seed)
     examples = []
@@ -74,7 +74,7 @@ def build_model_folder(config_path: Path | None, folder: Path, device: str) -> d
 
 # -- the variants (each in its own process) --------------------------------------------------------
 def run_ours(args, examples) -> dict:
-    from .train import TrainConfig, run
+    from model_utils.training.train import TrainConfig, run
 
     out = Path(args.work) / f"{args.variant}-{args.method}"
     config = TrainConfig(model_path=args.model_dir, data=str(Path(args.model_dir) / "config.json"),

@@ -18,9 +18,11 @@ import sys
 import warnings
 from pathlib import Path
 
-from . import defaults, run_lock
-from .data import DataError, read_conversations, tokenize_conversations
-from .models import METHODS, MethodUnavailable, qlora_unavailable_reason
+from model_utils.training import defaults
+from model_utils.training.data import DataError, read_conversations, tokenize_conversations
+from model_utils.training.models import METHODS, MethodUnavailable, qlora_unavailable_reason
+
+from . import run_lock
 
 EXIT_REFUSED, EXIT_ERROR, EXIT_INTERRUPTED = 2, 1, 130
 
@@ -91,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if not args.verbose:
         _quiet()
-    from .train import Interrupted, TrainConfig, run
+    from model_utils.training.train import Interrupted, TrainConfig, run
 
     try:
         if args.method == "qlora":

@@ -24,11 +24,13 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import checkpoint as ckpt
-from . import defaults, run_lock
-from .data import DataError, count_examples, read_conversations
-from .models import METHODS
-from .train import PARENT_ENV
+from model_utils.training import checkpoint as ckpt
+from model_utils.training import defaults
+from model_utils.training.data import DataError, count_examples, read_conversations
+from model_utils.training.models import METHODS
+from model_utils.training.train import PARENT_ENV
+
+from . import run_lock
 
 log = logging.getLogger(__name__)
 

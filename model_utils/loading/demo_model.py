@@ -68,7 +68,7 @@ def demo_data_file() -> Path:
 
 def demo_model_path(cache_dir: Path | None = None) -> Path:
     """Path of the demo checkpoint, building it first if it is not there yet."""
-    from model_utils.finetune.data import file_sha256
+    from model_utils.training.data import file_sha256
 
     digest = file_sha256(demo_data_file())[:12]
     target = (cache_dir or default_cache_dir()) / f"demo-qwen3-v{DEMO_VERSION}-{digest}"
@@ -97,8 +97,8 @@ def _build(folder: Path) -> None:
 
     import torch
 
-    from model_utils.finetune.data import read_conversations, tokenize_conversations
-    from model_utils.finetune.train import TrainConfig, run
+    from model_utils.training.data import read_conversations, tokenize_conversations
+    from model_utils.training.train import TrainConfig, run
 
     start = time.perf_counter()
     conversations = read_conversations(demo_data_file())

@@ -17,9 +17,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from model_utils.errors import ModelNotFound
+from model_utils.training.manifest import read_manifest
 
 from .demo_model import DEMO_LABEL, DEMO_NAME, default_cache_dir, demo_model_path
-from .trained_manifest import read_manifest
 
 log = logging.getLogger(__name__)
 

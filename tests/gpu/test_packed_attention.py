@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from model_utils.finetune.data import IGNORE, Example, pack_batch
-from model_utils.finetune.models import TokenLoss, load_for_training
-from model_utils.finetune.packed_attention import available, use_packed_varlen
+from model_utils.training.data import IGNORE, Example, pack_batch
+from model_utils.training.models import TokenLoss, load_for_training
+from model_utils.training.packed_attention import available, use_packed_varlen
 from tests.gpu.conftest import gpu_marks
 
 pytestmark = gpu_marks()

@@ -10,7 +10,7 @@ import shutil
 import pytest
 
 from model_utils.errors import LoadError
-from model_utils.loading.trained_manifest import MANIFEST, MANIFEST_FORMAT
+from model_utils.training.manifest import MANIFEST, MANIFEST_FORMAT
 
 from .helpers import cpu_request
 

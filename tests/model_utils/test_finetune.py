@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from model_utils.finetune.data import DataError, read_conversations
+from model_utils.training.data import DataError, read_conversations
 
 ROOT = Path(__file__).resolve().parents[2]
 # One thread per process: these models are too small to gain from two, and on a shared 2-core
@@ -95,7 +95,7 @@ def test_the_command_refuses_bad_data_before_loading(tmp_path):
 
 
 def test_loss_on_assistant_tokens_only(demo_tokenizer):
-    from model_utils.finetune.data import IGNORE, tokenize_conversations
+    from model_utils.training.data import IGNORE, tokenize_conversations
 
     conversation = [{"role": "system", "content": "Be brief."},
                     {"role": "user", "content": QA[0][0]},

@@ -1,5 +1,5 @@
 """Fine-tuning with nothing but a model and a data file learns: the default steps and learning
-rate follow the data's and the model's size (model_utils.finetune.defaults), and with them the
+rate follow the data's and the model's size (model_utils.training.defaults), and with them the
 demo model recalls new facts (tests/fixtures/new_facts.jsonl, ten facts in twelve rows) greedily
 through the engine afterwards."""
 
@@ -8,8 +8,8 @@ from __future__ import annotations
 import json
 import time
 
-from model_utils.finetune import defaults
 from model_utils.runtime.generation_settings import GenerationSettings
+from model_utils.training import defaults
 
 from .helpers import FIXTURES, cpu_request
 from .test_finetune import finetune

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from model_utils.finetune.data import IGNORE, Example, pack_batch
-from model_utils.finetune.models import TokenLoss, keep_input_dtype, load_for_training
+from model_utils.training.data import IGNORE, Example, pack_batch
+from model_utils.training.models import TokenLoss, keep_input_dtype, load_for_training
 
 pytestmark = pytest.mark.unit
 
@@ -42,7 +42,7 @@ def test_keeping_the_input_dtype_changes_nothing_under_autocast(demo_path):
 
 
 def test_packing_keeps_every_example_once_and_fills_the_rows():
-    from model_utils.finetune.data import pack_examples
+    from model_utils.training.data import pack_examples
 
     g = torch.Generator().manual_seed(1)
     lengths = torch.randint(256, 1025, (400,), generator=g).tolist()

@@ -1,8 +1,9 @@
-"""The packages import one way: no circle among them at module level (what runs on import), the
-engine never imports gradio, and the swapped-in layers import neither loading nor runtime.
+"""The packages import one way: each imports only from its own layer or the layers below it
+(LAYERS), there is no circle among them, the engine never imports gradio, and the swapped-in
+layers import neither loading nor runtime.
 
-Read from the source (ast), not by importing: imports inside functions (deferred on purpose)
-and under TYPE_CHECKING are not counted."""
+Read from the source (ast), not by importing. Every import counts, also one deferred into a
+function (it runs as soon as that function does); only those under TYPE_CHECKING do not."""
 
 from __future__ import annotations
 
@@ -12,6 +13,21 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("model_utils", "server", "ui")
+# Bottom to top. A package may import from its own layer and from any layer below it.
+LAYERS = (
+    ("model_utils.errors", "model_utils.memory"),           # no torch, no project imports
+    ("model_utils.layers", "model_utils.training"),          # swapped-in layers; the training loop
+    ("model_utils.loading",),                                # weights, tokenizer, mode, device map
+    ("model_utils.engine_config",),                          # the options (reads the modes table)
+    ("model_utils.runtime",),                                # serving: scheduler, runner, KV cache
+    ("model_utils.chat",),                                   # messages -> prompt, replies as text
+    ("model_utils.engine", "model_utils.process_tuning", "model_utils.completion"),
+    ("model_utils.engine_factory", "model_utils.parallel", "model_utils.backends",
+     "model_utils.bench", "model_utils.finetune", "model_utils.cli_args", "model_utils.cli",
+     "model_utils.__main__", "model_utils"),
+    ("server",),
+    ("ui",),
+)
 
 
 def modules() -> dict[str, Path]:
@@ -23,10 +39,15 @@ def modules() -> dict[str, Path]:
     return found
 
 
-def module_level_imports(name: str, path: Path, known: dict[str, Path]) -> set[str]:
-    """The project's modules `name` imports when it is imported."""
+def imports(name: str, path: Path, known: dict[str, Path]) -> set[str]:
+    """The project's modules `name` imports, at its top or inside its functions."""
+    tree = ast.parse(path.read_text())
+    type_only = {id(node) for block in ast.walk(tree) if isinstance(block, ast.If)
+                 and "TYPE_CHECKING" in ast.unparse(block.test) for node in ast.walk(block)}
     targets = set()
-    for node in ast.parse(path.read_text()).body:
+    for node in ast.walk(tree):
+        if id(node) in type_only:
+            continue
         if isinstance(node, ast.Import):
             names = [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom) and node.module != "__future__":
@@ -35,7 +56,9 @@ def module_level_imports(name: str, path: Path, known: dict[str, Path]) -> set[s
                 package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
                 package = package[:len(package) - node.level + 1]
                 base = ".".join(package + ([node.module] if node.module else []))
-            names = [f"{base}.{alias.name}" for alias in node.names] + [base]
+            # `from pkg import sub` imports the submodule; `from mod import name`, the module
+            names = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in known else base
+                     for alias in node.names]
         else:
             continue
         for target in names:
@@ -47,8 +70,14 @@ def module_level_imports(name: str, path: Path, known: dict[str, Path]) -> set[s
 
 
 def package_of(module: str) -> str:
-    """model_utils.loading.manager -> model_utils.loading; model_utils.engine -> itself."""
-    return ".".join(module.split(".")[:2])
+    """model_utils.loading.manager -> model_utils.loading; model_utils.engine -> itself;
+    server.api -> server."""
+    return ".".join(module.split(".")[:2]) if module.startswith("model_utils") else \
+        module.split(".")[0]
+
+
+def layer_of(package: str) -> int:
+    return next(i for i, layer in enumerate(LAYERS) if package in layer)
 
 
 def package_graph() -> dict[str, dict[str, set[str]]]:
@@ -56,7 +85,7 @@ def package_graph() -> dict[str, dict[str, set[str]]]:
     known = modules()
     graph: dict[str, dict[str, set[str]]] = defaultdict(lambda: defaultdict(set))
     for name, path in known.items():
-        for target in module_level_imports(name, path, known):
+        for target in imports(name, path, known):
             if package_of(target) != package_of(name):
                 graph[package_of(name)][package_of(target)].add(name)
     return graph
@@ -81,6 +110,15 @@ def circles(graph) -> list[list[str]]:
     return found
 
 
+def test_every_package_has_a_layer_and_imports_only_downwards():
+    graph = package_graph()
+    packages = {package_of(name) for name in modules()}
+    assert sorted(p for p in packages if not any(p in layer for layer in LAYERS)) == []
+    upwards = [f"{a} -> {b} by {sorted(graph[a][b])}" for a in graph for b in graph[a]
+               if layer_of(b) > layer_of(a)]
+    assert upwards == []
+
+
 def test_no_import_circle_among_the_packages():
     graph = package_graph()
     described = [" -> ".join(c) + "  (" + "; ".join(
@@ -100,7 +138,7 @@ def test_the_engine_never_imports_gradio_and_the_layers_stay_below_loading():
                   if isinstance(node, ast.ImportFrom) and node.module and not node.level}
         assert "gradio" not in every, name
     layers = {target for name, path in known.items() if name.startswith("model_utils.layers")
-              for target in module_level_imports(name, path, known)}
+              for target in imports(name, path, known)}
     assert not {package_of(t) for t in layers} & {"model_utils.loading", "model_utils.runtime"}
 
 

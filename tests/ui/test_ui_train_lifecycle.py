@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 from gradio_client import Client
 
-from model_utils.finetune import checkpoint as ckpt
 from model_utils.finetune import run_lock
 from model_utils.loading.demo_model import demo_model_path
+from model_utils.training import checkpoint as ckpt
 
 from .conftest import ROOT
 

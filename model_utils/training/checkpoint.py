@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from model_utils.loading.trained_manifest import MANIFEST, MANIFEST_FORMAT
+from model_utils.training.manifest import MANIFEST, MANIFEST_FORMAT
 
 from .models import load_trainable_state, trainable_state
 

@@ -1,6 +1,6 @@
-"""The manifest a fine-tuning run writes beside its result (OUT/finetune.json): its format is
-declared here, below both sides, because the registry reads it (to label a trained adapter
-with its base model) and model_utils.finetune writes it."""
+"""The manifest a fine-tuning run writes beside its result (OUT/finetune.json). The checkpoint
+writes it; the registry reads it (to list a trained model and label an adapter with its base
+model), which is why it imports nothing but the standard library."""
 
 from __future__ import annotations
 
