@@ -36,9 +36,6 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description="Local chat app for Qwen / Hugging Face causal LMs.")
     add_model_args(p, what="model to load at start",
                    note="; a folder named here may be loaded even outside those")
-    p.add_argument("--context-tokens", type=int, metavar="N",
-                   help="context window of the model loaded at start (default: the model's "
-                        "own, or the most that fits beside its weights)")
     p.add_argument("--host", default="127.0.0.1",
                    help="address to bind; anything but loopback needs --auth")
     p.add_argument("--port", type=int, default=7860, help="port to serve on")

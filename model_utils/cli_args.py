@@ -43,8 +43,6 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--system", help="system prompt (replaces any system message in the list)")
         p.add_argument("--no-thinking", action="store_true",
                        help="Qwen3: answer without a reasoning block (enable_thinking=False)")
-        p.add_argument("--context-tokens", type=_positive_int,
-                       help="context window (default: the model's own, or the most that fits)")
         p.add_argument("-v", "--verbose", action="store_true",
                        help="show library logs, warnings and tracebacks on stderr")
 
@@ -70,13 +68,6 @@ def build_parser() -> argparse.ArgumentParser:
     # The reply's length decides how much of a long conversation is kept.
     add_setting_flags(prompt, only=("max_new_tokens",))
     return parser
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
-    return value
 
 
 # -- reading the input --------------------------------------------------------------------------

@@ -109,8 +109,9 @@ class EngineConfig:
 
 def add_model_args(parser: argparse.ArgumentParser, *, what: str = "model to load",
                    note: str = "", mode: bool = True,
-                   placement_default: str = "auto with a GPU, else cpu") -> None:
-    """--model, --mode and --placement, with one help text for every tool."""
+                   placement_default: str = "auto with a GPU, else cpu",
+                   context: bool = True, context_default: int | None = None) -> None:
+    """--model, --mode, --placement and --context-tokens, with one help text for every tool."""
     from .loading.modes import MODES  # the one table of modes (no torch), so the help cannot drift
 
     parser.add_argument("--model", default="demo", help=(
@@ -122,3 +123,19 @@ def add_model_args(parser: argparse.ArgumentParser, *, what: str = "model to loa
     parser.add_argument("--placement", default=None, help=(
         f"cpu, cuda:N, auto, balanced, balanced_low_0 or sequential (default: "
         f"{placement_default})"))
+    if context:
+        shown = context_default or "the model's own, or the most that fits beside its weights"
+        parser.add_argument("--context-tokens", type=positive_int, metavar="N",
+                            default=context_default,
+                            help=f"context window in tokens (default: {shown})")
+
+
+def positive_int(text: str) -> int:
+    """argparse's type for a count of 1 or more."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value

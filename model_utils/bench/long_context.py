@@ -278,10 +278,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m model_utils.bench.long_context",
                                      description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_model_args(parser, placement_default="cuda:0 with a GPU, else cpu")
+    add_model_args(parser, placement_default="cuda:0 with a GPU, else cpu",
+                   context_default=32768)
     parser.add_argument("--random-from-config", help="config.json of a shape to build with "
                         "random weights (on the GPU when there is one)")
-    parser.add_argument("--context-tokens", type=int, default=32768)
     parser.add_argument("--lengths", default="128,4096,16384,30000",
                         help="comma-separated prompt lengths")
     parser.add_argument("--streams", default="1,8", help="comma-separated stream counts")

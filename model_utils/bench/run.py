@@ -102,7 +102,8 @@ def quality_reference(engine: Engine, model_name: str, positions: int):
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m model_utils.bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_model_args(parser, mode=False, placement_default="cuda:0 with a GPU, else cpu")
+    add_model_args(parser, mode=False, placement_default="cuda:0 with a GPU, else cpu",
+                   context=False)
     parser.add_argument("--random-from-config", help="config.json of a shape to build with "
                         "random weights (on the GPU when there is one)")
     parser.add_argument("--modes", default="bf16", help="comma-separated modes, e.g. bf16,nf4")
