@@ -10,12 +10,16 @@ conversation's next turn, or the same request resumed, finds them.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from .kv_blocks import BlockCounts, BlockPool, blocks_for
+from .kv_blocks import BlockCounts, BlockPool, PrefixMatch, blocks_for
 
 if TYPE_CHECKING:
     from .requests import Request
+
+# How many of a prompt's matched blocks it may start after (see BatchRunner.reusable_blocks).
+Reusable = Callable[[PrefixMatch], int]
 
 
 class CacheManager:
@@ -27,12 +31,16 @@ class CacheManager:
         return self.pool.counts()
 
     def admit(self, request: Request, *, reuse: bool, headroom: int,
-              min_reuse: int = 0) -> bool:
+              min_reuse: int = 0, reusable: Reusable | None = None) -> bool:
         """Give `request` the blocks of its prompt (request.prompt_ids): the reused prefix
-        (when `reuse` and it covers at least `min_reuse` tokens) and new ones for the rest.
-        False, taking nothing, when fewer than those plus `headroom` blocks can be had."""
+        (when `reuse` and it covers at least `min_reuse` tokens; only as many of the matched
+        blocks as `reusable` allows, all by default) and new ones for the rest. False, taking
+        nothing, when fewer than those plus `headroom` blocks can be had."""
         tokens = request.prompt_ids
-        match = self.pool.match(tokens).blocks if reuse else []
+        match = []
+        if reuse:
+            found = self.pool.match(tokens)
+            match = found.blocks[:reusable(found)] if reusable else found.blocks
         if len(match) * self.block_tokens < min_reuse:
             match = []
         self.pool.take(match)

@@ -59,6 +59,7 @@ class BlockCounts:
 @dataclass
 class PrefixMatch:
     blocks: list[int] = field(default_factory=list)  # full blocks that hold the prompt's start
+    keys: list[int] = field(default_factory=list)  # their names: keys[i] ends at block i
 
     def tokens(self, block_size: int) -> int:
         return len(self.blocks) * block_size
@@ -99,6 +100,7 @@ class BlockPool:
         """The named blocks that hold the start of `tokens`, in order. At least the last token
         is always left out of the match: its logits must be computed."""
         found: list[int] = []
+        keys: list[int] = []
         parent = None
         usable = (len(tokens) - 1) // self.block_size
         for i in range(usable):
@@ -110,8 +112,9 @@ class BlockPool:
             if named.parent != parent or named.tokens != chunk:  # a hash collision
                 break
             found.append(block)
+            keys.append(named.key)
             parent = named.key
-        return PrefixMatch(found)
+        return PrefixMatch(found, keys)
 
     def name_blocks(self, blocks: Sequence[int], tokens: Sequence[int]) -> None:
         """Name the full blocks of a sequence whose KV is computed: blocks[i] holds
@@ -194,6 +197,15 @@ class BlockPool:
         named = self._named.pop(block, None)
         if named is not None and self._by_key.get(named.key) == block:
             del self._by_key[named.key]
+
+
+def prefix_key(tokens: Sequence[int], block_size: int, blocks: int) -> int | None:
+    """The name the pool gives the block that ends the first `blocks` full blocks of `tokens`
+    (None for none): what a state kept at that point is found by."""
+    parent = None
+    for i in range(blocks):
+        parent = _key(parent, tuple(tokens[i * block_size:(i + 1) * block_size]))
+    return parent
 
 
 def _key(parent: int | None, tokens: tuple[int, ...]) -> int:

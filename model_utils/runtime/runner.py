@@ -21,13 +21,14 @@ import torch
 
 from .decoders import input_device
 from .grammar import mask_logits
-from .kv_blocks import BlockPool, blocks_for
+from .kv_blocks import BlockPool, PrefixMatch, blocks_for, prefix_key
 from .kv_cache import BLOCK_TOKENS, PagedKV, bucket, probe_layers
 from .linear_states import LinearStates, linear_layers
 from .prefill import PaddedPrefill
 from .readback import TokenReadback
 from .runner_protocol import Failures
 from .sampling import RowSampler, sample_rows
+from .state_snapshots import StateSnapshots, snapshot_count, snapshot_point
 
 if TYPE_CHECKING:
     from transformers import DynamicCache
@@ -98,6 +99,7 @@ class BatchRunner:
         self._tail: PagedKV | None = None  # their rows, over the cache's pools
         self.kv: PagedKV | None = None  # allocated on first use
         self.pool: BlockPool | None = None
+        self.snapshots: StateSnapshots | None = None  # linear layers' states at prompt points
         self.padded_prefill: PaddedPrefill | None = None  # see use_padded_prefill
         self._readback: TokenReadback | None = None  # made with the cache
         self._samplers: dict[Request, RowSampler] = {}  # requests set up and not ended
@@ -153,13 +155,14 @@ class BatchRunner:
                 if blocks is None:
                     continue
                 try:
-                    self.forward_prompt([0] * length, blocks)
+                    self.forward_prompt([0] * length, blocks, snapshot=False)
                 finally:
                     self.pool.release(blocks)
 
     def cache_bytes(self) -> int:
-        """Bytes of the KV cache replies decode in."""
-        return self.kv.nbytes if self.kv else 0
+        """Bytes of the KV cache replies decode in (and the linear layers' kept states)."""
+        return (self.kv.nbytes if self.kv else 0) + \
+            (self.snapshots.nbytes if self.snapshots else 0)
 
     # -- what the scheduler asks for -----------------------------------------------------------
     @property
@@ -172,11 +175,13 @@ class BatchRunner:
         self._cache()
         return self.pool
 
-    @property
-    def reuses_prefixes(self) -> bool:
-        """Whether a prompt may start from cached blocks: not with linear-attention layers,
-        whose state at the end of a cached prefix is not kept."""
-        return self._cache().states is None
+    def reusable_blocks(self, match: PrefixMatch) -> int:
+        """How many of a prompt's matched blocks it may start after: all of them, or with
+        linear-attention layers as many as end where their states were kept (state_snapshots)."""
+        if self._cache().states is None:
+            return len(match.blocks)
+        return next((n for n in range(len(match.keys), 0, -1)
+                     if match.keys[n - 1] in self.snapshots), 0)
 
     def session(self) -> contextlib.AbstractContextManager:
         """The context the scheduler's loop runs in."""
@@ -215,15 +220,27 @@ class BatchRunner:
                                     for r in requests]))
 
     def forward_prompt(self, tokens: list[int], blocks: list[int], cached: int = 0,
-                       chunk: int = PREFILL_CHUNK) -> torch.Tensor:
+                       chunk: int = PREFILL_CHUNK, *, snapshot: bool = True) -> torch.Tensor:
         """Logits [1, V] of the last of `tokens`, whose first `cached` are in `blocks` already;
-        the rest are computed and written there, `chunk` tokens per forward."""
+        the rest are computed and written there, `chunk` tokens per forward. With linear-
+        attention layers, their states start from the snapshot at `cached`, and (`snapshot`)
+        are kept at the prompt's snapshot point for a later prompt to start from."""
         kv = self._cache()
         if 0 < cached and len(tokens) - cached <= self.tail_rows and kv.states is None:
             return self._forward_tail_as_rows(tokens, blocks, cached)
+        bounds = set(range(cached, len(tokens), chunk))
+        point = 0
+        if kv.states is not None:
+            if cached and not self.snapshots.restore(self._name(tokens, cached),
+                                                     kv.states.prefill_slot):
+                raise RuntimeError(f"no linear-attention states kept at token {cached}")
+            point = snapshot_point(len(tokens), BLOCK_TOKENS) if snapshot else 0
+            if point > cached and point >= self.min_reuse_tokens:
+                bounds.add(point)  # a forward ends there, so its states can be copied
+            else:
+                point = 0
         logits = None
-        for start in range(cached, len(tokens), chunk):
-            stop = min(start + chunk, len(tokens))
+        for start, stop in zip(sorted(bounds), sorted(bounds)[1:] + [len(tokens)]):
             slots = kv.slots_of(blocks, start, stop)
             if start == 0:
                 step = kv.prefill_step(slots)
@@ -235,7 +252,13 @@ class BatchRunner:
             logits = self.model(input_ids=ids, position_ids=positions,
                                 attention_mask=kv.no_masks, paged=step, use_cache=False,
                                 logits_to_keep=1, **states).logits[:, -1]
+            if stop == point:
+                self.snapshots.save(self._name(tokens, point), kv.states.prefill_slot)
         return logits
+
+    @staticmethod
+    def _name(tokens: list[int], length: int) -> int:
+        return prefix_key(tokens, BLOCK_TOKENS, length // BLOCK_TOKENS)
 
     def _forward_tail_as_rows(self, tokens: list[int], blocks: list[int],
                               cached: int) -> torch.Tensor:
@@ -344,6 +367,8 @@ class BatchRunner:
             tokens = one_reply
         blocks = blocks_for(tokens, BLOCK_TOKENS) + 1  # + the null block
         states = LinearStates(probe, self.max_batch) if linear_layers(self.model) else None
+        if states is not None:
+            self.snapshots = StateSnapshots(states, snapshot_count(self.max_batch))
         self.kv = PagedKV(self.model, layers, num_blocks=blocks, block_tokens=BLOCK_TOKENS,
                           rows=self.max_batch, context_tokens=self.context_tokens,
                           device=self.device, states=states)

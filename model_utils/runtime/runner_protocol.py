@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Protocol
 from model_utils.engine_config import MAX_BATCH_LIMIT
 
 if TYPE_CHECKING:
-    from .kv_blocks import BlockPool
+    from .kv_blocks import BlockPool, PrefixMatch
     from .requests import Request
     from .runner import Prefilled
 
@@ -25,9 +25,8 @@ class Runner(Protocol):
     @property
     def capacity(self) -> int: ...  # rows: replies that decode at once
     def blocks(self) -> BlockPool: ...  # the KV cache's blocks (allocated at the first call)
-    @property
-    def reuses_prefixes(self) -> bool: ...  # prompts may start from cached blocks
-    min_reuse_tokens: int  # ... of at least this many tokens
+    def reusable_blocks(self, match: PrefixMatch) -> int: ...  # matched blocks to start after
+    min_reuse_tokens: int  # ... covering at least this many tokens
     def session(self) -> AbstractContextManager: ...  # the context the whole loop runs in
     def fits_padded(self, tokens: int) -> bool: ...  # the padded prefill takes this prompt
     def fit_padded_together(self, lengths: list[int]) -> bool: ...  # ... these in one replay

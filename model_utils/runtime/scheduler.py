@@ -163,10 +163,10 @@ class Scheduler:
                 continue
             # A prompt the padded prefill takes costs a graph replay: computing it whole is as
             # fast as reading back a prefix, and keeps it in the group's one replay.
-            reuse = self.runner.reuses_prefixes and \
-                not self.runner.fits_padded(len(request.prompt_ids))
+            reuse = not self.runner.fits_padded(len(request.prompt_ids))
             if not self.cache.admit(request, reuse=reuse, headroom=len(self.rows) + len(group),
-                                    min_reuse=self.runner.min_reuse_tokens):
+                                    min_reuse=self.runner.min_reuse_tokens,
+                                    reusable=self.runner.reusable_blocks):
                 self.waiting_for_memory = True
                 break
             self._take_from_queue()

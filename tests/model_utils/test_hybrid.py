@@ -29,7 +29,7 @@ VISION = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hi
               patch_size=14, spatial_merge_size=2, temporal_patch_size=2)
 
 
-def build(folder, *, vision: bool = False):
+def build(folder, *, vision: bool = False, strong_states: bool = False):
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.models.qwen3_5.configuration_qwen3_5 import (
         Qwen3_5Config,
@@ -47,6 +47,16 @@ def build(folder, *, vision: bool = False):
                                                               vision_config=VISION))
     else:
         model = AutoModelForCausalLM.from_config(Qwen3_5TextConfig(**text))
+    if strong_states:
+        # At the default initialisation the linear layers' states fade within a few tokens
+        # and barely move the logits (a state zeroed by mistake changed them by 1e-4): with
+        # little decay and a louder output, a wrong state shows.
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith("linear_attn.A_log"):
+                    param.fill_(-6.0)
+                elif name.endswith("linear_attn.out_proj.weight"):
+                    param.mul_(8)
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder
@@ -239,5 +249,89 @@ def test_a_checkpoint_with_a_vision_tower_loads_as_its_language_model(tmp_path):
         assert not any("visual" in name for name, _ in model.named_parameters())
         reply = engine.generate_text([{"role": "user", "content": "hi"}], greedy(5))
         assert reply.stats.new_tokens == 5
+    finally:
+        engine.unload()
+
+
+@pytest.fixture(scope="module")
+def strong_hybrid(tmp_path_factory):
+    """An engine over a tiny hybrid model whose linear layers' states matter to its logits."""
+    engine = load(build(tmp_path_factory.mktemp("qwen3_5") / "strong", strong_states=True),
+                  max_batch=4)
+    yield engine
+    engine.unload()
+
+
+def test_a_next_turn_starts_from_the_kept_states_and_stays_exact(strong_hybrid, monkeypatch):
+    from model_utils.runtime.state_snapshots import snapshot_point
+
+    serving = strong_hybrid.serving
+    runner = serving.scheduler.runner
+    monkeypatch.setattr(runner, "min_reuse_tokens", 16)  # the tiny prompts here are reused
+    first = [(11 * j) % 700 + 7 for j in range(120)]
+    reply, stats = submit(serving, first, greedy(20))
+    assert stats.cached_tokens == 0
+    second = first + reply + [(3 * j) % 500 + 40 for j in range(30)]
+    expected = alone(serving, second, greedy(15))
+    got, stats = submit(serving, second, greedy(15))
+    assert got == expected
+    assert stats.cached_tokens == snapshot_point(len(first), 16) == 96
+    # a prompt that parts from the first before its kept point starts from nothing
+    other = first[:50] + [901] * 100
+    got, stats = submit(serving, other, greedy(8))
+    assert got == alone(serving, other, greedy(8)) and stats.cached_tokens == 0
+
+
+def test_a_conversation_through_the_chat_template_reuses_its_earlier_turns(strong_hybrid,
+                                                                         monkeypatch):
+    hybrid = strong_hybrid
+    runner = hybrid.serving.scheduler.runner
+    monkeypatch.setattr(runner, "min_reuse_tokens", 16)
+    messages = [{"role": "system", "content": "You answer questions about a chat app. " * 6},
+                {"role": "user", "content": "How do I load a model in four-bit mode?"}]
+    first = hybrid.generate_text(messages, greedy(12), thinking=False)
+    messages += [{"role": "assistant", "content": first.answer},
+                 {"role": "user", "content": "And how much memory does it take then?"}]
+    second = hybrid.generate_text(messages, greedy(12), thinking=False)
+    assert second.stats.cached_tokens >= 64, second.stats
+    fresh = load(hybrid.manager.loaded.source.path, max_batch=1)
+    try:
+        assert fresh.generate_text(messages, greedy(12), thinking=False).answer == second.answer
+    finally:
+        fresh.unload()
+
+
+@pytest.mark.parametrize("architecture", ["qwen3_next", "qwen3_5_moe"])
+def test_the_other_hybrids_batch_as_each_alone_and_as_plain_generate(tmp_path, architecture):
+    """Qwen3-Next and Qwen3.5-MoE: the same Gated DeltaNet layers beside mixture-of-experts
+    MLPs, on the same batched path."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.models.qwen3_5_moe.configuration_qwen3_5_moe import Qwen3_5MoeTextConfig
+    from transformers.models.qwen3_next.configuration_qwen3_next import Qwen3NextConfig
+
+    from model_utils.loading.demo_model import demo_model_path
+
+    tokenizer = AutoTokenizer.from_pretrained(demo_model_path())
+    config_class, extra = {"qwen3_next": (Qwen3NextConfig, {"intermediate_size": 128}),
+                           "qwen3_5_moe": (Qwen3_5MoeTextConfig, {})}[architecture]
+    moe = dict(moe_intermediate_size=32, shared_expert_intermediate_size=32, num_experts=4,
+               num_experts_per_tok=2)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config_class(
+        **{k: v for k, v in TEXT.items() if k != "intermediate_size"}, **moe, **extra,
+        vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id))
+    model.save_pretrained(tmp_path / architecture)
+    tokenizer.save_pretrained(tmp_path / architecture)
+    engine = load(tmp_path / architecture, max_batch=4)
+    try:
+        serving = engine.serving
+        assert serving.scheduler is not None, serving.decode_path_reason
+        prompts = [[(7 * j + 11 * i) % 900 + 5 for j in range(3 + (i * 97) % 260)]
+                   for i in range(3)]
+        expected = [alone(serving, p, greedy(10)) for p in prompts]
+        got = together([lambda p=p: submit(serving, p, greedy(10)) for p in prompts])
+        assert [tokens for tokens, _ in got] == expected
+        assert expected[0] == plain_generate(serving, prompts[0], 10)
+        del serving
     finally:
         engine.unload()

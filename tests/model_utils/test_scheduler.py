@@ -45,7 +45,6 @@ class ListRunner:
     `on_step(step_number, rows)` runs before each step is sampled."""
 
     max_batch = 0  # the rows asked for, as the real runner is told
-    reuses_prefixes = True
     min_reuse_tokens = 0
 
     def __init__(self, *, blocks: int = 1000, block_tokens: int = 2, padded: bool = False,
@@ -72,6 +71,9 @@ class ListRunner:
 
     def session(self):
         return contextlib.nullcontext()
+
+    def reusable_blocks(self, match) -> int:
+        return len(match.blocks)
 
     def fits_padded(self, tokens: int) -> bool:
         return self.padded
