@@ -332,6 +332,5 @@ def test_the_other_hybrids_batch_as_each_alone_and_as_plain_generate(tmp_path, a
         got = together([lambda p=p: submit(serving, p, greedy(10)) for p in prompts])
         assert [tokens for tokens, _ in got] == expected
         assert expected[0] == plain_generate(serving, prompts[0], 10)
-        del serving
     finally:
         engine.unload()
