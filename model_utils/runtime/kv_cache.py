@@ -225,15 +225,17 @@ class PagedKV:
                             dtype=torch.long).to(self.device, non_blocking=True)
 
     # -- rows ----------------------------------------------------------------------------------
-    def place(self, row: int, blocks: list[int], length: int, token: int) -> None:
-        """Row `row` holds a sequence of `length` tokens in `blocks`; `token` is its next input."""
+    def place(self, row: int, blocks: list[int], length: int, token: int,
+              staged: int = 0) -> None:
+        """Row `row` holds a sequence of `length` tokens in `blocks`; `token` is its next input
+        (with linear-attention layers, its states are in staging slot `staged`)."""
         table = torch.zeros(self.width, dtype=torch.int32)
         table[:len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
         self.table[row].copy_(table, non_blocking=True)
         self.pos[row] = length
         self.ids[row, 0] = token
-        if self.states:  # its prompt was just prefilled in the prefill slot
-            self.states.place(row)
+        if self.states:  # its prompt was just prefilled in a staging slot
+            self.states.place(row, staged)
 
     def add_blocks(self, entries: list[tuple[int, int, int]]) -> None:
         """(row, index, block): table[row, index] = block, in one small copy."""

@@ -4,8 +4,9 @@ one slot per row of the batch, beside the paged KV cache of the full-attention l
 A linear-attention layer carries two states from token to token instead of a growing cache:
 the last few inputs of its causal convolution ([conv_dim, kernel]) and the delta rule's state
 ([value_heads, key_dim, value_dim], float32 as transformers and fla keep it). They do not grow
-with the context, so each row has one fixed slot in a [rows + 1, ...] tensor per layer (the
-extra slot is where a prompt is prefilled, before it has a row); a decode step reads and writes
+with the context, so each row has one fixed slot in a [rows + staging, ...] tensor per layer
+(the staging slots are where prompts are prefilled, before they have a row: one, or one per
+prompt of a prefill of several); a decode step reads and writes
 the slots of rows [0, b) in place (views of persistent tensors, so a captured graph replays
 it), a row that leaves hands its slot to the row that moves into its place, as the block table
 does.
@@ -38,11 +39,12 @@ def linear_layers(model: PreTrainedModel) -> dict[int, torch.nn.Module]:
 
 
 class LinearStates:
-    """The conv and recurrent states of every linear-attention layer, rows + 1 slots each."""
+    """The conv and recurrent states of every linear-attention layer, rows + staging slots
+    each."""
 
-    def __init__(self, probe: Cache, rows: int):
+    def __init__(self, probe: Cache, rows: int, staging: int = 1):
         self.rows = rows
-        self.prefill_slot = rows
+        self.prefill_slot = rows  # the first staging slot: a prompt prefilled by itself
         self.conv: dict[int, torch.Tensor] = {}
         self.recurrent: dict[int, torch.Tensor] = {}
         for index, layer in enumerate(probe.layers):
@@ -51,8 +53,8 @@ class LinearStates:
             if conv is None:
                 continue
             recurrent = layer.recurrent_states[0]
-            self.conv[index] = conv.new_zeros(rows + 1, *conv.shape[1:])
-            self.recurrent[index] = recurrent.new_zeros(rows + 1, *recurrent.shape[1:])
+            self.conv[index] = conv.new_zeros(rows + staging, *conv.shape[1:])
+            self.recurrent[index] = recurrent.new_zeros(rows + staging, *recurrent.shape[1:])
         self._views: dict[tuple[int, int, bool], StateView] = {}
 
     @property
@@ -71,9 +73,13 @@ class LinearStates:
     def prefill_view(self, fresh: bool) -> StateView:
         return self.view(self.prefill_slot, 1, fresh=fresh)
 
-    def place(self, row: int) -> None:
-        """The prompt just prefilled takes row `row`'s slots."""
-        self.copy(self.prefill_slot, row)
+    def staging_view(self, count: int) -> StateView:
+        """The `cache` of a prefill of `count` prompts together, from no state."""
+        return self.view(self.prefill_slot, count, fresh=True)
+
+    def place(self, row: int, staged: int = 0) -> None:
+        """The prompt just prefilled in staging slot `staged` takes row `row`'s slots."""
+        self.copy(self.prefill_slot + staged, row)
 
     def copy(self, src: int, dst: int) -> None:
         for states in (self.conv, self.recurrent):

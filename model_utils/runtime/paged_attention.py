@@ -101,8 +101,8 @@ def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
     flat_k, flat_v = store(key, value, step, layer)
     if step.kind == "prefill":
         new = query.shape[2]
-        mask = None
-        if window and new > window:
+        mask = attention_mask  # left padding's (left_padded_prefill.py); else causal
+        if mask is None and window and new > window:
             mask = _window_mask(new, new, 0, window, query.device)
         return sdpa_attention_forward(module, query, key, value, mask, scaling=scale,
                                       is_causal=mask is None)

@@ -45,7 +45,8 @@ PREFILL_ROWS = (1, 2, 4, 8)  # prompts prefilled by one replay
 
 class PaddedPrefill:
     """Prefill prompts of up to the largest bucket's tokens into their blocks, several at once
-    when they fit together: logits [n, V] of each one's last token.
+    when they fit together: logits [n, V] of each one's last token. (left_padded_prefill is
+    the same for models with linear-attention layers.)
 
     `capture` (a cuda_graphs.GraphCapture, on a CUDA device): replay each shape as a CUDA graph;
     without it the same padded forward runs eagerly, which is what the CPU tests compare with an
@@ -62,7 +63,8 @@ class PaddedPrefill:
         self.slots = self.buckets[-1] if self.buckets else 0
         self.shapes = [(rows, size) for size in self.buckets for rows in PREFILL_ROWS
                        if rows * size <= self.slots]
-        self._entries: dict[tuple[int, int], _Bucket] = {}
+        self._entries: dict[tuple[int, int], PrefillBucket] = {}
+        self.bucket_type = PrefillBucket
         self.uncaptured: list[tuple[int, int]] = []  # (rows, size) that run eagerly
 
     def fits(self, tokens: int) -> bool:
@@ -99,16 +101,16 @@ class PaddedPrefill:
     def _shape(self, lengths: list[int]) -> tuple[int, int]:
         return bucket(len(lengths), PREFILL_ROWS), bucket(max(lengths), self.buckets)
 
-    def _entry(self, shape: tuple[int, int]) -> _Bucket:
+    def _entry(self, shape: tuple[int, int]) -> PrefillBucket:
         entry = self._entries.get(shape)
         if entry is None:
-            entry = _Bucket(self, *shape)
+            entry = self.bucket_type(self, *shape)
             if self.capture is not None:
                 self._capture(entry)
             self._entries[shape] = entry
         return entry
 
-    def _capture(self, entry: _Bucket) -> None:
+    def _capture(self, entry: PrefillBucket) -> None:
         start = time.perf_counter()
         try:
             graph, logits = self.capture(entry.forward, lambda: None)
@@ -127,7 +129,7 @@ class PaddedPrefill:
                  entry.size, time.perf_counter() - start)
 
 
-class _Bucket:
+class PrefillBucket:
     """The persistent inputs of `rows` prompts of up to `size` tokens (slots: all to the null
     block until a prompt is given, so the warm-up writes nowhere that matters)."""
 

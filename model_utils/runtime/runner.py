@@ -23,12 +23,14 @@ from .decoders import input_device
 from .grammar import mask_logits
 from .kv_blocks import BlockPool, PrefixMatch, blocks_for, prefix_key
 from .kv_cache import BLOCK_TOKENS, PagedKV, bucket, probe_layers
+from .left_padded_prefill import LeftPaddedPrefill
 from .linear_states import LinearStates, linear_layers
-from .prefill import PaddedPrefill
+from .prefill import PREFILL_ROWS, PaddedPrefill
 from .readback import TokenReadback
 from .runner_protocol import Failures
 from .sampling import RowSampler, sample_rows
 from .state_snapshots import StateSnapshots, snapshot_count, snapshot_point
+from .tail_rows import TAIL_ROWS, TailRows
 
 if TYPE_CHECKING:
     from transformers import DynamicCache
@@ -49,12 +51,6 @@ MIN_REUSE_TOKENS = 256
 # Prompt lengths prefilled once at load on a model with linear-attention layers: multiples of
 # 16 and not, of one chunk of the layers' kernels (64 tokens) and of many.
 LINEAR_WARM_UP_LENGTHS = (64, 72, 1000, 1024, 4096, 4104)
-# A prompt's new tokens after a cached start (a conversation's next turn), up to this many, are
-# decoded as rows of one captured decode step, each token a row over the prompt's blocks, where
-# the step replays CUDA graphs: one replay instead of the eager forward's kernels launched one
-# by one, which cost a next turn a fixed ~40 ms on a 7B model (BENCHMARKS.md). Each row reads
-# the whole context, so past a few dozen tokens the one-sequence forward is the better one.
-TAIL_ROWS = 64
 # step_fn(kv, b) -> logits [b, V] of one decode step for rows [0, b) of the cache.
 StepFn = Callable[[PagedKV, int], torch.Tensor]
 
@@ -96,13 +92,14 @@ class BatchRunner:
         self.min_reuse_tokens = MIN_REUSE_TOKENS
         # Most new tokens after a cached start decoded as rows (TAIL_ROWS; 0: never)
         self.tail_rows = TAIL_ROWS if getattr(self.step_fn, "replays_graphs", False) else 0
-        self._tail: PagedKV | None = None  # their rows, over the cache's pools
+        self._tail: TailRows | None = None  # made at the first need
         self.kv: PagedKV | None = None  # allocated on first use
         self.pool: BlockPool | None = None
         self.snapshots: StateSnapshots | None = None  # linear layers' states at prompt points
         self.padded_prefill: PaddedPrefill | None = None  # see use_padded_prefill
         self._readback: TokenReadback | None = None  # made with the cache
         self._samplers: dict[Request, RowSampler] = {}  # requests set up and not ended
+        self._staged: dict[Request, int] = {}  # see prefill
 
     # -- at load time (on the worker thread, no loop running) ----------------------------------
     def warm_up(self, row_counts: Iterable[int] = (1,)) -> None:
@@ -119,17 +116,20 @@ class BatchRunner:
             kv.pad_rows(0, kv.rows)
 
     def use_padded_prefill(self, capture: GraphCapture | None = None) -> float:
-        """Prefill short prompts through prefill.PaddedPrefill (captured as CUDA graphs by
-        `capture`, a cuda_graphs.GraphCapture; eager without), set up now; returns the seconds
-        it took. On the worker thread, after warm_up (which allocates the cache)."""
+        """Prefill short prompts through prefill.PaddedPrefill, or left_padded_prefill's on a
+        model with linear-attention layers (captured as CUDA graphs by `capture`, a
+        cuda_graphs.GraphCapture; eager without), set up now; returns the seconds it took. On the worker thread, after warm_up (which allocates the cache)."""
         kv = self._cache()
+        seconds = 0.0
         if kv.states is not None:  # right padding would run into a linear layer's state
-            return self._warm_up_linear_prefill()
-        padded = PaddedPrefill(self.model, kv, capture=capture)
+            seconds = self._warm_up_linear_prefill()
+            padded = LeftPaddedPrefill(self.model, kv, capture=capture)
+        else:
+            padded = PaddedPrefill(self.model, kv, capture=capture)
         if not padded.buckets:  # a context shorter than the smallest bucket
-            return 0.0
+            return seconds
         with torch.inference_mode():
-            seconds = padded.warm_up()
+            seconds += padded.warm_up()
         self.padded_prefill = padded
         return seconds
 
@@ -188,7 +188,12 @@ class BatchRunner:
         return torch.inference_mode()
 
     def fits_padded(self, tokens: int) -> bool:
-        return self.padded_prefill is not None and self.padded_prefill.fits(tokens)
+        """Whether the padded prefill takes a prompt of `tokens` (not one whose linear-
+        attention states are to be kept: see left_padded_prefill)."""
+        if self.padded_prefill is None or not self.padded_prefill.fits(tokens):
+            return False
+        return self.kv.states is None or \
+            snapshot_point(tokens, BLOCK_TOKENS) < self.min_reuse_tokens
 
     def fit_padded_together(self, lengths: list[int]) -> bool:
         return self.padded_prefill is not None and self.padded_prefill.fit_together(lengths)
@@ -212,6 +217,8 @@ class BatchRunner:
         """The forward of each request's prompt tokens the cache does not hold yet, written to
         its blocks: the padded prefill (right-padded, a graph replay on a GPU) for several at
         once, or one by one (in chunks of PREFILL_CHUNK, each after the ones before)."""
+        # the staging slot of each prompt's linear-attention states (the padded prefill's row)
+        self._staged = {r: i for i, r in enumerate(requests)} if padded else {}
         if padded:
             return Prefilled(self.padded_prefill([r.prompt_ids for r in requests],
                                                  [r.blocks for r in requests]))
@@ -227,7 +234,7 @@ class BatchRunner:
         are kept at the prompt's snapshot point for a later prompt to start from."""
         kv = self._cache()
         if 0 < cached and len(tokens) - cached <= self.tail_rows and kv.states is None:
-            return self._forward_tail_as_rows(tokens, blocks, cached)
+            return self._tail_rows()(tokens, blocks, cached)
         bounds = set(range(cached, len(tokens), chunk))
         point = 0
         if kv.states is not None:
@@ -260,42 +267,17 @@ class BatchRunner:
     def _name(tokens: list[int], length: int) -> int:
         return prefix_key(tokens, BLOCK_TOKENS, length // BLOCK_TOKENS)
 
-    def _forward_tail_as_rows(self, tokens: list[int], blocks: list[int],
-                              cached: int) -> torch.Tensor:
-        """forward_prompt for a short tail after `cached` tokens: token i of the tail is row
-        i of one decode step (its position cached + i, the prompt's blocks as its table row),
-        so it attends to the cached tokens and to the tail's tokens before it, whose keys the
-        same step writes first (paged_attention.decode_layer). Logits [1, V] of the last."""
-        new = len(tokens) - cached
-        tail = self._tail_cache()
-        b = bucket(new, tail.row_buckets)
-        table = torch.zeros(tail.width, dtype=torch.int32)
-        table[:len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
-        tail.table[:new].copy_(table.to(self.device, non_blocking=True).expand(new, -1))
-        tail.pos[:new].copy_(torch.arange(cached, len(tokens)), non_blocking=True)
-        tail.ids[:new, 0].copy_(torch.tensor(tokens[cached:]), non_blocking=True)
-        tail.pad_rows(new, b)
-        tail.set_lengths(b, len(tokens), sum(range(cached + 1, len(tokens) + 1)) + b)
-        logits = self.step_fn(tail, b)[new - 1:new].clone()  # the graph's output is reused
-        tail.table[:new].zero_()  # back to the null block: padding rows of later tails
-        return logits
-
-    def _tail_cache(self) -> PagedKV:
-        if self._tail is None:
-            self._tail = self._cache().with_rows(self.tail_rows)
-        return self._tail
-
     def warm_up_tail(self) -> None:
-        """Capture the step a short tail after a cached start is decoded in (see TAIL_ROWS)
-        now rather than at a conversation's first next turn. On the worker thread."""
-        if not self.tail_rows or self._cache().states is not None:
-            return
-        with torch.inference_mode():
-            tail = self._tail_cache()
-            b = tail.row_buckets[-1]
-            tail.pad_rows(0, b)  # every row on the null block
-            tail.set_lengths(b, 1, b)
-            self.step_fn(tail, b)
+        """Capture the step a next turn's short tail is decoded in (tail_rows.TailRows) now
+        rather than at a conversation's first next turn. On the worker thread."""
+        if self.tail_rows and self._cache().states is None:
+            with torch.inference_mode():
+                self._tail_rows().warm_up()
+
+    def _tail_rows(self) -> TailRows:
+        if self._tail is None:
+            self._tail = TailRows(self._cache(), self.step_fn, self.tail_rows)
+        return self._tail
 
     def first_tokens(self, prefilled: Prefilled,
                      requests: list[Request]) -> tuple[list[int], Failures]:
@@ -306,7 +288,7 @@ class BatchRunner:
     def place(self, row: int, request: Request, token: int) -> None:
         """`request` (its request.length tokens in its blocks) takes row `row`, the next free
         one, with `token` as its next input."""
-        self.kv.place(row, request.blocks, request.length, token)
+        self.kv.place(row, request.blocks, request.length, token, self._staged.pop(request, 0))
 
     def add_blocks(self, entries: list[tuple[int, int, int]]) -> None:
         """(row, index, block): a row's next token starts block `index` of its table."""
@@ -366,12 +348,14 @@ class BatchRunner:
                         "context (%d): taking that much anyway", tokens, self.context_tokens)
             tokens = one_reply
         blocks = blocks_for(tokens, BLOCK_TOKENS) + 1  # + the null block
-        states = LinearStates(probe, self.max_batch) if linear_layers(self.model) else None
-        if states is not None:
-            self.snapshots = StateSnapshots(states, snapshot_count(self.max_batch))
+        states = (LinearStates(probe, self.max_batch, staging=PREFILL_ROWS[-1])
+                  if linear_layers(self.model) else None)
         self.kv = PagedKV(self.model, layers, num_blocks=blocks, block_tokens=BLOCK_TOKENS,
                           rows=self.max_batch, context_tokens=self.context_tokens,
                           device=self.device, states=states)
+        if states is not None:  # after the pools: from the memory they leave
+            self.snapshots = StateSnapshots(states, snapshot_count(
+                self.max_batch, StateSnapshots.slot_bytes(states), _free_bytes(self.device)))
         self.pool = BlockPool(blocks, BLOCK_TOKENS)
         self._readback = TokenReadback(self.device, self.max_batch)
         log.info("KV cache: %d blocks of %d tokens (%d tokens, %.3f GB) for %d rows",

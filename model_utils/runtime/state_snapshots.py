@@ -23,6 +23,8 @@ from .linear_states import LinearStates
 
 # The snapshot point's distance from the prompt's end, at least (tokens).
 SNAPSHOT_MARGIN = 16
+# Share of the memory free beside the KV cache that the snapshots may take.
+SNAPSHOT_MEMORY_SHARE = 0.1
 
 
 def snapshot_point(prompt_tokens: int, block_tokens: int) -> int:
@@ -46,6 +48,12 @@ class StateSnapshots:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size()
                    for t in (*self.conv.values(), *self.recurrent.values()))
+
+    @staticmethod
+    def slot_bytes(states: LinearStates) -> int:
+        """Bytes of one snapshot of `states`."""
+        return sum(t[0].numel() * t.element_size()
+                   for t in (*states.conv.values(), *states.recurrent.values()))
 
     def __contains__(self, name: int) -> bool:
         return name in self._slots
@@ -85,7 +93,7 @@ class StateSnapshots:
                 target[layer][dst].copy_(tensor[src])
 
 
-def snapshot_count(rows: int) -> int:
-    """Snapshots kept for a runner of `rows` rows: two conversations' worth per row."""
-    return 2 * rows
-
+def snapshot_count(rows: int, slot_bytes: int, free_bytes: int) -> int:
+    """Snapshots kept for a runner of `rows` rows: two conversations' worth per row, as far as
+    SNAPSHOT_MEMORY_SHARE of the free memory allows (at least one)."""
+    return max(1, min(2 * rows, int(free_bytes * SNAPSHOT_MEMORY_SHARE) // max(1, slot_bytes)))
