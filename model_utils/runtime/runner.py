@@ -235,20 +235,23 @@ class BatchRunner:
         kv = self._cache()
         if 0 < cached and len(tokens) - cached <= self.tail_rows and kv.states is None:
             return self._tail_rows()(tokens, blocks, cached)
-        bounds = set(range(cached, len(tokens), chunk))
+        first = cached
         point = 0
         if kv.states is not None:
             if cached and not self.snapshots.restore(self._name(tokens, cached),
                                                      kv.states.prefill_slot):
-                raise RuntimeError(f"no linear-attention states kept at token {cached}")
+                # Dropped since admission (other prompts kept theirs): the prefix again for
+                # its states, its keys and values (in its blocks already) written nowhere.
+                first = 0
             point = snapshot_point(len(tokens), BLOCK_TOKENS) if snapshot else 0
-            if point > cached and point >= self.min_reuse_tokens:
-                bounds.add(point)  # a forward ends there, so its states can be copied
-            else:
-                point = 0
+            if point <= cached or point < self.min_reuse_tokens:
+                point = 0  # else a forward ends there, so that its states can be copied
+        bounds = set(range(first, len(tokens), chunk)) | {cached, point} - {len(tokens)}
+        bounds = sorted(b for b in bounds if b >= first)
         logits = None
-        for start, stop in zip(sorted(bounds), sorted(bounds)[1:] + [len(tokens)]):
-            slots = kv.slots_of(blocks, start, stop)
+        for start, stop in zip(bounds, bounds[1:] + [len(tokens)]):
+            slots = kv.slots_of(blocks, start, stop) if start >= cached else \
+                torch.zeros(stop - start, dtype=torch.long, device=self.device)
             if start == 0:
                 step = kv.prefill_step(slots)
             else:

@@ -281,6 +281,10 @@ def test_a_next_turn_starts_from_the_kept_states_and_stays_exact(strong_hybrid, 
     other = first[:50] + [901] * 100
     got, stats = submit(serving, other, greedy(8))
     assert got == alone(serving, other, greedy(8)) and stats.cached_tokens == 0
+    # states dropped between admission and prefill: the prefix is computed again, exactly
+    third = second + got + [77] * 20
+    monkeypatch.setattr(runner.snapshots, "restore", lambda name, slot: False)
+    assert submit(serving, third, greedy(10))[0] == alone(serving, third, greedy(10))
 
 
 def test_a_conversation_through_the_chat_template_reuses_its_earlier_turns(strong_hybrid,
