@@ -36,3 +36,27 @@ def test_hybrid_rows_on_the_graph_path_are_close_to_plain_generate(folder, rows)
     result = check.check_logprobs_close(together, alone,
                                         tolerance=check.TOLERANCE[torch.bfloat16])
     assert result["close"], result["partings"]
+
+
+def test_hybrid_next_turns_and_short_prompts_together_are_close_to_plain_generate(folder):
+    """A next turn starting from the kept linear states (state_snapshots) and short prompts
+    prefilled together, left-padded by CUDA graphs (left_padded_prefill), on the GPU."""
+    engine = load_engine(folder, "bf16", max_batch=8)
+    try:
+        runner = engine.serving.scheduler.runner
+        assert runner.padded_prefill is not None and not runner.padded_prefill.uncaptured
+        runner.min_reuse_tokens = 16
+        first = [(11 * j) % 700 + 7 for j in range(300)]
+        engine_greedy(engine, [first], 8)
+        second = first + [(3 * j) % 500 + 40 for j in range(40)]
+        short = [[(7 * j + 11 * i) % 900 + 5 for j in range(20 + 30 * i)] for i in range(4)]
+        prompts = [second, *short]
+        together = engine_greedy(engine, prompts, 24)
+        assert engine.serving.scheduler.kv_blocks()["reused_tokens"] >= 256
+    finally:
+        engine.unload()
+    reference = plain(folder, "bf16")
+    alone = [plain_greedy(reference, [p], 24)[0] for p in prompts]
+    result = check.check_logprobs_close(together, alone,
+                                        tolerance=check.TOLERANCE[torch.bfloat16])
+    assert result["close"], result["partings"]
