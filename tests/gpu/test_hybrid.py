@@ -21,6 +21,15 @@ def folder(tmp_path_factory):
     return build(tmp_path_factory.mktemp("qwen3_5-gpu") / "tiny")
 
 
+def assert_close_to_plain_generate(folder, prompts, together) -> None:
+    """The engine's replies against plain generate of each prompt alone, by the logprob check."""
+    reference = plain(folder, "bf16")
+    alone = [plain_greedy(reference, [p], 24)[0] for p in prompts]
+    result = check.check_logprobs_close(together, alone,
+                                        tolerance=check.TOLERANCE[torch.bfloat16])
+    assert result["close"], result["partings"]
+
+
 @pytest.mark.parametrize("rows", [1, 7])
 def test_hybrid_rows_on_the_graph_path_are_close_to_plain_generate(folder, rows):
     engine = load_engine(folder, "bf16", max_batch=8)
@@ -31,11 +40,7 @@ def test_hybrid_rows_on_the_graph_path_are_close_to_plain_generate(folder, rows)
         together = engine_greedy(engine, prompts, 24)
     finally:
         engine.unload()
-    reference = plain(folder, "bf16")
-    alone = [plain_greedy(reference, [p], 24)[0] for p in prompts]
-    result = check.check_logprobs_close(together, alone,
-                                        tolerance=check.TOLERANCE[torch.bfloat16])
-    assert result["close"], result["partings"]
+    assert_close_to_plain_generate(folder, prompts, together)
 
 
 def test_hybrid_next_turns_and_short_prompts_together_are_close_to_plain_generate(folder):
@@ -55,8 +60,4 @@ def test_hybrid_next_turns_and_short_prompts_together_are_close_to_plain_generat
         assert engine.serving.scheduler.kv_blocks()["reused_tokens"] >= 256
     finally:
         engine.unload()
-    reference = plain(folder, "bf16")
-    alone = [plain_greedy(reference, [p], 24)[0] for p in prompts]
-    result = check.check_logprobs_close(together, alone,
-                                        tolerance=check.TOLERANCE[torch.bfloat16])
-    assert result["close"], result["partings"]
+    assert_close_to_plain_generate(folder, prompts, together)

@@ -50,3 +50,44 @@ def prefill_logits(engine, tokens: list[int], chunk: int):
             pool.release(blocks)
 
     return engine.worker.call(run)
+
+
+def record_padded_prefills(runner) -> list[list[int]]:
+    """The prompt lengths of each call of the runner's padded prefill from now on (its class
+    swapped for one that records; `runner.padded_prefill = None` ends it)."""
+    padded = runner.padded_prefill
+    calls: list[list[int]] = []
+    original = padded.__call__
+
+    class Recording(type(padded)):
+        def __call__(self, prompts, blocks):
+            calls.append([len(p) for p in prompts])
+            return original(prompts, blocks)
+
+    padded.__class__ = Recording
+    return calls
+
+
+def submitted_together(engine, jobs: list, timeout: float = 120) -> list:
+    """Each of `jobs` (a submit to the engine's scheduler) from its own thread, all waiting in
+    the queue at once before the decode worker takes any; their results in order."""
+    import threading
+    import time
+
+    gate = threading.Event()
+    results: list = [None] * len(jobs)
+    threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, jobs[i]()))
+               for i in range(len(jobs))]
+    try:
+        engine.worker.post(gate.wait)  # the decode worker is busy while they arrive
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + timeout
+        while engine.serving.scheduler.load()["waiting"] < len(jobs):
+            assert time.monotonic() < deadline, "the requests never all waited"
+            time.sleep(0.02)
+    finally:
+        gate.set()  # a failed check must not leave the worker blocked for the next tests
+    for t in threads:
+        t.join(timeout=300)
+    return results

@@ -19,7 +19,7 @@ from model_utils.runtime.generation import decode_tokens
 from model_utils.runtime.generation_settings import GenerationSettings
 from model_utils.runtime.reply_stats import ReplyStats
 
-from .helpers import cpu_request, prefill_logits
+from .helpers import cpu_request, prefill_logits, record_padded_prefills, submitted_together
 
 
 def greedy(n: int, *, fixed: bool = True) -> GenerationSettings:
@@ -138,21 +138,13 @@ def test_the_padded_prefill_gives_the_replies_of_an_unpadded_one(small_engine):
     small_engine.worker.call(runner.warm_up)  # allocates the batch cache
     small_engine.worker.call(lambda: runner.use_padded_prefill())
     padded = runner.padded_prefill
-    served = []
-    original = padded.__call__
-
-    class Counting(type(padded)):
-        def __call__(self, prompts, blocks):
-            served.extend(len(p) for p in prompts)
-            return original(prompts, blocks)
-
-    padded.__class__ = Counting
+    served = record_padded_prefills(runner)
     try:
         assert padded.buckets == (64, 128, 256, 512, 1024)
         joining_and_leaving(serving)
     finally:
         runner.padded_prefill = None
-    assert sorted(served) == [2, 5, 9, 17, 40, 300]
+    assert sorted(sum(served, [])) == [2, 5, 9, 17, 40, 300]
 
 
 def test_prompts_arriving_together_share_one_padded_prefill(load_demo):
@@ -160,38 +152,15 @@ def test_prompts_arriving_together_share_one_padded_prefill(load_demo):
     64-token bucket: one replay on a GPU), and each reply is still the one it gets alone."""
     engine = load_demo("fp32")
     serving = engine.serving
-    batcher, runner = serving.scheduler, serving.scheduler.runner
+    runner = serving.scheduler.runner
     engine.worker.call(runner.warm_up)  # allocates the batch cache
     engine.worker.call(lambda: runner.use_padded_prefill())
-    padded = runner.padded_prefill
-    groups: list[list[int]] = []
-    original = padded.__call__
-
-    class Counting(type(padded)):
-        def __call__(self, prompts, blocks):
-            groups.append([len(p) for p in prompts])
-            return original(prompts, blocks)
-
-    padded.__class__ = Counting
+    groups = record_padded_prefills(runner)
     cases = [([5 + i + j for j in range(3 + 7 * i)], greedy(16 + i)) for i in range(8)]
-    gate = threading.Event()
     try:
         expected = [alone(serving, p, s) for p, s in cases]
-        engine.worker.post(gate.wait)  # the decode worker is busy while all eight arrive
-        results: list = [None] * len(cases)
-
-        def one(i):
-            results[i] = submit(serving, *cases[i])
-
-        threads = [threading.Thread(target=one, args=(i,)) for i in range(len(cases))]
-        for t in threads:
-            t.start()
-        wait_until(lambda: batcher.load()["waiting"] == len(cases))
-        gate.set()
-        for t in threads:
-            t.join(timeout=300)
+        results = submitted_together(engine, [lambda c=c: submit(serving, *c) for c in cases])
     finally:
-        gate.set()  # a failed check must not leave the worker blocked for the next tests
         runner.padded_prefill = None
     assert groups == [[3 + 7 * i for i in range(8)]]
     for i, ((tokens, _), reference) in enumerate(zip(results, expected)):

@@ -6,7 +6,6 @@ alone and to plain generate; a checkpoint with a vision tower loads as its langu
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
 import torch
@@ -20,7 +19,7 @@ from model_utils.runtime.generation import decode_tokens
 from model_utils.runtime.generation_settings import GenerationSettings
 from model_utils.runtime.reply_stats import ReplyStats
 
-from .helpers import prefill_logits
+from .helpers import prefill_logits, record_padded_prefills, submitted_together
 
 TEXT = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
             num_key_value_heads=2, head_dim=16, linear_key_head_dim=16,
@@ -347,35 +346,14 @@ def test_prompts_prefilled_together_left_padded_decode_as_each_alone(strong_hybr
     serving = strong_hybrid.serving
     runner = serving.scheduler.runner
     strong_hybrid.worker.call(lambda: runner.use_padded_prefill())
-    padded = runner.padded_prefill
-    groups = []
-    original = padded.__call__
-
-    class Counting(type(padded)):
-        def __call__(self, prompts, blocks):
-            groups.append([len(p) for p in prompts])
-            return original(prompts, blocks)
-
-    padded.__class__ = Counting
+    groups = record_padded_prefills(runner)
     prompts = [[(7 * j + 11 * i) % 900 + 5 for j in range(3 + 41 * i)] for i in range(4)]
     settings = [greedy(10 + i) for i in range(4)]
     expected = [alone(serving, p, s) for p, s in zip(prompts, settings)]
-    gate = threading.Event()
     try:
-        strong_hybrid.worker.post(gate.wait)  # all four wait together, then share a prefill
-        results = [None] * 4
-        threads = [threading.Thread(target=lambda i=i: results.__setitem__(
-            i, submit(serving, prompts[i], settings[i]))) for i in range(4)]
-        for t in threads:
-            t.start()
-        deadline = time.monotonic() + 60
-        while serving.scheduler.load()["waiting"] < 4 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        gate.set()
-        for t in threads:
-            t.join(timeout=300)
+        results = submitted_together(strong_hybrid, [
+            lambda p=p, s=s: submit(serving, p, s) for p, s in zip(prompts, settings)])
     finally:
-        gate.set()
         runner.padded_prefill = None
     assert [tokens for tokens, _ in results] == expected
     # every prompt went through it, in replays of several (rows x bucket within 256 tokens)
