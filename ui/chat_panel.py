@@ -31,6 +31,7 @@ from server.conversation import (
     validate_history,
     without_last_turn,
 )
+from server.queue_gone import SESSIONS
 from server.replies import StopSignals, make_settings, stats_line, stream
 
 from .branch_controls import build_branch_controls, wire_branch_controls
@@ -147,6 +148,8 @@ def _wire(c: dict, engine: Engine, signals: StopSignals, export_dir: Path, demo:
         def saved(pending: dict) -> list[dict]:
             return finish({"role": "assistant", **pending, "stats": INTERRUPTED})
 
+        # A tab closed mid-reply sets `stop` as its event stream closes (queue_gone.py).
+        SESSIONS.add(session, stop)
         try:
             yield (chatbot_messages(turns, {"content": ""}), saved({"content": ""}), "", "",
                    *buttons(generating=True))
@@ -177,6 +180,7 @@ def _wire(c: dict, engine: Engine, signals: StopSignals, export_dir: Path, demo:
             yield (chatbot_messages(done), done, gr.skip(), update.notice if update else "",
                    *buttons(generating=False))
         finally:
+            SESSIONS.discard(session, stop)
             signals.finish(session, stop)
 
     # gr.Request comes before the settings' values: gradio passes it only to a parameter

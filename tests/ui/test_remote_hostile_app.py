@@ -1,7 +1,8 @@
 """The app itself (python app.py --backend, logins, an admin, 3 places) in front of a model
 server that misbehaves on purpose, each case beside other users' replies (attacks.Victims):
 the plain message its own clients get, the app still serving, their replies complete, the key
-nowhere; clients that go away free their places; a guest cannot run the benchmark."""
+nowhere; clients that go away (/v1 or gradio's /chat) free their places; a guest cannot run
+the benchmark."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from gradio_client import Client
 
 from model_utils.backends.sse import MAX_EVENT_BYTES, MAX_LINE_BYTES
 
-from .attacks import Victims, by_route, page_handler, page_login, plain_problems
+from .attacks import Victims, by_route, chat_stream, page_handler, page_login, plain_problems
 from .fake_model_server import FakeModelServer
 from .test_remote_faults import wait_for_v1
 
@@ -188,6 +189,28 @@ def test_clients_that_go_away_free_their_places_at_once(app, fake, guest, http):
     print(f"places freed {freed:.2f} s after the clients left")
     assert freed < 1.5, f"places freed after {freed:.2f} s"
     wait_until(lambda: fake.hangups >= hangups + PLACES, 5, "the server kept writing")
+    assert victims(app).finish() == {"v1": "complete", "chat": "complete"}
+
+
+def test_a_gradio_client_that_leaves_mid_reply_frees_its_place_at_once(app, fake, guest):
+    """gradio's /chat through the queue, as gradio_client opens it, on a reply whose server
+    trickles bytes: no update reaches the client's event stream, so gradio alone noticed the
+    client leave only 10-15 s later. It closes the stream: the place is free within seconds
+    and the server's connection closed."""
+    serving(fake, guest)
+    page = page_login(app.url, *GUEST)
+    hangups = fake.hangups
+    try:
+        with chat_stream(page, "fake-mode: byte_trickle"):
+            wait_until(lambda: fake.open_streams == 1, 20, "the reply never reached the server")
+            assert guest.predict(api_name="/status")["queue"]["active"] == 1
+        freed = wait_until(lambda: guest.predict(api_name="/status")["queue"]["active"] == 0,
+                           10, "the place was not freed")
+        print(f"place freed {freed:.2f} s after the client left")
+        assert freed < 3, f"place freed after {freed:.2f} s"
+        wait_until(lambda: fake.hangups > hangups, 5, "the server kept writing")
+    finally:
+        page.close()
     assert victims(app).finish() == {"v1": "complete", "chat": "complete"}
 
 
