@@ -15,6 +15,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import replace
 
+from model_utils.bench.gate import bench_share
 from model_utils.chat.budget import PromptBudget, estimate_prompt
 from model_utils.chat.prompt import normalize_messages
 from model_utils.chat.reasoning import EMPTY_TEXT, ReplyText, SeparatedReasoning
@@ -78,10 +79,8 @@ class RemoteEngine:
             self.monitor.start()
 
     def bench_places(self) -> int:
-        """The most places the Benchmark's streams take together: a quarter of them (two at
-        least) stay for other users' replies, which a 32-stream run used to turn away as busy."""
-        places = self.max_batch + self.max_queue
-        return max(1, places - max(2, places // 4))
+        """The most places the Benchmark's streams take together (the local engine's rule)."""
+        return bench_share(self.max_batch + self.max_queue)
 
     def close(self) -> None:
         self.monitor.close()

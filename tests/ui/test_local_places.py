@@ -6,13 +6,15 @@ for other users' chats."""
 from __future__ import annotations
 
 import json
+import re
 import socket
+import threading
 import time
 
 import pytest
 from gradio_client import Client
 
-from .attacks import chat_stream, page_login
+from .attacks import chat_stream, page_handler, page_login
 
 ADMIN, GUEST = ("ann", "ann-secret"), ("bob", "bob-secret")
 BEARER = f"Bearer {GUEST[0]}:{GUEST[1]}"
@@ -84,3 +86,44 @@ def test_a_gradio_client_that_leaves_a_streaming_reply_frees_its_row(app, guest)
         assert freed < 5, f"freed after {freed:.2f} s"
     finally:
         page.close()
+
+
+def test_a_chat_during_the_admins_4_request_benchmark_completes(app, guest):
+    """5 places: the benchmark's 4 concurrent requests run at most 3 at once (two places
+    stay for other users), so a chat sent while they run is admitted and completes, and the
+    benchmark itself ends with its table."""
+    page = page_login(app.url, *ADMIN)
+    done: dict = {}
+    runner = threading.Thread(target=lambda: done.update(outcome=page_handler(
+        page, "run", {0: 8, 1: 128, 2: [str(ROWS)]})), daemon=True)
+    try:
+        runner.start()
+        seen = []
+
+        def sampled() -> dict:
+            now = queue(guest)
+            seen.append(now["active"] + now["waiting"])
+            return now
+
+        wait_until(lambda: sampled()["active"] > 0, 120, "the benchmark never decoded")
+        until = time.monotonic() + 3  # its requests, before any chat of ours
+        while time.monotonic() < until and runner.is_alive():
+            sampled()
+        assert max(seen) <= 3, f"the benchmark took {max(seen)} of 5 places"
+        final = None
+        for final in guest.submit("Hello?", [], {"max_new_tokens": 16}, "", False,
+                                  api_name="/chat"):
+            pass
+        assert final is not None and final["done"] and final["stats"]["new_tokens"] > 0
+        assert runner.is_alive(), "the benchmark ended before the chat was sent"
+        runner.join(300)
+    finally:
+        page.close()
+    outcome = done.get("outcome")
+    assert outcome is not None and outcome.status == 200, outcome
+    assert "ran at most 3 at once" in outcome.message, outcome
+    # The engine's own count of the benchmark's replies decoded together in its timed run:
+    # never all four.
+    together = [int(n) for n in re.findall(r"batch 4: .* at most (\d+) replies per step",
+                                           app.log())]
+    assert together and max(together) <= 3, together
