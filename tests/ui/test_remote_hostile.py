@@ -224,6 +224,18 @@ def test_a_trickled_models_answer_is_cut_at_its_wall_clock_bound(server):
         remote.close()
 
 
+def test_settings_left_unset_are_not_sent_so_the_server_applies_its_own(engine, server):
+    """vLLM reports no sampling defaults but applies the model's generation_config to the
+    fields a request leaves out: unset ones are left out, set ones are sent as given."""
+    assert engine.default_settings().as_dict()["temperature"] is None  # none reported
+    assert engine.generate_text(HELLO, GenerationSettings()).answer == "Hello there."
+    body = server.bodies[-1]
+    assert not {"temperature", "top_p", "top_k", "repetition_penalty"} & set(body), body
+    engine.generate_text(HELLO, GenerationSettings(temperature=0.3, top_p=0.8))
+    assert (server.bodies[-1]["temperature"], server.bodies[-1]["top_p"]) == (0.3, 0.8)
+    assert "top_k" not in server.bodies[-1]
+
+
 @pytest.fixture()
 def engine(server):
     remote = engine_for(server.url)
