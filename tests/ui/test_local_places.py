@@ -46,9 +46,10 @@ def wait_until(condition, timeout: float, what: str) -> float:
 
 
 def long_reply(app) -> socket.socket:
-    """A /v1 reply of thousands of tokens holding a row until its socket is closed."""
+    """A /v1 reply of thousands of tokens holding a row until its socket is closed (greedy:
+    the same tokens every run, none of them the end)."""
     body = json.dumps({"messages": [{"role": "user", "content": "Tell me about the sea."}],
-                       "max_tokens": 4000, "stream": True}).encode()
+                       "max_tokens": 4000, "temperature": 0, "stream": True}).encode()
     sock = socket.create_connection(("127.0.0.1", app.port))
     sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
                  b"Content-Type: application/json\r\nAuthorization: " + BEARER.encode() +
@@ -80,7 +81,7 @@ def test_a_gradio_client_waiting_for_a_row_that_leaves_frees_its_place(app, gues
 def test_a_gradio_client_that_leaves_a_streaming_reply_frees_its_row(app, guest):
     page = page_login(app.url, *GUEST)
     try:
-        with chat_stream(page, "Hello?", {"max_new_tokens": 4000}):
+        with chat_stream(page, "Hello?", {"max_new_tokens": 4000, "temperature": 0}):
             wait_until(lambda: queue(guest)["active"] == 1, 60, "the reply never started")
         freed = wait_until(lambda: queue(guest)["active"] == 0, 10, "the row was kept")
         assert freed < 5, f"freed after {freed:.2f} s"
