@@ -69,7 +69,7 @@ def test_a_gradio_client_waiting_for_a_row_that_leaves_frees_its_place(app, gues
             wait_until(lambda: queue(guest)["waiting"] == 1, 30, "the reply never queued")
         freed = wait_until(lambda: queue(guest)["waiting"] == 0, 10, "the place was kept")
         print(f"waiting place freed {freed:.2f} s after the client left")
-        assert freed < 5, f"freed after {freed:.2f} s"
+        assert freed < 8, f"freed after {freed:.2f} s"  # gradio alone: 10 s or more
         assert queue(guest)["active"] == ROWS  # the other replies go on
     finally:
         for sock in rows:
@@ -84,7 +84,7 @@ def test_a_gradio_client_that_leaves_a_streaming_reply_frees_its_row(app, guest)
         with chat_stream(page, "Hello?", {"max_new_tokens": 4000, "temperature": 0}):
             wait_until(lambda: queue(guest)["active"] == 1, 60, "the reply never started")
         freed = wait_until(lambda: queue(guest)["active"] == 0, 10, "the row was kept")
-        assert freed < 5, f"freed after {freed:.2f} s"
+        assert freed < 8, f"freed after {freed:.2f} s"  # gradio alone: 10 s or more
     finally:
         page.close()
 
