@@ -84,7 +84,7 @@ def test_a_gradio_client_that_leaves_a_streaming_reply_frees_its_row(app, guest)
         with chat_stream(page, "Hello?", {"max_new_tokens": 4000, "temperature": 0}):
             wait_until(lambda: queue(guest)["active"] == 1, 60, "the reply never started")
         freed = wait_until(lambda: queue(guest)["active"] == 0, 10, "the row was kept")
-        assert freed < 8, f"freed after {freed:.2f} s"  # gradio alone: 10 s or more
+        assert freed < 8, f"freed after {freed:.2f} s"
     finally:
         page.close()
 
