@@ -212,9 +212,10 @@ def main(argv: list[str] | None = None) -> int:
             auth=logins.check if logins else None, auth_message=ui.LOGIN_MESSAGE, prevent_thread_lock=True,
             ssr_mode=False, css=ui.CSS, max_threads=reply_slots + 40,
             # The guards (guards.py) run before any route; both are in place before the port
-            # opens.
+            # opens. The queue's event streams are watched for clients that leave mid-reply.
             app_kwargs={"routes": openai_routes.routes,
-                        "middleware": [ui.request_guard(logins, served_hosts(args))]},
+                        "middleware": [ui.request_guard(logins, served_hosts(args)),
+                                       ui.queue_stream_watch()]},
             footer_links=["api", "settings"], max_file_size=MAX_UPLOAD,
             # gradio's own start lines repeat the URL logged below and advise share=True, which
             # this app allows only with --auth: the console shows this app's lines only.

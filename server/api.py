@@ -26,6 +26,7 @@ from . import model_actions as actions
 from .common import reply_concurrency
 from .conversation import validate_history
 from .errors import api_error, models_dir_of, shows_full_paths, status_for
+from .queue_gone import SESSIONS
 from .replies import make_settings, paced, stats_line
 from .request_models import ChatParams, CountParams, LoadParams
 
@@ -74,16 +75,19 @@ def register_api(engine: Engine, *, admin: str | None = None) -> None:
             messages = [*turns, {"role": "user", "content": params.message}]
             log.info("api chat: %d earlier messages, new message of %d chars, settings %s",
                      len(turns), len(params.message), params.settings or {})
-            # No Stop button here: a client's job.cancel() (or a dropped connection) closes
-            # this generator, which sets the event and closes the engine's.
+            # No Stop button here: a client's job.cancel() closes this generator, which
+            # sets the event and closes the engine's.
             updates = engine.chat(messages, generation, system_prompt=params.system_prompt
                                   or None, thinking=params.thinking, stop=stop)
-            for update in paced(updates):
-                stats = None
-                if update.stats is not None:
-                    stats = {**update.stats.as_dict(), "line": stats_line(update.stats, mode)}
-                yield {"reasoning": update.reasoning, "answer": update.answer,
-                       "done": update.done, "stats": stats, "notice": update.notice}
+            # A client that closes its event stream sets `stop` at once (queue_gone.py).
+            with SESSIONS.watching(getattr(request, "session_hash", None), stop):
+                for update in paced(updates):
+                    stats = None
+                    if update.stats is not None:
+                        stats = {**update.stats.as_dict(),
+                                 "line": stats_line(update.stats, mode)}
+                    yield {"reasoning": update.reasoning, "answer": update.answer,
+                           "done": update.done, "stats": stats, "notice": update.notice}
         except Exception as error:  # noqa: BLE001 - mapped: input, busy, or a logged bug
             raise api_error(error, full_paths=full_paths(request), models_dir=models_dir,
                             context="api chat") from None

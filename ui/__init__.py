@@ -21,6 +21,7 @@ from server.common import AppInfo, reply_concurrency
 from server.guards import request_guard
 from server.model_actions import headline
 from server.openai_api import register_openai_api
+from server.queue_gone import queue_stream_watch
 
 from .chat_panel import STORAGE_KEYS, STORAGE_OWNER_KEY, build_chat_panel
 from .remote_panel import (
@@ -137,4 +138,4 @@ def _follow_engine(engine: Engine, status: gr.State) -> None:
 
 
 __all__ = ["APP_NAME", "LOGIN_MESSAGE", "AppInfo", "PanelBuilder", "build",
-           "register_openai_api", "reply_concurrency", "request_guard"]
+           "queue_stream_watch", "register_openai_api", "reply_concurrency", "request_guard"]

@@ -4,7 +4,8 @@ Runs model_utils.bench.run.bench_loaded on the model that is loaded now (nothing
 sizes capped (bench_modes.LOADED_LIMITS) so that it takes seconds; the full per-mode comparison
 is the command line `python -m model_utils.bench` (README, BENCHMARKS.md). Under --admin only
 the admin may run it: checked in the handler, whatever the page shows. Chat replies go first:
-the benchmark gives way to them between its steps (model_utils.bench.gate).
+the benchmark gives way to them between its steps, and its concurrent requests take at most
+three quarters of the places (model_utils.bench.gate).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import TYPE_CHECKING
 
 import gradio as gr
 
+from model_utils.bench.gate import Gate
 from model_utils.bench.per_mode import LOADED_LIMITS, bench_loaded
 from model_utils.bench.report import chart_figure, details_table, speed_note, summary_table
 from server.common import require_admin, user_error
@@ -74,8 +76,9 @@ def build_bench_panel(engine: Engine, *, demo: gr.Blocks | None = None,
             rows = bench_loaded(engine, **sizes)
         except (RuntimeError, ValueError) as error:  # no model, busy, bad sizes
             raise user_error(str(error)) from error
-        note = speed_note(rows)
-        return (summary_table(rows) + (f"\n\n{note}" if note else ""), details_table(rows),
+        notes = [speed_note(rows), places_note(engine, max(sizes["batches"]))]
+        notes = "".join(f"\n\n{n}" for n in notes if n)
+        return (summary_table(rows) + notes, details_table(rows),
                 chart_figure(rows),
                 [asdict(r) for r in rows])
 
@@ -87,3 +90,12 @@ def build_bench_panel(engine: Engine, *, demo: gr.Blocks | None = None,
                    preprocess=False)
     admin_only(demo, admin, c["run"], c["note"])
     return c
+
+
+def places_note(engine: Engine, largest: int) -> str:
+    """What the table's concurrent runs were, where the places kept for users bounded them."""
+    at_once = Gate(engine).at_once()
+    if at_once is None or at_once >= largest:
+        return ""
+    return (f"Concurrent requests ran at most {at_once} at once: the other places "
+            "(--max-batch + --max-queue) are kept for other users' replies.")

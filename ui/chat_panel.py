@@ -31,10 +31,16 @@ from server.conversation import (
     validate_history,
     without_last_turn,
 )
+from server.queue_gone import SESSIONS
 from server.replies import StopSignals, make_settings, stats_line, stream
 
 from .branch_controls import build_branch_controls, wire_branch_controls
-from .chat_settings import context_bounded, keep_settings, setting_controls
+from .chat_settings import (
+    context_bounded,
+    keep_settings,
+    left_to_the_server,
+    setting_controls,
+)
 from .context_budget import build_budget_line, wire_context_budget
 
 if TYPE_CHECKING:
@@ -135,7 +141,7 @@ def _wire(c: dict, engine: Engine, signals: StopSignals, export_dir: Path, demo:
         notice, Send, Stop, Regenerate). The conversation in the browser is written as the
         reply grows, so a reload keeps the turn as far as it got."""
         try:  # bad values: gr.Error before anything changes
-            settings = make_settings(values)
+            settings = make_settings(left_to_the_server(values, engine.status()))
         except InvalidParameter as error:
             raise user_error(str(error)) from error
         mode = engine.status().get("mode", "?")
@@ -147,6 +153,8 @@ def _wire(c: dict, engine: Engine, signals: StopSignals, export_dir: Path, demo:
         def saved(pending: dict) -> list[dict]:
             return finish({"role": "assistant", **pending, "stats": INTERRUPTED})
 
+        # A tab closed mid-reply sets `stop` as its event stream closes (queue_gone.py).
+        SESSIONS.add(session, stop)
         try:
             yield (chatbot_messages(turns, {"content": ""}), saved({"content": ""}), "", "",
                    *buttons(generating=True))
@@ -177,6 +185,7 @@ def _wire(c: dict, engine: Engine, signals: StopSignals, export_dir: Path, demo:
             yield (chatbot_messages(done), done, gr.skip(), update.notice if update else "",
                    *buttons(generating=False))
         finally:
+            SESSIONS.discard(session, stop)
             signals.finish(session, stop)
 
     # gr.Request comes before the settings' values: gradio passes it only to a parameter

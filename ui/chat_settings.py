@@ -6,6 +6,7 @@ clamped to the loaded model)."""
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -145,12 +146,35 @@ def _model_defaults(engine: Engine, names: list[str]) -> dict:
 SAMPLING = ("temperature", "top_p", "top_k", "repetition_penalty")
 
 
+NOT_REPORTED = ("server default (the server does not say its value): left here, the "
+                "server's own is used; moved, this value is sent")
+
+
 def server_default_notes(status: dict, names: list[str]) -> dict[str, str]:
     """In front of a model server: each sampling widget's note, saying whether it starts at
-    the server's default for the model (where the server reports one) or at this app's."""
+    the server's default for the model (where the server reports one) or stands for it."""
     if not status.get("remote"):
         return {}
     reported = status.get("server_defaults") or {}
-    return {name: f"server default: {reported[name]:g}" if name in reported
-            else "server default: not reported by the server (this value is sent)"
+    return {name: f"server default: {reported[name]:g}" if name in reported else NOT_REPORTED
             for name in SAMPLING if name in names}
+
+
+def left_to_the_server(values: dict, status: dict,
+                       controls: dict[str, Control] = CONTROLS) -> dict:
+    """In front of a model server: the sampling values still where their widget started
+    (the server's reported default, else this page's starting value) left out of the
+    request. The server then applies its model's own defaults (vLLM and SGLang: the
+    generation_config it loaded), which vLLM reports nowhere: sending the page's 0.7 / 1 / 0
+    overrode them for every message whose sliders nobody touched."""
+    if not status.get("remote"):
+        return values
+    reported = status.get("server_defaults") or {}
+    kept = dict(values)
+    for name in SAMPLING:
+        control, value = controls.get(name), kept.get(name)
+        start = reported.get(name, control.value if control else None)
+        if isinstance(value, (int, float)) and start is not None \
+                and math.isclose(value, start, abs_tol=1e-9):
+            del kept[name]
+    return kept

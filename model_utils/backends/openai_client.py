@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import httpx
 
+from .answer_deadline import AnswerDeadline
 from .errors import (
     BackendBusy,
     BackendError,
@@ -38,6 +39,10 @@ from .sse import (
 )
 from .stream_watch import HeaderWatch, StreamWatch
 from .urls import redact
+
+# The health check's whole /models answer, however the server sends it: a server that takes
+# longer is down for the check (replies do not wait for it).
+MODELS_TIMEOUT_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -91,15 +96,22 @@ def translate(error: httpx.HTTPError, config: ServerConfig) -> BackendError:
     return BackendError(f"talking to the model server failed ({type(error).__name__})")
 
 
-def list_models(client: httpx.Client, config: ServerConfig) -> list[dict]:
-    """GET /models -> [{"id", "max_model_len"?...}]."""
+def list_models(client: httpx.Client, config: ServerConfig,
+                timeout_s: float = MODELS_TIMEOUT_S) -> list[dict]:
+    """GET /models -> [{"id", "max_model_len"?...}], the whole answer within `timeout_s`
+    (`client`: one whose connections are not kept alive, see answer_deadline.py)."""
+    deadline = AnswerDeadline(timeout_s)
     try:
-        with client.stream("GET", "/models") as response:
+        with deadline, client.stream("GET", "/models",
+                                     extensions={"trace": deadline.trace}) as response:
             if response.status_code != 200:
                 raise error_for_status(response.status_code, read_head(response),
                                        response.headers.get("retry-after"))
             body = read_capped(response, MAX_MODELS_BODY_BYTES, what="/models answer")
     except httpx.HTTPError as error:
+        if deadline.expired:
+            raise BackendTimeout(f"the model server's /models answer took longer than "
+                                 f"{timeout_s:g} s") from None
         raise translate(error, config) from error
     except BackendError as error:
         raise redacted(error, config) from None

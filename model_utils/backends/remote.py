@@ -15,6 +15,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import replace
 
+from model_utils.bench.gate import bench_share
 from model_utils.chat.budget import PromptBudget, estimate_prompt
 from model_utils.chat.prompt import normalize_messages
 from model_utils.chat.reasoning import EMPTY_TEXT, ReplyText, SeparatedReasoning
@@ -49,7 +50,7 @@ class RemoteEngine:
     def __init__(self, config: api.ServerConfig, *, model: str | None = None,
                  max_batch: int = 8, max_queue: int = 64, log_prompts: bool = False,
                  health_interval_s: float = 10.0, health_retry_s: float = 3.0,
-                 start_health: bool = True):
+                 health_timeout_s: float = api.MODELS_TIMEOUT_S, start_health: bool = True):
         self.config = config
         self.url = config.shown_url
         self.wanted_model = model
@@ -57,11 +58,15 @@ class RemoteEngine:
         self.max_batch, self.max_queue = max_batch, max_queue
         self.log_prompts = log_prompts
         self.memory = MemoryHistory()  # this host's memory (the memory endpoint still answers)
-        self.client = api.make_client(config, connections=max_batch + max_queue + 2)
+        # Health and the model's defaults: new connections too, for answer_deadline's hang-up.
+        self.client = api.make_client(config, connections=max_batch + max_queue + 2,
+                                      keep_alive=False)
         # The replies' own: a new connection each, whose socket the header watch can cut.
         self.stream_client = api.make_client(config, connections=max_batch + max_queue + 2,
                                              keep_alive=False)
-        self.monitor = HealthMonitor(lambda: api.list_models(self.client, config),
+        self.health_timeout_s = health_timeout_s
+        self.monitor = HealthMonitor(lambda: api.list_models(self.client, config,
+                                                             health_timeout_s),
                                      name=self.url, interval_s=health_interval_s,
                                      retry_s=health_retry_s)
         self._lock = threading.Lock()
@@ -74,10 +79,8 @@ class RemoteEngine:
             self.monitor.start()
 
     def bench_places(self) -> int:
-        """The most places the Benchmark's streams take together: a quarter of them (two at
-        least) stay for other users' replies, which a 32-stream run used to turn away as busy."""
-        places = self.max_batch + self.max_queue
-        return max(1, places - max(2, places // 4))
+        """The most places the Benchmark's streams take together (the local engine's rule)."""
+        return bench_share(self.max_batch + self.max_queue)
 
     def close(self) -> None:
         self.monitor.close()
@@ -152,7 +155,8 @@ class RemoteEngine:
         if entry is None:
             return GenerationSettings()
         if entry["id"] not in self._defaults:
-            found = reported_defaults(self.client, self.config.base_url, entry)
+            found = reported_defaults(self.client, self.config.base_url, entry,
+                                      self.health_timeout_s)
             self._defaults[entry["id"]] = found
             log.info("model server %s: %s's sampling defaults %s", self.url,
                      shown_name(entry["id"]), found or "not reported")

@@ -19,22 +19,30 @@ import math
 
 import httpx
 
+from .answer_deadline import AnswerDeadline
+
 log = logging.getLogger("backends")
 
 MAX_INFO_BYTES = 64 * 1024
+INFO_TIMEOUT_S = 10.0  # a page load waits for this answer (the sliders' starting values)
 # This app's setting -> the names servers use for it.
 NAMES = {"temperature": ("temperature",), "top_p": ("top_p",), "top_k": ("top_k",),
          "repetition_penalty": ("repetition_penalty",)}
 
 
-def reported_defaults(client: httpx.Client, base_url: str, entry: dict) -> dict:
-    """{setting: value} the server reports for the model of `entry` ({} when none)."""
+def reported_defaults(client: httpx.Client, base_url: str, entry: dict,
+                      timeout_s: float = INFO_TIMEOUT_S) -> dict:
+    """{setting: value} the server reports for the model of `entry` ({} when none), its
+    answer read within `timeout_s` whatever the pace (`client`: one whose connections are
+    not kept alive, see answer_deadline.py)."""
     found = _settings_of(entry.get("default_settings"))
     if found:
         return found
     root = base_url.rstrip("/").removesuffix("/v1")
+    deadline = AnswerDeadline(timeout_s)
     try:
-        with client.stream("GET", f"{root}/get_model_info") as response:
+        with deadline, client.stream("GET", f"{root}/get_model_info",
+                                     extensions={"trace": deadline.trace}) as response:
             if response.status_code != 200:
                 return {}
             body = b""

@@ -6,7 +6,9 @@ worker: plain generate and the teacher-forced run. Each such call waits until no
 decoding or waiting (engine.queue_status()), and is asked between its steps whether a reply
 has arrived since; if so it stops at once (a StoppingCriteria for generate, Yielded for the
 teacher-forced run), the reply is served, and the call runs again from the start later: its
-timing would include the wait otherwise. The command-line benchmark has no users: NoGate.
+timing would include the wait otherwise. Its many-request runs take at most three quarters of
+the places (bench_share), so that a chat arriving meanwhile is admitted, not refused as busy.
+The command-line benchmark has no users: NoGate.
 """
 
 from __future__ import annotations
@@ -14,6 +16,13 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+
+
+def bench_share(places: int) -> int:
+    """The most places a benchmark's requests take together when it shares the engine (or a
+    model server) with users: a quarter of them, two at least, stay for other users' replies,
+    which a run of more requests than places would otherwise turn away as busy."""
+    return max(1, places - max(2, places // 4))
 
 
 class Yielded(Exception):
@@ -24,6 +33,10 @@ class NoGate:
     """Nothing to yield to: every call runs once, straight away."""
 
     interruptions = 0
+
+    def at_once(self) -> int | None:
+        """The most of the benchmark's requests in flight together (None: no bound)."""
+        return None
 
     def busy(self) -> bool:
         return False
@@ -45,6 +58,10 @@ class Gate(NoGate):
         self.settle_s = settle_s
         self.interruptions = 0  # calls that gave way to a reply and ran again
         self.in_call = threading.Event()  # set while a worker-holding call runs (status, tests)
+
+    def at_once(self) -> int | None:
+        queue = self.engine.queue_status()
+        return bench_share(queue["max_batch"] + queue["max_queue"]) if queue else None
 
     def busy(self) -> bool:
         """A reply decoding or waiting (none of the benchmark's own: none is in flight when a

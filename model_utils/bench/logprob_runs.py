@@ -30,19 +30,26 @@ def greedy_settings(new_tokens: int) -> GenerationSettings:
     return GenerationSettings.greedy(max_new_tokens=new_tokens, min_new_tokens=new_tokens)
 
 
-def engine_greedy(engine: Engine, prompts: list[list[int]], new_tokens: int) -> list[Steps]:
-    """Greedy replies through the scheduler, all submitted at once (decoded as one batch as far
-    as they arrive together), each with its tokens' top-k log-probabilities."""
+def engine_greedy(engine: Engine, prompts: list[list[int]], new_tokens: int,
+                  at_once: int | None = None) -> list[Steps]:
+    """Greedy replies through the scheduler, submitted together (decoded as one batch as far
+    as they arrive together), `at_once` at most at a time, each with its tokens' top-k
+    log-probabilities."""
     import threading
 
     scheduler = _scheduler(engine)
-    records = [[] for _ in prompts]
     eos = eos_ids(engine.serving.loaded)
-    streams = [scheduler.submit(p, greedy_settings(new_tokens), eos_ids=eos,
-                                stop=threading.Event(), stats=ReplyStats(), logprobs=r)
-               for p, r in zip(prompts, records)]
-    tokens = [list(s) for s in streams]
-    return [steps_from_topk(t, r) for t, r in zip(tokens, records)]
+    size = at_once or len(prompts)
+    found = []
+    for start in range(0, len(prompts), size):
+        group = prompts[start:start + size]
+        records = [[] for _ in group]
+        streams = [scheduler.submit(p, greedy_settings(new_tokens), eos_ids=eos,
+                                    stop=threading.Event(), stats=ReplyStats(), logprobs=r)
+                   for p, r in zip(group, records)]
+        tokens = [list(s) for s in streams]
+        found += [steps_from_topk(t, r) for t, r in zip(tokens, records)]
+    return found
 
 
 @torch.inference_mode()

@@ -31,15 +31,17 @@ def groups(batches: list[int], match_prompts: int) -> dict[int, list[list[int]]]
 
 
 def engine_side(engine, prompts: list[list[int]], batches: list[int], new_tokens: int,
-                match_prompts: int, run_worker: PeerRunner = run_here) -> dict:
-    """{b: [(indices, steps, teacher-forced log-probabilities on the CPU)]}"""
+                match_prompts: int, run_worker: PeerRunner = run_here,
+                at_once: int | None = None) -> dict:
+    """{b: [(indices, steps, teacher-forced log-probabilities on the CPU)]}; `at_once`: the
+    most replies submitted together."""
     prompt_len = len(prompts[0])
     found = {}
     for b, index_groups in groups(batches, match_prompts).items():
         found[b] = []
         for indices in index_groups:
             group = [prompts[i] for i in indices]
-            steps = engine_greedy(engine, group, new_tokens)
+            steps = engine_greedy(engine, group, new_tokens, at_once)
             sequences = [p + s.tokens for p, s in zip(group, steps)]
             forced = run_worker(lambda y, s=sequences: engine_teacher_forced(
                 engine, s, prompt_len, should_yield=y))

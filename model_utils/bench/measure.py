@@ -78,14 +78,18 @@ def engine_decode(engine: Engine, prompt: list[int], new_tokens: int) -> tuple[l
     return tokens, stats
 
 
-def engine_concurrent(engine: Engine, prompts: list[list[int]], new_tokens: int) -> dict:
-    """len(prompts) requests submitted at once through the engine, one thread each:
-    aggregate tokens/s (wall time from the first submission to the last token), median TTFT,
-    and every stream's tokens."""
+def engine_concurrent(engine: Engine, prompts: list[list[int]], new_tokens: int,
+                      at_once: int | None = None) -> dict:
+    """len(prompts) requests submitted at once through the engine, one thread each (at most
+    `at_once` in flight together, the rest waiting for one to end): aggregate tokens/s (wall
+    time from the first submission to the last token), median TTFT, and every stream's
+    tokens."""
     results = [None] * len(prompts)
+    places = threading.BoundedSemaphore(at_once or len(prompts))
 
     def one(i):
-        results[i] = engine_decode(engine, prompts[i], new_tokens)
+        with places:
+            results[i] = engine_decode(engine, prompts[i], new_tokens)
 
     threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
     start = time.perf_counter()
@@ -101,7 +105,7 @@ def engine_concurrent(engine: Engine, prompts: list[list[int]], new_tokens: int)
 
 
 def warm_engine(engine: Engine, prompts: list[list[int]], batches: list[int],
-                new_tokens: int) -> None:
+                new_tokens: int, at_once: int | None = None) -> None:
     """Every path a timed run takes, once, untimed: the batched step for each row bucket up to
     the largest batch (compiled and captured on a GPU), then one reply alone and each batch of
     concurrent requests on the very prompts that will be timed."""
@@ -113,7 +117,7 @@ def warm_engine(engine: Engine, prompts: list[list[int]], batches: list[int],
     engine_decode(engine, prompts[0], tokens)
     for b in batches:
         if b > 1:
-            engine_concurrent(engine, prompts[:b], tokens)
+            engine_concurrent(engine, prompts[:b], tokens, at_once)
 
 
 def engine_streaming_tok_s(engine: Engine, new_tokens: int) -> float:
@@ -131,10 +135,12 @@ def engine_streaming_tok_s(engine: Engine, new_tokens: int) -> float:
 
 def measure_engine(engine: Engine, prompts: list[list[int]], batches: list[int],
                    new_tokens: int, match_prompts: int, *,
-                   before: Callable[[], None] = lambda: None) -> dict[int, dict]:
-    """`before()` runs ahead of each timed run (waits for a quiet engine in the UI)."""
+                   before: Callable[[], None] = lambda: None,
+                   at_once: int | None = None) -> dict[int, dict]:
+    """`before()` runs ahead of each timed run (waits for a quiet engine in the UI);
+    `at_once`: the most requests in flight together (the UI keeps places for users)."""
     before()
-    warm_engine(engine, prompts, batches, new_tokens)
+    warm_engine(engine, prompts, batches, new_tokens, at_once)
     runs_by_batch = {}
     for b in batches:
         before()
@@ -145,7 +151,7 @@ def measure_engine(engine: Engine, prompts: list[list[int]], batches: list[int],
                                 "aggregate": tok_s,
                                 "ttft_ms": statistics.median(r[1].ttft_ms for r in runs)}
         else:
-            run = engine_concurrent(engine, prompts[:b], new_tokens)
+            run = engine_concurrent(engine, prompts[:b], new_tokens, at_once)
             singles = runs_by_batch.get(1, {}).get("tokens", [])
             runs_by_batch[b] = {"aggregate": run["aggregate"], "tok_s": run["aggregate"] / b,
                                 "ttft_ms": run["ttft_ms"],

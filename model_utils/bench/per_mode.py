@@ -170,8 +170,10 @@ def bench_loaded(engine: Engine, *, prompt_tokens: int = 32, new_tokens: int = 6
         vocab = loaded.model.config.get_text_config().vocab_size
         prompts = random_prompts(max(max(batches), match_prompts), prompt_tokens, vocab)
         reset_peaks()
+        # Beside users: at most 3/4 of the places at once, so that their chats are admitted.
+        at_once = gate.at_once()
         mine = measure_engine(engine, prompts, batches, new_tokens, match_prompts,
-                              before=gate.wait_quiet)
+                              before=gate.wait_quiet, at_once=at_once)
         peak, peak_reserved = peaks_gb(), peaks_gb(reserved=True)
         status = engine.status()
         theirs = measure_peer(loaded.model, prompts, batches, new_tokens, match_prompts,
@@ -180,7 +182,8 @@ def bench_loaded(engine: Engine, *, prompt_tokens: int = 32, new_tokens: int = 6
         if logprobs and engine.serving.scheduler is not None:
             gate.wait_quiet()
             found = bench_logprobs.engine_side(engine, prompts, batches, new_tokens,
-                                               match_prompts, run_worker=gate.run)
+                                               match_prompts, run_worker=gate.run,
+                                               at_once=at_once)
             compared = bench_logprobs.compare(loaded.model, found, run_peer=on_worker)
     return make_rows(status, batches, mine, theirs, peak=peak, peak_reserved=peak_reserved,
                      stream_tok_s=None, peer_load_s=status["load_s"], logprobs=compared)

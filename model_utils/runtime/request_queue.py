@@ -54,6 +54,18 @@ class RequestQueue:
         with self._lock:
             return self._waiting[0] if self._waiting else None
 
+    def take_stopped(self) -> list[Request]:
+        """The waiting requests whose stop is set, taken out as if admitted (each ends with
+        finished(), as an admitted one does)."""
+        with self._lock:
+            stopped, kept = [], deque()
+            for request in self._waiting:
+                (stopped if request.stop.is_set() else kept).append(request)
+            if stopped:
+                self._waiting = kept
+                self._admitted += len(stopped)
+        return stopped
+
     def take(self) -> Request:
         """The head, now admitted."""
         with self._lock:

@@ -152,15 +152,15 @@ class Scheduler:
         if self.cache is None:
             self.cache = CacheManager(self.runner.blocks())
         self.waiting_for_memory = False
+        # Gone before they started, wherever they wait (every row may be taken): their places
+        # are free now, with no blocks or prefill spent.
+        for request in self.queue.take_stopped():
+            self._finish(request, "stop")
         group: list[Request] = []
         while len(self.rows) + len(group) < self.runner.capacity:
             request = self.queue.head()
             if request is None:
                 break
-            if request.stop.is_set():  # gone before it started: no blocks, no prefill
-                self._take_from_queue()
-                self._finish(request, "stop")
-                continue
             # A prompt the padded prefill takes costs a graph replay: computing it whole is as
             # fast as reading back a prefix, and keeps it in the group's one replay.
             reuse = not self.runner.fits_padded(len(request.prompt_ids))

@@ -4,6 +4,7 @@ innocent replies streaming beside each one, and the check that a refusal is plai
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import threading
@@ -97,6 +98,22 @@ def by_route(http: httpx.Client, api_name: str, data: list) -> Outcome:
             elif line.startswith("data:") and event == "complete":
                 return Outcome(200, line[5:].strip()[:2000])
     return Outcome("error", "the stream closed without a result")
+
+
+@contextlib.contextmanager
+def chat_stream(http: httpx.Client, message: str, settings: dict | None = None):
+    """gradio's named /chat opened as gradio_client opens it (join the queue, then read the
+    session's event stream), the stream held open and unread inside the block and closed on
+    leaving it: a client that goes away mid-reply."""
+    config = http.get("/config").json()
+    dep = next(d for d in config["dependencies"] if d.get("api_name") == "chat")
+    session = uuid.uuid4().hex[:12]
+    joined = http.post("/gradio_api/queue/join", json={
+        "data": [message, [], settings or {}, "", False], "fn_index": dep["id"],
+        "session_hash": session, "event_data": None, "trigger_id": None})
+    assert joined.status_code == 200, joined.text
+    with http.stream("GET", "/gradio_api/queue/data", params={"session_hash": session}) as s:
+        yield s
 
 
 def page_login(url: str, user: str, password: str) -> httpx.Client:

@@ -17,9 +17,10 @@ max_tokens ignored), "surrogate" (a lone "\\ud800" escape in the text), "400_key
 "error_event_key" (the server's message quotes this app's key and Authorization header),
 "header_trickle" (the status line, then a header one byte every 0.2 s: the headers never end).
 `model_id`: the id /v1/models lists; `model_info`: SGLang's /get_model_info answer (None:
-404). `models_mode`: "ok", "500_key" (likewise), or "huge_error" (a 64 MB error body). `sent`
+404). `models_mode`: "ok", "500_key" (likewise), "huge_error" (a 64 MB error body), or
+"trickle" (/v1/models and /get_model_info answer one byte a second, never finishing). `sent`
 counts the bytes hostile modes wrote, `hangups` the clients that closed on them,
-`open_streams` the replies being written now.
+`open_streams` the replies being written now, `models_asked` the GET /v1/models requests.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 MODEL = "fake/Qwen3-0B"
+TRICKLED_GETS = ("/v1/models", "/get_model_info")  # models_mode "trickle" answers them so
 
 
 class FakeModelServer(ThreadingHTTPServer):
@@ -49,6 +51,7 @@ class FakeModelServer(ThreadingHTTPServer):
         self.sent = 0
         self.hangups = 0
         self.open_streams = 0
+        self.models_asked = 0  # GET /v1/models requests, the health checks among them
         self.counts = threading.Lock()
         self._thread = threading.Thread(target=self.serve_forever, daemon=True)
 
@@ -138,7 +141,12 @@ class _Handler(BaseHTTPRequestHandler):
     def do_GET(self) -> None:
         if not self._authorized():
             return
-        if self.path == "/v1/models" and self.server.models_mode == "500_key":
+        if self.path == "/v1/models":
+            with self.server.counts:
+                self.server.models_asked += 1
+        if self.path in TRICKLED_GETS and self.server.models_mode == "trickle":
+            self._slow_answer()
+        elif self.path == "/v1/models" and self.server.models_mode == "500_key":
             self._json(500, {"error": {"message": self._leaked()}})
         elif self.path == "/v1/models" and self.server.models_mode == "huge_error":
             self._big(500, 64 << 20, b"x" * 65536, "text/plain")
@@ -149,6 +157,24 @@ class _Handler(BaseHTTPRequestHandler):
             self._json(200, self.server.model_info)
         else:
             self._json(404, {"error": {"message": "no such path"}})
+
+    def _slow_answer(self) -> None:
+        """A 200 whose body comes one byte a second for a minute: every read brings a byte,
+        so no read timeout fires."""
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", "100000")
+        self.end_headers()
+        try:
+            self.wfile.write(b'{"object": "list", "data": [')
+            self.wfile.flush()
+            for _ in range(60):
+                time.sleep(1)
+                self.wfile.write(b" ")
+                self.wfile.flush()
+        except (BrokenPipeError, ConnectionResetError):
+            self._hung_up()
+        self.close_connection = True
 
     def do_POST(self) -> None:
         body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))

@@ -1,6 +1,7 @@
 """The model-server front end (RemoteEngine, in process) against a server that misbehaves on
 purpose to hold places or memory: trickled bytes, endless lines, huge events and bodies, a
-reply past max_tokens, its key quoted back, a lone surrogate. Each case: the plain message,
+reply past max_tokens, its key quoted back, a lone surrogate, a health answer that never
+ends. Each case: the plain message,
 the place freed and the connection closed, the next reply working, and an innocent reply
 beside it completing."""
 
@@ -13,7 +14,9 @@ import time
 import pytest
 
 from model_utils.backends.errors import BackendError, BackendRejected, BackendTimeout
+from model_utils.backends.openai_client import ServerConfig
 from model_utils.backends.redaction import REDACTED
+from model_utils.backends.remote import RemoteEngine
 from model_utils.backends.sse import MAX_EVENT_BYTES, MAX_LINE_BYTES
 from model_utils.runtime.generation_settings import GenerationSettings
 
@@ -177,6 +180,60 @@ def test_a_huge_models_error_body_is_not_read(engine, server):
     server.models_mode = "ok"
     assert engine.monitor.check_now().ok
     assert served_again(engine)
+
+
+def wait_until(condition, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.05)
+
+
+def test_a_trickled_models_answer_is_cut_at_its_wall_clock_bound(server):
+    """/models (and /get_model_info) one byte a second, never finishing: each read brings a
+    byte, so no read timeout fires; the whole answer is bounded (2 s here). While the
+    health thread is in such a check, replies and status() answer; the checks go on, and
+    find the server again once it answers."""
+    config = ServerConfig(server.url, key=KEY, connect_timeout_s=2.0, read_timeout_s=5.0)
+    remote = RemoteEngine(config, max_batch=2, max_queue=0, health_interval_s=0.5,
+                          health_retry_s=0.2, health_timeout_s=2.0)
+    try:
+        assert remote.monitor.health.ok
+        server.models_mode = "trickle"
+        start = time.monotonic()
+        health = remote.monitor.check_now()
+        assert time.monotonic() - start < 6  # the server would trickle for 60 s
+        assert not health.ok and "/models answer took longer than 2 s" in health.error
+        assert server.hung_up.wait(5), "the connection stayed open"
+        asked = server.models_asked
+        wait_until(lambda: server.models_asked > asked, 5, "no check after the cut one")
+        # A check is trickling now: neither a reply nor the status waits for it.
+        innocent = Innocent(remote)
+        start = time.monotonic()
+        assert remote.status()["backend_url"] == server.url
+        assert time.monotonic() - start < 1.5
+        assert innocent.finish() == "Hello there."
+        start = time.monotonic()  # the sliders' defaults: that answer is bounded too
+        assert remote.default_settings().as_dict()["temperature"] is None
+        assert time.monotonic() - start < 6
+        wait_until(lambda: server.models_asked > asked + 2, 15, "the checks stopped")
+        server.models_mode = "ok"
+        wait_until(lambda: remote.monitor.health.ok, 10, "the server was not seen again")
+        assert served_again(remote)
+    finally:
+        remote.close()
+
+
+def test_settings_left_unset_are_not_sent_so_the_server_applies_its_own(engine, server):
+    """vLLM reports no sampling defaults but applies the model's generation_config to the
+    fields a request leaves out: unset ones are left out, set ones are sent as given."""
+    assert engine.default_settings().as_dict()["temperature"] is None  # none reported
+    assert engine.generate_text(HELLO, GenerationSettings()).answer == "Hello there."
+    body = server.bodies[-1]
+    assert not {"temperature", "top_p", "top_k", "repetition_penalty"} & set(body), body
+    engine.generate_text(HELLO, GenerationSettings(temperature=0.3, top_p=0.8))
+    assert (server.bodies[-1]["temperature"], server.bodies[-1]["top_p"]) == (0.3, 0.8)
+    assert "top_k" not in server.bodies[-1]
 
 
 @pytest.fixture()

@@ -1,7 +1,8 @@
 """The app itself (python app.py --backend, logins, an admin, 3 places) in front of a model
 server that misbehaves on purpose, each case beside other users' replies (attacks.Victims):
 the plain message its own clients get, the app still serving, their replies complete, the key
-nowhere; clients that go away free their places; a guest cannot run the benchmark."""
+nowhere; clients that go away (/v1 or gradio's /chat) free their places; a guest cannot run
+the benchmark."""
 
 from __future__ import annotations
 
@@ -17,7 +18,15 @@ from gradio_client import Client
 
 from model_utils.backends.sse import MAX_EVENT_BYTES, MAX_LINE_BYTES
 
-from .attacks import Victims, by_route, page_handler, page_login, plain_problems
+from .attacks import (
+    Victims,
+    by_route,
+    chat_stream,
+    page_handler,
+    page_load_outputs,
+    page_login,
+    plain_problems,
+)
 from .fake_model_server import FakeModelServer
 from .test_remote_faults import wait_for_v1
 
@@ -189,6 +198,58 @@ def test_clients_that_go_away_free_their_places_at_once(app, fake, guest, http):
     assert freed < 1.5, f"places freed after {freed:.2f} s"
     wait_until(lambda: fake.hangups >= hangups + PLACES, 5, "the server kept writing")
     assert victims(app).finish() == {"v1": "complete", "chat": "complete"}
+
+
+def test_a_gradio_client_that_leaves_mid_reply_frees_its_place_at_once(app, fake, guest):
+    """gradio's /chat through the queue, as gradio_client opens it, on a reply whose server
+    trickles bytes: no update reaches the client's event stream, so gradio alone noticed the
+    client leave only 10-15 s later. It closes the stream: the place is free within seconds
+    and the server's connection closed."""
+    serving(fake, guest)
+    page = page_login(app.url, *GUEST)
+    hangups = fake.hangups
+    try:
+        with chat_stream(page, "fake-mode: byte_trickle"):
+            wait_until(lambda: fake.open_streams == 1, 20, "the reply never reached the server")
+            assert guest.predict(api_name="/status")["queue"]["active"] == 1
+        freed = wait_until(lambda: guest.predict(api_name="/status")["queue"]["active"] == 0,
+                           10, "the place was not freed")
+        print(f"place freed {freed:.2f} s after the client left")
+        assert freed < 5, f"place freed after {freed:.2f} s"
+        wait_until(lambda: fake.hangups > hangups, 5, "the server kept writing")
+    finally:
+        page.close()
+    assert victims(app).finish() == {"v1": "complete", "chat": "complete"}
+
+
+def setting_position(page: httpx.Client, label_start: str) -> int:
+    """Where the page's send handler takes the widget whose label starts so."""
+    config = page.get("/config").json()
+    labels = {c["id"]: c["props"].get("label") or "" for c in config["components"]}
+    dep = next(d for d in config["dependencies"] if d.get("api_name") == "respond")
+    return next(i for i, c in enumerate(dep["inputs"]) if labels[c].startswith(label_start))
+
+
+def test_sliders_left_where_they_started_leave_sampling_to_the_server(app, fake, guest):
+    """A server that reports no sampling defaults (vLLM: it applies the model's
+    generation_config to what a request leaves unset, and says so nowhere): the sliders'
+    notes say "server default", and a message sent from the page as it opened carries no
+    temperature, top_p or top_k, not this page's 0.7 / 1 / 0. A slider moved is sent."""
+    serving(fake, guest)
+    page = page_login(app.url, *GUEST)
+    try:
+        loaded = page_load_outputs(page)["on_page_load"]
+        assert loaded.count("server default (the server does not say its value)") == 4
+        sent = page_handler(page, "respond", {0: "Hello?"})
+        assert sent.status == 200 and "Hello there." in sent.message, sent
+        body = fake.bodies[-1]
+        assert not {"temperature", "top_p", "top_k"} & set(body), body
+        moved = page_handler(page, "respond", {0: "Hello?",
+                                               setting_position(page, "temperature"): 0.3})
+        assert moved.status == 200, moved
+        assert fake.bodies[-1]["temperature"] == 0.3 and "top_p" not in fake.bodies[-1]
+    finally:
+        page.close()
 
 
 def test_a_stuck_server_reply_blocks_no_other_user(app, fake, guest):
