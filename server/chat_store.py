@@ -27,6 +27,7 @@ from .presets import MAX_PRESETS
 log = logging.getLogger("server")
 BUSY_TIMEOUT_S = 10.0
 STORE_FILE = "chats.sqlite3"
+STORE_LIMITS = ChatLimits()
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS chats (
     user TEXT NOT NULL, id TEXT NOT NULL, title TEXT NOT NULL, updated REAL NOT NULL,
@@ -51,7 +52,7 @@ def default_store_path() -> Path:
 class ChatStore:
     """Every user's chats and presets in one SQLite file. Every method takes the user."""
 
-    def __init__(self, path: str | Path, limits: ChatLimits = ChatLimits()):
+    def __init__(self, path: str | Path, limits: ChatLimits = STORE_LIMITS):
         self.path = Path(path).expanduser()
         self.limits = limits
         self._open()
