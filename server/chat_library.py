@@ -28,9 +28,11 @@ log = logging.getLogger("server")
 
 
 class BrowserLibrary:
-    """The chats and presets this browser keeps: {"chats": {id: chat}, "presets": {...}}."""
+    """The chats and presets this browser keeps: {"chats": {id: chat}} and {name: preset},
+    apart (two BrowserStates), so that saving a preset and a reply written into a chat at
+    the same time cannot undo each other."""
 
-    def __init__(self, value: Any, limits: ChatLimits = BROWSER_LIMITS):
+    def __init__(self, value: Any, presets: Any = None, limits: ChatLimits = BROWSER_LIMITS):
         self.limits = limits
         value = value if isinstance(value, dict) else {}
         chats = value.get("chats") if isinstance(value.get("chats"), dict) else {}
@@ -42,11 +44,15 @@ class BrowserLibrary:
                 log.warning("chat list: a chat kept in the browser is not usable (%s)", error)
                 continue
             self._chats[chat["id"]] = chat
-        self._presets = checked_presets(value.get("presets"))
+        self._presets = checked_presets(presets)
 
     def value(self) -> dict:
-        """What the browser keeps from now on."""
-        return {"chats": self._chats, "presets": self._presets}
+        """The chats the browser keeps from now on."""
+        return {"chats": self._chats}
+
+    def presets_value(self) -> dict:
+        """The presets the browser keeps from now on."""
+        return self._presets
 
     def summaries(self) -> list[dict]:
         return newest_first([summary(c) for c in self._chats.values()])
@@ -86,6 +92,9 @@ class StoredLibrary:
     def value(self) -> None:
         return None  # nothing of it is kept in the browser
 
+    def presets_value(self) -> None:
+        return None
+
     def summaries(self) -> list[dict]:
         return self.store.summaries(self.user)
 
@@ -124,10 +133,11 @@ class StoredLibrary:
         self.store.delete_preset(self.user, name)
 
 
-def library_for(store: ChatStore | None, user: str | None, browser_value: Any):
+def library_for(store: ChatStore | None, user: str | None, browser_value: Any,
+                browser_presets: Any = None):
     """The library of this request: the store's for its login, else the browser's."""
     if store is None:
-        return BrowserLibrary(browser_value)
+        return BrowserLibrary(browser_value, browser_presets)
     if not user:
         raise ConversationError("log in to see your chats")
     return StoredLibrary(store, user)

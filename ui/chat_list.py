@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from model_utils.engine import Engine
     from server.chat_store import ChatStore
 
-CHAT_STORAGE_KEYS = ("qwen-chat-library", "qwen-chat-current")
+CHAT_STORAGE_KEYS = ("qwen-chat-library", "qwen-chat-current", "qwen-chat-presets")
 REFUSED = (ChatLimitError, ChatStoreError, ConversationError)
 log = logging.getLogger("ui")
 
@@ -52,6 +52,7 @@ def build_chat_list() -> dict:
     c["chat_list_notice"] = gr.Markdown("", elem_id="chat-list-notice")
     # Without logins the chats and presets live here; with logins this stays empty.
     c["chat_library"] = gr.BrowserState({}, storage_key=CHAT_STORAGE_KEYS[0])
+    c["chat_presets"] = gr.BrowserState({}, storage_key=CHAT_STORAGE_KEYS[2])
     c["chat_remembered"] = gr.BrowserState("", storage_key=CHAT_STORAGE_KEYS[1])
     c["chat_id"] = gr.Textbox("", visible="hidden", elem_id="chat-id")
     c["chat_deleted"] = gr.State(None)  # the chat Undo delete puts back
@@ -69,9 +70,9 @@ class ChatList:
                      c["chat_list"], c["chat_title"], c["chat_id"], c["chat_remembered"],
                      c["chat_library"], c["chat_list_notice"]]
 
-    def library(self, request: gr.Request | None, value):
+    def library(self, request: gr.Request | None, value, presets=None):
         try:
-            return library_for(self.store, getattr(request, "username", None), value)
+            return library_for(self.store, getattr(request, "username", None), value, presets)
         except ConversationError as error:
             raise user_error(str(error)) from None
 
@@ -121,9 +122,9 @@ def wire_chat_list(c: dict, engine: Engine, store: ChatStore | None, *, loaded,
     chats = ChatList(c, engine, store, setting_names)
     current = [c["conversation"], c["system_prompt"], c["thinking"], c["preset"]]
 
-    def page_load(conversation, system_prompt, thinking, preset, kept, remembered, query,
-                  request: gr.Request):
-        library = chats.library(request, kept)
+    def page_load(conversation, system_prompt, thinking, preset, kept, presets, remembered,
+                  query, request: gr.Request):
+        library = chats.library(request, kept, presets)
         summaries = library.summaries()
         ids = [s["id"] for s in summaries]
         chosen = remembered if remembered in ids else (ids[0] if ids else None)
@@ -145,7 +146,8 @@ def wire_chat_list(c: dict, engine: Engine, store: ChatStore | None, *, loaded,
                 pass
         return chats.show(library, chat, query)
 
-    loaded.then(page_load, [*current, c["chat_library"], c["chat_remembered"],
+    loaded.then(page_load, [*current, c["chat_library"], c["chat_presets"],
+                            c["chat_remembered"],
                             c["chat_search"]], chats.view,
                 api_visibility="private", show_progress="hidden")
 
@@ -181,36 +183,38 @@ def wire_chat_list(c: dict, engine: Engine, store: ChatStore | None, *, loaded,
           api_visibility="private", show_progress="hidden", trigger_mode="always_last",
           concurrency_limit=None)
 
-    def open_chat(chat_id, kept, query, request: gr.Request):
-        library = chats.library(request, kept)
+    def open_chat(chat_id, kept, presets, query, request: gr.Request):
+        library = chats.library(request, kept, presets)
         chat = chats.get(library, chat_id) if chat_id else None
         if chat is None:
             raise user_error("that chat is gone (deleted in another tab?)")
         return chats.show(library, chat, query)
 
-    c["chat_list"].input(open_chat, [c["chat_list"], c["chat_library"], c["chat_search"]],
+    c["chat_list"].input(open_chat, [c["chat_list"], c["chat_library"], c["chat_presets"],
+                                     c["chat_search"]],
                          chats.view, cancels=cancels, api_visibility="private",
                          show_progress="hidden")
 
-    def start_new(chat_id, conversation, system_prompt, thinking, preset, kept, query,
-                  request: gr.Request):
-        library = chats.library(request, kept)
+    def start_new(chat_id, conversation, system_prompt, thinking, preset, kept, presets,
+                  query, request: gr.Request):
+        library = chats.library(request, kept, presets)
         shown = chats.get(library, chat_id) if chat_id else None
         if shown is not None and not shown["messages"] and not conversation:
-            return chats.show(library, shown, "")  # the chat shown is a new one already
+            return chats.show(library, shown, query)  # the chat shown is a new one already
         chat = new_chat(preset=preset or "", thinking=bool(thinking),
                         system_prompt=system_prompt or "")
         chats.put(library, chat)
-        return chats.show(library, chat, "")
+        return chats.show(library, chat, query)
 
     c["chat_new"].click(start_new, [c["chat_id"], *current, c["chat_library"],
-                                    c["chat_search"]], chats.view, cancels=cancels,
+                                    c["chat_presets"], c["chat_search"]], chats.view, cancels=cancels,
                         api_visibility="private", show_progress="hidden")
 
     def search(query, chat_id, kept, request: gr.Request):
         return chats.list_update(chats.library(request, kept), query, chat_id)
 
-    gr.on([c["chat_search"].input, c["chat_search"].submit], search,
+    # .change, not .input: the list follows whatever sets the box (a paste, an autofill).
+    gr.on([c["chat_search"].change, c["chat_search"].submit], search,
           [c["chat_search"], c["chat_id"], c["chat_library"]], c["chat_list"],
           api_visibility="private", show_progress="hidden", trigger_mode="always_last")
 
@@ -231,8 +235,8 @@ def wire_chat_list(c: dict, engine: Engine, store: ChatStore | None, *, loaded,
 
     undo_outputs = [c["chat_deleted"], c["chat_undo_delete"]]
 
-    def delete(chat_id, kept, query, request: gr.Request):
-        library = chats.library(request, kept)
+    def delete(chat_id, kept, presets, query, request: gr.Request):
+        library = chats.library(request, kept, presets)
         chat = chats.get(library, chat_id) if chat_id else None
         if chat is None:
             raise user_error("open a chat to delete first")
@@ -246,19 +250,20 @@ def wire_chat_list(c: dict, engine: Engine, store: ChatStore | None, *, loaded,
         return (*chats.show(library, following, query, notice=f"Deleted “{chat['title']}”."),
                 chat, gr.update(visible=True, value=f"Undo delete of “{chat['title']}”"))
 
-    c["chat_delete"].click(delete, [c["chat_id"], c["chat_library"], c["chat_search"]],
+    c["chat_delete"].click(delete, [c["chat_id"], c["chat_library"], c["chat_presets"],
+                                    c["chat_search"]],
                            [*chats.view, *undo_outputs], cancels=cancels,
                            api_visibility="private", show_progress="hidden")
 
-    def undo_delete(deleted, kept, query, request: gr.Request):
+    def undo_delete(deleted, kept, presets, query, request: gr.Request):
         if not deleted:
             raise user_error("nothing to undo")
-        library = chats.library(request, kept)
+        library = chats.library(request, kept, presets)
         chats.put(library, deleted)
         return (*chats.show(library, deleted, query), None, gr.update(visible=False))
 
     c["chat_undo_delete"].click(undo_delete, [c["chat_deleted"], c["chat_library"],
-                                              c["chat_search"]],
+                                              c["chat_presets"], c["chat_search"]],
                                 [*chats.view, *undo_outputs], cancels=cancels,
                                 api_visibility="private", show_progress="hidden")
     return chats

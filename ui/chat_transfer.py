@@ -24,6 +24,7 @@ from server.conversation import (
 from server.presets import checked_presets
 
 from .chat_list import REFUSED, ChatList
+from .presets import preset_choices
 
 
 def build_transfer() -> dict:
@@ -47,8 +48,8 @@ def wire_transfer(c: dict, chats: ChatList, export_dir: Path) -> None:
     c["export"].click(export, [c["conversation"], c["system_prompt"]], [c["export_file"]],
                       api_visibility="private")
 
-    def export_all(kept, request: gr.Request):
-        library = chats.library(request, kept)
+    def export_all(kept, presets, request: gr.Request):
+        library = chats.library(request, kept, presets)
         everything = [chats.get(library, s["id"]) for s in library.summaries()]
         # The folder is served to every page: a name nobody else can guess keeps one user's
         # export from another.
@@ -57,10 +58,10 @@ def wire_transfer(c: dict, chats: ChatList, export_dir: Path) -> None:
                         encoding="utf-8")
         return gr.update(value=str(path), visible=True)
 
-    c["export_all"].click(export_all, [c["chat_library"]], [c["export_file"]],
+    c["export_all"].click(export_all, [c["chat_library"], c["chat_presets"]], [c["export_file"]],
                           api_visibility="private")
 
-    def import_(path: str | None, kept, query, shown: str, request: gr.Request):
+    def import_(path: str | None, kept, presets, query, shown: str, request: gr.Request):
         if not path:
             raise user_error("no file was uploaded")
         file = Path(path)
@@ -72,16 +73,17 @@ def wire_transfer(c: dict, chats: ChatList, export_dir: Path) -> None:
         except (UnicodeDecodeError, ValueError, RecursionError):
             data = None  # import_json says what is wrong with it
         if is_export_of_all(data):
-            return import_all(data, file.name, kept, query, shown, request)
+            return import_all(data, file.name, kept, presets, query, shown, request)
         try:
             turns, system_prompt = import_json(text)
         except (ConversationError, UnicodeDecodeError) as error:
             raise user_error(f"cannot import {file.name}: {error}") from error
         prompt = gr.skip() if system_prompt is None else system_prompt
-        return chatbot_messages(turns), turns, prompt, gr.skip(), gr.skip(), gr.skip()
+        return chatbot_messages(turns), turns, prompt, *(gr.skip(),) * 5
 
-    def import_all(data: dict, name: str, kept, query, shown: str, request: gr.Request):
-        library = chats.library(request, kept)
+    def import_all(data: dict, name: str, kept, presets, query, shown: str,
+                   request: gr.Request):
+        library = chats.library(request, kept, presets)
         imported, added = [], 0
         try:
             imported = chats_of_export(data)
@@ -96,12 +98,16 @@ def wire_transfer(c: dict, chats: ChatList, export_dir: Path) -> None:
             kept_now = added if library.value() is None else 0
             raise user_error(f"cannot import {name}: {error} ({kept_now} of "
                              f"{len(imported)} chats were added)") from None
+        presets_now = library.presets_value()
         return (gr.skip(), gr.skip(), gr.skip(), chats.kept(library),
+                gr.skip() if presets_now is None else presets_now,
+                gr.update(choices=preset_choices(library.presets())),
                 chats.list_update(library, query, shown),
                 f"Imported {len(imported)} chats from {name}.")
 
-    c["import"].upload(import_, [c["import"], c["chat_library"], c["chat_search"],
-                                 c["chat_id"]],
+    c["import"].upload(import_, [c["import"], c["chat_library"], c["chat_presets"],
+                                 c["chat_search"], c["chat_id"]],
                        [c["chatbot"], c["conversation"], c["system_prompt"],
-                        c["chat_library"], c["chat_list"], c["chat_list_notice"]],
+                        c["chat_library"], c["chat_presets"], c["preset"], c["chat_list"],
+                        c["chat_list_notice"]],
                        api_visibility="private")

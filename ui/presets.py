@@ -66,16 +66,16 @@ def wire_presets(c: dict, engine: Engine, store: ChatStore | None, *,
                  setting_names: list[str]) -> None:
     widgets = [c[name] for name in setting_names]
 
-    def library(request: gr.Request, value):
+    def library(request: gr.Request, presets):
         try:
-            return library_for(store, getattr(request, "username", None), value)
+            return library_for(store, getattr(request, "username", None), None, presets)
         except ConversationError as error:
             raise user_error(str(error)) from None
 
     def picked(name: str | None, kept, request: gr.Request):
         return preset_updates(engine, library(request, kept).presets(), name, setting_names)
 
-    c["preset"].input(picked, [c["preset"], c["chat_library"]],
+    c["preset"].input(picked, [c["preset"], c["chat_presets"]],
                       [c["system_prompt"], *widgets], api_visibility="private",
                       show_progress="hidden")
 
@@ -88,17 +88,17 @@ def wire_presets(c: dict, engine: Engine, store: ChatStore | None, *,
             chats.put_preset(name, preset)
         except (ConversationError, ChatLimitError) as error:
             raise user_error(str(error)) from None
-        value = chats.value()
+        value = chats.presets_value()
         return (gr.skip() if value is None else value,
                 gr.update(choices=preset_choices(chats.presets()), value=name), "")
 
-    c["preset_save"].click(save, [c["preset_name"], c["system_prompt"], c["chat_library"],
+    c["preset_save"].click(save, [c["preset_name"], c["system_prompt"], c["chat_presets"],
                                   *widgets],
-                           [c["chat_library"], c["preset"], c["preset_name"]],
+                           [c["chat_presets"], c["preset"], c["preset_name"]],
                            api_visibility="private", show_progress="hidden")
-    c["preset_name"].submit(save, [c["preset_name"], c["system_prompt"], c["chat_library"],
+    c["preset_name"].submit(save, [c["preset_name"], c["system_prompt"], c["chat_presets"],
                                    *widgets],
-                            [c["chat_library"], c["preset"], c["preset_name"]],
+                            [c["chat_presets"], c["preset"], c["preset_name"]],
                             api_visibility="private", show_progress="hidden")
 
     def delete(name: str | None, kept, request: gr.Request):
@@ -106,10 +106,10 @@ def wire_presets(c: dict, engine: Engine, store: ChatStore | None, *,
             raise user_error("pick one of your presets to delete (the model's own stays)")
         chats = library(request, kept)
         chats.delete_preset(name)
-        value = chats.value()
+        value = chats.presets_value()
         return (gr.skip() if value is None else value,
                 gr.update(choices=preset_choices(chats.presets()), value=None))
 
-    c["preset_delete"].click(delete, [c["preset"], c["chat_library"]],
-                             [c["chat_library"], c["preset"]], api_visibility="private",
+    c["preset_delete"].click(delete, [c["preset"], c["chat_presets"]],
+                             [c["chat_presets"], c["preset"]], api_visibility="private",
                              show_progress="hidden")

@@ -164,8 +164,8 @@ def test_presets_per_user(store):
 
 def test_the_browsers_copy_drops_what_is_not_a_chat_and_keeps_its_limits():
     good = chat_saying("hello")
-    library = BrowserLibrary({"chats": {good["id"]: good, "x": {"id": "../etc"}},
-                              "presets": {"p": {"settings": {"temperature": 999}}}},
+    library = BrowserLibrary({"chats": {good["id"]: good, "x": {"id": "../etc"}}},
+                             {"p": {"settings": {"temperature": 999}}},
                              ChatLimits(chats=1, chat_bytes=10_000, total_bytes=20_000))
     assert list(library.value()["chats"]) == [good["id"]]
     assert library.presets() == {}  # out of range: not a preset
