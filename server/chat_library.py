@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from .chat_store import ChatStore
+from .chat_store import ChatStore, ChatStoreError
 from .chats import (
     BROWSER_LIMITS,
     ChatLimitError,
@@ -107,7 +107,8 @@ class StoredLibrary:
         except ConversationError as error:
             log.error("chat store: chat %s of %s is not usable (%s); kept as it is",
                       chat_id, self.user, error)
-            return None
+            raise ChatStoreError("this chat cannot be shown; it is kept as it is (the "
+                                 "server's log says why)") from None
 
     def put(self, chat: dict) -> None:
         self.store.put(self.user, chat)
@@ -116,12 +117,7 @@ class StoredLibrary:
         self.store.delete(self.user, chat_id)
 
     def search(self, query: str) -> list[dict]:
-        found = []
-        for chat_id in self.store.search(self.user, query):
-            chat = self.get(chat_id)
-            if chat is not None and matches(chat, query):
-                found.append(summary(chat))
-        return newest_first(found)
+        return self.store.search(self.user, query)
 
     def presets(self) -> dict[str, dict]:
         return checked_presets(self.store.presets(self.user))

@@ -21,7 +21,16 @@ import sqlite3
 from contextlib import closing, contextmanager
 from pathlib import Path
 
-from .chats import ChatLimitError, ChatLimits, chat_bytes, chat_json, check_fits, newest_first
+from .chats import (
+    ChatLimitError,
+    ChatLimits,
+    chat_bytes,
+    chat_json,
+    check_fits,
+    newest_first,
+    search_text,
+    search_words,
+)
 from .presets import MAX_PRESETS
 
 log = logging.getLogger("server")
@@ -31,11 +40,12 @@ STORE_LIMITS = ChatLimits()
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS chats (
     user TEXT NOT NULL, id TEXT NOT NULL, title TEXT NOT NULL, updated REAL NOT NULL,
-    bytes INTEGER NOT NULL, body TEXT NOT NULL, PRIMARY KEY (user, id));
+    bytes INTEGER NOT NULL, body TEXT NOT NULL, search_text TEXT NOT NULL,
+    PRIMARY KEY (user, id));
 CREATE TABLE IF NOT EXISTS presets (
     user TEXT NOT NULL, name TEXT NOT NULL, body TEXT NOT NULL, PRIMARY KEY (user, name));
 """
-COLUMNS = {"chats": {"user", "id", "title", "updated", "bytes", "body"},
+COLUMNS = {"chats": {"user", "id", "title", "updated", "bytes", "body", "search_text"},
            "presets": {"user", "name", "body"}}
 
 
@@ -132,23 +142,24 @@ class ChatStore:
             others = db.execute("SELECT id, bytes FROM chats WHERE user = ?",
                                 (user,)).fetchall()
             check_fits(chat, others, self.limits)
-            db.execute("INSERT OR REPLACE INTO chats (user, id, title, updated, bytes, body) "
-                       "VALUES (?, ?, ?, ?, ?, ?)",
+            db.execute("INSERT OR REPLACE INTO chats (user, id, title, updated, bytes, body, "
+                       "search_text) VALUES (?, ?, ?, ?, ?, ?, ?)",
                        (user, chat["id"], chat["title"], float(chat["updated"]),
-                        chat_bytes(chat), body))
+                        chat_bytes(chat), body, search_text(chat)))
 
     def delete(self, user: str, chat_id: str) -> None:
         with self._write() as db:
             db.execute("DELETE FROM chats WHERE user = ? AND id = ?", (user, chat_id))
 
-    def search(self, user: str, query: str) -> list[str]:
-        """Ids of the user's chats whose stored text holds every word of `query` (a first cut;
-        server/chats.matches decides on the chat itself)."""
-        words = query.casefold().split()
-        sql = "SELECT id FROM chats WHERE user = ?" + " AND instr(lower(body), ?) > 0" * len(
-            words)
+    def search(self, user: str, query: str) -> list[dict]:
+        """{id, title, updated} of the user's chats holding every word of `query`, newest
+        first: the words as server/chats.matches finds them, in the text kept for search."""
+        words = search_words(query)
+        sql = ("SELECT id, title, updated FROM chats WHERE user = ?"
+               + " AND instr(search_text, ?) > 0" * len(words))
         with closing(self._connect()) as db:
-            return [row[0] for row in db.execute(sql, (user, *words))]
+            rows = db.execute(sql, (user, *words)).fetchall()
+        return newest_first([{"id": i, "title": t, "updated": u} for i, t, u in rows])
 
     # -- presets ------------------------------------------------------------------------------
     def presets(self, user: str) -> dict[str, dict]:

@@ -157,11 +157,18 @@ def newest_first(summaries: list[dict]) -> list[dict]:
 def matches(chat: dict, query: str) -> bool:
     """Whether every word of `query` is in the chat's title or one of its messages (the other
     versions of a message too), case-insensitively."""
-    words = query.casefold().split()
-    if not words:
-        return True
-    text = "\n".join([chat["title"], *_texts(chat["messages"])]).casefold()
-    return all(word in text for word in words)
+    text = search_text(chat)
+    return all(word in text for word in search_words(query))
+
+
+def search_words(query: str) -> list[str]:
+    return query.casefold().split()
+
+
+def search_text(chat: dict) -> str:
+    """What search looks in: the title and every message, case-folded (the store keeps it
+    beside the chat, so that a search there reads no chat's JSON)."""
+    return "\n".join([chat["title"], *_texts(chat["messages"])]).casefold()
 
 
 def _texts(messages: list[dict]):

@@ -23,6 +23,7 @@ from server.chats import ChatLimitError, new_chat, renamed, with_messages
 from server.common import user_error
 from server.conversation import ConversationError, chatbot_messages, validate_history
 
+from .chat_settings import MESSAGE_PLACEHOLDER
 from .presets import preset_choices, preset_updates
 
 if TYPE_CHECKING:
@@ -68,7 +69,7 @@ class ChatList:
         self.view = [c["chatbot"], c["conversation"], c["notice"], c["system_prompt"],
                      c["thinking"], c["preset"], *(c[n] for n in setting_names),
                      c["chat_list"], c["chat_title"], c["chat_id"], c["chat_remembered"],
-                     c["chat_library"], c["chat_list_notice"]]
+                     c["chat_library"], c["chat_list_notice"], c["message"]]
 
     def library(self, request: gr.Request | None, value, presets=None):
         try:
@@ -90,8 +91,11 @@ class ChatList:
         value = library.value()
         return gr.skip() if value is None else value
 
-    def show(self, library, chat: dict, query: str | None, notice: str = "") -> list:
-        """The view of `chat`: conversation, its settings, the list with it picked."""
+    def show(self, library, chat: dict, query: str | None, notice: str = "", *,
+             changed: bool = True) -> list:
+        """The view of `chat`: conversation, its settings, the list with it picked, and the
+        message box open. The browser's chats are handed back only when this event `changed`
+        them: a copy handed back unchanged could undo a write another event made meanwhile."""
         presets = library.presets()
         preset = chat["preset"] if chat["preset"] in preset_choices(presets) else None
         prompt_and_settings = preset_updates(self.engine, presets, preset, self.setting_names)
@@ -99,7 +103,9 @@ class ChatList:
                 chat["system_prompt"], chat["thinking"],
                 gr.update(choices=preset_choices(presets), value=preset),
                 *prompt_and_settings[1:], self.list_update(library, query, chat["id"]),
-                chat["title"], chat["id"], chat["id"], self.kept(library), notice]
+                chat["title"], chat["id"], chat["id"],
+                self.kept(library) if changed else gr.skip(), notice,
+                gr.update(interactive=True, placeholder=MESSAGE_PLACEHOLDER)]
 
     def put(self, library, chat: dict) -> None:
         try:
@@ -128,7 +134,11 @@ def wire_chat_list(c: dict, engine: Engine, store: ChatStore | None, *, loaded,
         summaries = library.summaries()
         ids = [s["id"] for s in summaries]
         chosen = remembered if remembered in ids else (ids[0] if ids else None)
-        chat = chats.get(library, chosen) if chosen else None
+        notice, changed = "", False
+        try:
+            chat = library.get(chosen) if chosen else None
+        except ChatStoreError as error:  # kept as it is; a new chat is shown instead
+            chat, notice = None, f"⚠ {error}"
         if chat is None:  # the first visit: the conversation the page had becomes a chat
             try:
                 messages = validate_history(conversation or [])
@@ -136,7 +146,11 @@ def wire_chat_list(c: dict, engine: Engine, store: ChatStore | None, *, loaded,
                 messages = []
             chat = with_messages(new_chat(preset=preset or "", thinking=bool(thinking),
                                           system_prompt=system_prompt or ""), messages)
-            chats.put(library, chat)
+            try:  # refused (a limit): shown all the same, so that the page opens
+                library.put(chat)
+                changed = True
+            except REFUSED as error:
+                notice = f"⚠ {error}"
         elif store is None and chosen == remembered:
             # Without logins the conversation in the browser is written first (also by a
             # reply cut short by a reload): it is the newer copy of this chat.
@@ -144,7 +158,7 @@ def wire_chat_list(c: dict, engine: Engine, store: ChatStore | None, *, loaded,
                 chat = with_messages(chat, validate_history(conversation or []))
             except ConversationError:
                 pass
-        return chats.show(library, chat, query)
+        return chats.show(library, chat, query, notice, changed=changed)
 
     loaded.then(page_load, [*current, c["chat_library"], c["chat_presets"],
                             c["chat_remembered"],
@@ -188,7 +202,7 @@ def wire_chat_list(c: dict, engine: Engine, store: ChatStore | None, *, loaded,
         chat = chats.get(library, chat_id) if chat_id else None
         if chat is None:
             raise user_error("that chat is gone (deleted in another tab?)")
-        return chats.show(library, chat, query)
+        return chats.show(library, chat, query, changed=False)
 
     c["chat_list"].input(open_chat, [c["chat_list"], c["chat_library"], c["chat_presets"],
                                      c["chat_search"]],
@@ -200,7 +214,8 @@ def wire_chat_list(c: dict, engine: Engine, store: ChatStore | None, *, loaded,
         library = chats.library(request, kept, presets)
         shown = chats.get(library, chat_id) if chat_id else None
         if shown is not None and not shown["messages"] and not conversation:
-            return chats.show(library, shown, query)  # the chat shown is a new one already
+            # The chat shown is a new one already.
+            return chats.show(library, shown, query, changed=False)
         chat = new_chat(preset=preset or "", thinking=bool(thinking),
                         system_prompt=system_prompt or "")
         chats.put(library, chat)

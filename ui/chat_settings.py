@@ -122,14 +122,13 @@ def keep_settings(c: dict, engine: Engine, demo: gr.Blocks, settings_inputs: lis
                     {"value": values[name]} if name in values else {})))
             else:
                 updates.append(values[name] if name in values else gr.skip())
-        # The message box opens only now: a message typed or a setting changed before the
-        # saved ones are put back would be overwritten by them.
-        ready = gr.update(interactive=True, placeholder=MESSAGE_PLACEHOLDER)
+        # The message box stays closed: the chat list opens it once it has put the chat shown
+        # back (ui/chat_list.py); a message typed before would be overwritten by it.
         kept = ([], {}, user) if forget else (gr.skip(),) * 3
-        return [chatbot_messages(conversation), ready, *kept, *updates]
+        return [chatbot_messages(conversation), *kept, *updates]
 
     return demo.load(on_page_load, [c["conversation"], c["saved_settings"], c["owner"]],
-              [c["chatbot"], c["message"], c["conversation"], c["saved_settings"],
+              [c["chatbot"], c["conversation"], c["saved_settings"],
                c["owner"], *settings_inputs], api_visibility="private",
               show_progress="hidden")
 

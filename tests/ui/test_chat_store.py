@@ -51,6 +51,7 @@ def test_one_user_never_reaches_another_users_chat(store):
     assert store.summaries("bob") == []
     assert store.get("bob", mine["id"]) is None
     assert store.search("bob", "secret") == []
+    assert [s["id"] for s in store.search("ann", "secret")] == [mine["id"]]
     # A write of the same id by another user is that user's own chat: ann's stays as it was.
     store.put("bob", {**chat_saying("bob's"), "id": mine["id"]})
     store.delete("bob", mine["id"])
@@ -150,6 +151,11 @@ def test_search_finds_every_word_in_titles_messages_and_versions(store):
     assert [s["id"] for s in library.search("LISBON trams")] == [second["id"]]
     assert library.search("paris rome") == []
     assert len(library.search("")) == 2
+    third = chat_saying('Die "Straße" am Fluss')
+    library.put(third)  # words SQLite cannot lower-case, or that JSON escapes
+    assert [s["id"] for s in library.search("STRASSE")] == [third["id"]]  # ß folds to ss
+    assert [s["id"] for s in library.search("straße")] == [third["id"]]
+    assert [s["id"] for s in library.search('"straße"')] == [third["id"]]
 
 
 def test_presets_per_user(store):
