@@ -64,9 +64,12 @@ class ChatList:
     """The handlers' shared parts: which library, and the view of a chat."""
 
     def __init__(self, c: dict, engine: Engine, store: ChatStore | None,
-                 setting_names: list[str]):
+                 setting_names: list[str], idle=None):
         self.c, self.engine, self.store, self.setting_names = c, engine, store, setting_names
-        self.view = [c["chatbot"], c["conversation"], c["notice"], c["system_prompt"],
+        # Send, Stop and Regenerate as after a reply: opening another chat stops the one
+        # streaming, and its last update (which would have said so) never comes.
+        self.idle = idle or (lambda: (gr.skip(),) * 3)
+        self.view = [c["send"], c["stop"], c["regenerate"], c["chatbot"], c["conversation"], c["notice"], c["system_prompt"],
                      c["thinking"], c["preset"], *(c[n] for n in setting_names),
                      c["chat_list"], c["chat_title"], c["chat_id"], c["chat_remembered"],
                      c["chat_library"], c["chat_list_notice"], c["message"]]
@@ -99,7 +102,8 @@ class ChatList:
         presets = library.presets()
         preset = chat["preset"] if chat["preset"] in preset_choices(presets) else None
         prompt_and_settings = preset_updates(self.engine, presets, preset, self.setting_names)
-        return [chatbot_messages(chat["messages"]), chat["messages"], "",
+        return [*self.idle(), chatbot_messages(chat["messages"]),
+                chat["messages"], "",
                 chat["system_prompt"], chat["thinking"],
                 gr.update(choices=preset_choices(presets), value=preset),
                 *prompt_and_settings[1:], self.list_update(library, query, chat["id"]),
@@ -121,11 +125,12 @@ class ChatList:
 
 
 def wire_chat_list(c: dict, engine: Engine, store: ChatStore | None, *, loaded,
-                   cancels: list, setting_names: list[str]) -> ChatList:
+                   cancels: list, setting_names: list[str], idle) -> ChatList:
     """`loaded`: the page load's event that puts the conversation and settings back (the
-    list's own load follows it); `cancels`: the reply events a switch of chat stops.
-    Returns the handlers' shared parts (export and import use them too)."""
-    chats = ChatList(c, engine, store, setting_names)
+    list's own load follows it); `cancels`: the reply events a switch of chat stops, and
+    `idle()` the (Send, Stop, Regenerate) updates after it. Returns the handlers' shared
+    parts (export and import use them too)."""
+    chats = ChatList(c, engine, store, setting_names, idle)
     current = [c["conversation"], c["system_prompt"], c["thinking"], c["preset"]]
 
     def page_load(conversation, system_prompt, thinking, preset, kept, presets, remembered,

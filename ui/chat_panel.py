@@ -288,7 +288,7 @@ def _wire(c: dict, engine: Engine, signals: StopSignals, export_dir: Path, demo:
     loaded = keep_settings(c, engine, demo, settings_inputs, setting_names,
                            default_context=DEFAULT_CONTEXT)
     chats = wire_chat_list(c, engine, chat_store, loaded=loaded, cancels=reply_events,
-                           setting_names=setting_names)
+                           setting_names=setting_names, idle=lambda: buttons(generating=False))
     wire_presets(c, engine, chat_store, setting_names=setting_names)
     wire_transfer(c, chats, export_dir)
     wire_context_budget(c, engine, demo=demo, status=status, settings_inputs=settings_inputs,
