@@ -199,8 +199,10 @@ def wire_chat_list(c: dict, engine: Engine, store: ChatStore | None, *, loaded,
     gr.on([x.change for x in current], keep_shown,
           [c["chat_id"], *current, c["chat_library"], c["chat_search"]],
           [c["chat_library"], c["chat_list"], c["chat_title"], c["chat_list_notice"]],
-          api_visibility="private", show_progress="hidden", trigger_mode="always_last",
-          concurrency_limit=None)
+          # Every change is written, in order: "always_last" dropped a change still waiting
+          # when the next one came, even one of the chat shown before a switch.
+          api_visibility="private", show_progress="hidden", trigger_mode="multiple",
+          concurrency_id="chat-write", concurrency_limit=1)
 
     def open_chat(chat_id, kept, presets, query, request: gr.Request):
         library = chats.library(request, kept, presets)
