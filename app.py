@@ -59,6 +59,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="folder for torch.compile's caches, so that a mode compiled once loads "
                         "faster in later runs (default: $TORCHINDUCTOR_CACHE_DIR, else "
                         "~/.cache/qwen-chat/torch-compile; off: torch's own, in the temp folder)")
+    p.add_argument("--chat-store", metavar="PATH",
+                   help="with logins, the SQLite file that keeps each user's chats and presets "
+                        "(default: chats.sqlite3 in $QWEN_CHAT_CACHE, else ~/.cache/qwen-chat); "
+                        "without logins each browser keeps its own")
     EngineConfig.add_cli_args(p, only=APP_ENGINE_FLAGS)
     add_backend_flags(p)
     return p
@@ -86,6 +90,23 @@ def read_logins(args: argparse.Namespace, parser_error):
     if problems:
         parser_error(problems[0])
     return Logins(fixed, args.auth_file, from_file)
+
+
+def open_chat_store(args: argparse.Namespace, logins, parser_error):
+    """With logins, the store of every user's chats (a file that cannot be read is refused
+    here, before anything is served, and left as it is); without logins, None: each browser
+    keeps its own chats."""
+    from server.chat_store import ChatStore, ChatStoreError, default_store_path
+
+    if not logins:
+        if args.chat_store:
+            log.info("--chat-store is used with logins only: without them each browser "
+                     "keeps its own chats")
+        return None
+    try:
+        return ChatStore(args.chat_store or default_store_path())
+    except ChatStoreError as error:
+        parser_error(f"--chat-store: {error}")
 
 
 def engine_config_of(args: argparse.Namespace, parser_error) -> EngineConfig:
@@ -154,6 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     check_backend_flags(args, _parser_error)
     engine_config = engine_config_of(args, _parser_error)
     setup_logging(args.log_file)
+    chat_store = open_chat_store(args, logins, _parser_error)
     config = {k: v for k, v in vars(args).items() if k not in ("auth", "auth_file",
                                                                  "backend_key")}
     config["backend"] = args.backend and redact(args.backend)  # no user:password@ in the log
@@ -193,7 +215,8 @@ def main(argv: list[str] | None = None) -> int:
         log_model_server(engine)
     engine.start_memory_sampler()  # one history for every page, however many are open
 
-    demo = ui.build(engine, admin=args.admin, info=info, logout=bool(logins))
+    demo = ui.build(engine, admin=args.admin, info=info, logout=bool(logins),
+                    chat_store=chat_store)
     # gradio switches matplotlib's backend around every event; done first inside a request,
     # the import (and, on a new machine, building matplotlib's font cache) stalled that
     # request's server for 0.4-0.9 s. Pay it here, before serving.

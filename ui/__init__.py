@@ -23,6 +23,7 @@ from server.model_actions import headline
 from server.openai_api import register_openai_api
 from server.queue_gone import queue_stream_watch
 
+from .chat_list import CHAT_STORAGE_KEYS
 from .chat_panel import STORAGE_KEYS, STORAGE_OWNER_KEY, build_chat_panel
 from .remote_panel import (
     build_remote_bench_panel,
@@ -32,6 +33,7 @@ from .remote_panel import (
 
 if TYPE_CHECKING:
     from model_utils.engine import Engine
+    from server.chat_store import ChatStore
 
 # An extra tab: (title, builder). The builder runs inside the tab and gets the engine.
 PanelBuilder = Callable[["Engine"], dict]
@@ -54,11 +56,13 @@ CSS = ("#chatbot .message-wrap sub { opacity: 0.7; }"  # the stats line under ea
 
 def build(engine: Engine, *, admin: str | None = None, info: AppInfo | None = None,
           extra_panels: Sequence[tuple[str, PanelBuilder]] = (),
-          logout: bool = False) -> gr.Blocks:
+          logout: bool = False, chat_store: ChatStore | None = None) -> gr.Blocks:
     """The whole page. `admin`: the only user allowed to load/unload (None: anyone).
     `info`: start-up notices (share link failure, initial load error) shown in the header.
     `extra_panels`: more tabs, e.g. [("Profiler", build_profiler_panel)].
-    `logout`: logins are on, so the header offers a Log out link (gradio's /logout)."""
+    `logout`: logins are on, so the header offers a Log out link (gradio's /logout).
+    `chat_store`: with logins, where each user's chats and presets are kept (None: each
+    browser keeps its own)."""
     info = info or AppInfo()
     remote = isinstance(engine, RemoteEngine)  # a model server's: its own tabs (remote_panel)
     if not remote:
@@ -80,7 +84,7 @@ def build(engine: Engine, *, admin: str | None = None, info: AppInfo | None = No
         banner = gr.Markdown(info.banner(), elem_id="banner")
         with gr.Tabs():
             with gr.Tab("Chat", id="chat"):
-                build_chat_panel(engine, demo=demo, status=status)
+                build_chat_panel(engine, demo=demo, status=status, chat_store=chat_store)
             with gr.Tab("Model", id="model"):
                 if remote:
                     build_remote_model_panel(engine, status=status)
@@ -108,7 +112,7 @@ def build(engine: Engine, *, admin: str | None = None, info: AppInfo | None = No
                     builder(engine)
         # The conversation and settings kept in this browser go with the login (the next
         # page load checks their owner as well, for a login that ends without this click).
-        keys = [*STORAGE_KEYS, STORAGE_OWNER_KEY]
+        keys = [*STORAGE_KEYS, STORAGE_OWNER_KEY, *CHAT_STORAGE_KEYS]
         logout_button.click(None, js=f"() => {{ for (const key of {keys!r}) "
                             "localStorage.removeItem(key); }")
         status.change(headline, status, header, api_visibility="private",

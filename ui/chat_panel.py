@@ -2,7 +2,9 @@
 thinking switch, export/import, and a conversation and settings kept in the browser across
 reloads (a reply cut short by a reload is kept as far as it got). A user message can be edited
 in place; the edit and Regenerate start a new version and keep the old one to page back to
-(server/branches.py, ui/branch_controls.py).
+(server/branches.py, ui/branch_controls.py). The chat list beside it (ui/chat_list.py) holds
+every chat, each with its preset (ui/presets.py) and Thinking switch; export and import of one
+chat or all of them in ui/chat_transfer.py.
 
 While a reply streams, Send and Regenerate are disabled and Stop is the red, enabled button;
 afterwards (done, stopped, failed or cancelled) they change back."""
@@ -21,12 +23,9 @@ from model_utils.errors import InvalidParameter
 from server.branches import fork, reply_point
 from server.common import DEMO_NOTICE, reply_concurrency, user_error
 from server.conversation import (
-    MAX_IMPORT_BYTES,
     ConversationError,
     chatbot_messages,
     engine_messages,
-    export_json,
-    import_json,
     turn_of_view,
     validate_history,
     without_last_turn,
@@ -35,16 +34,20 @@ from server.queue_gone import SESSIONS
 from server.replies import StopSignals, make_settings, stats_line, stream
 
 from .branch_controls import build_branch_controls, wire_branch_controls
+from .chat_list import build_chat_list, wire_chat_list
 from .chat_settings import (
     context_bounded,
     keep_settings,
     left_to_the_server,
     setting_controls,
 )
+from .chat_transfer import build_transfer, wire_transfer
 from .context_budget import build_budget_line, wire_context_budget
+from .presets import build_presets, wire_presets
 
 if TYPE_CHECKING:
     from model_utils.engine import Engine
+    from server.chat_store import ChatStore
 
 # Stats line of a reply the page stopped seeing (a reload, a closed tab): the conversation in
 # the browser is saved while the reply streams, and this is what such a turn ends with.
@@ -66,14 +69,18 @@ def buttons(generating: bool) -> tuple:
 log = logging.getLogger("ui")
 
 
-def build_chat_panel(engine: Engine, *, demo: gr.Blocks, status: gr.State) -> dict:
+def build_chat_panel(engine: Engine, *, demo: gr.Blocks, status: gr.State,
+                     chat_store: ChatStore | None = None) -> dict:
     """Components of the chat panel. `status` is the page's copy of engine.status(); when it
-    changes (a load, an unload) the thinking switch and the demo notice follow."""
+    changes (a load, an unload) the thinking switch and the demo notice follow. `chat_store`:
+    with logins, where each user's chats are kept (None: in the browser)."""
     signals = StopSignals()
     # Exported files are written here; gradio serves files from the temp dir.
     export_dir = Path(tempfile.mkdtemp(prefix="qwen-chat-export-"))
     c: dict = {}
     with gr.Row(equal_height=False):
+        with gr.Column(scale=1, min_width=220):
+            c.update(build_chat_list())
         with gr.Column(scale=3):
             c["demo_notice"] = gr.Markdown(f"⚠ **{DEMO_NOTICE}**", elem_id="demo-notice",
                                            visible=bool(engine.status().get("is_demo")))
@@ -97,18 +104,14 @@ def build_chat_panel(engine: Engine, *, demo: gr.Blocks, status: gr.State) -> di
         with gr.Column(scale=1, min_width=260):
             _settings_controls(c, engine)
             with gr.Accordion("Export / import", open=False):
-                c["export"] = gr.Button("Export JSON", size="sm", elem_id="export")
-                c["import"] = gr.UploadButton("Import JSON", file_types=[".json"],
-                                              size="sm", elem_id="import")
-                c["export_file"] = gr.File(label="Exported conversation", visible=False,
-                                           interactive=False)
+                c.update(build_transfer())
     # The conversation and the settings, in the browser's localStorage: they survive a reload.
     c["conversation"] = gr.BrowserState([], storage_key=STORAGE_KEYS[0])
     c["saved_settings"] = gr.BrowserState({}, storage_key=STORAGE_KEYS[1])
     # Whose they are: with logins, the next user of the same browser must not get (and send
     # the model) the previous user's conversation and system prompt.
     c["owner"] = gr.BrowserState("", storage_key=STORAGE_OWNER_KEY)
-    _wire(c, engine, signals, export_dir, demo, status)
+    _wire(c, engine, signals, export_dir, demo, status, chat_store)
     return c
 
 
@@ -119,6 +122,7 @@ def _settings_controls(c: dict, engine: Engine) -> None:
         c["thinking"] = gr.Checkbox(label="Thinking (reasoning shown apart from the answer)",
                                     value=True, visible=engine.supports_thinking(),
                                     elem_id="thinking")
+        c.update(build_presets())
         # One widget per setting, from the settings' declarations; the ones ranging up to
         # the loaded model's context are redrawn on every load and switch.
         context = engine.status().get("context_tokens") or DEFAULT_CONTEXT
@@ -127,7 +131,7 @@ def _settings_controls(c: dict, engine: Engine) -> None:
 
 
 def _wire(c: dict, engine: Engine, signals: StopSignals, export_dir: Path, demo: gr.Blocks,
-          status: gr.State) -> None:
+          status: gr.State, chat_store: ChatStore | None) -> None:
     setting_names = list(c["setting_controls"])
     settings_inputs = [c["system_prompt"], c["thinking"], *c["setting_controls"].values()]
     controls = [c["send"], c["stop"], c["regenerate"]]
@@ -290,32 +294,12 @@ def _wire(c: dict, engine: Engine, signals: StopSignals, export_dir: Path, demo:
         trigger(lambda: ([], [], "", "", *buttons(generating=False)), None, stream_outputs,
                 cancels=reply_events, api_visibility="private", show_progress="hidden")
 
-    def export(conversation: list[dict], system_prompt: str):
-        path = export_dir / time.strftime("conversation-%Y%m%d-%H%M%S.json")
-        path.write_text(export_json(conversation or [], system_prompt or ""), encoding="utf-8")
-        return gr.update(value=str(path), visible=True)
-
-    c["export"].click(export, [c["conversation"], c["system_prompt"]], [c["export_file"]],
-                      api_visibility="private")
-
-    def import_(path: str | None):
-        if not path:
-            raise user_error("no file was uploaded")
-        file = Path(path)
-        if file.stat().st_size > MAX_IMPORT_BYTES:
-            raise user_error(f"the file is larger than {MAX_IMPORT_BYTES // 2**20} MB")
-        try:
-            turns, system_prompt = import_json(file.read_text(encoding="utf-8"))
-        except (ConversationError, UnicodeDecodeError) as error:
-            raise user_error(f"cannot import {file.name}: {error}") from error
-        prompt = gr.skip() if system_prompt is None else system_prompt
-        return chatbot_messages(turns), turns, prompt
-
-    c["import"].upload(import_, [c["import"]],
-                       [c["chatbot"], c["conversation"], c["system_prompt"]],
-                       api_visibility="private")
-    keep_settings(c, engine, demo, settings_inputs, setting_names,
-                  default_context=DEFAULT_CONTEXT)
+    loaded = keep_settings(c, engine, demo, settings_inputs, setting_names,
+                           default_context=DEFAULT_CONTEXT)
+    chats = wire_chat_list(c, engine, chat_store, loaded=loaded, cancels=reply_events,
+                           setting_names=setting_names, idle=lambda: buttons(generating=False))
+    wire_presets(c, engine, chat_store, setting_names=setting_names)
+    wire_transfer(c, chats, export_dir)
     wire_context_budget(c, engine, demo=demo, status=status, settings_inputs=settings_inputs,
                         setting_names=setting_names)
     bounded = [c[name] for name in context_bounded(setting_names)]

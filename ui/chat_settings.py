@@ -78,11 +78,12 @@ def context_bounded(names, controls: dict[str, Control] = CONTROLS) -> list[str]
 
 
 def keep_settings(c: dict, engine: Engine, demo: gr.Blocks, settings_inputs: list,
-                  setting_names: list[str], *, default_context: int) -> None:
+                  setting_names: list[str], *, default_context: int):
     """The system prompt, the thinking switch and the settings' widgets (`settings_inputs`,
     the last ones named `setting_names`), kept in the browser next to the conversation: saved
     on every change, put back on page load. A page without saved settings starts from the
-    loaded model's recommended ones (its generation_config)."""
+    loaded model's recommended ones (its generation_config). Returns the page load's event
+    (the chat list's own load follows it)."""
     names = ["system_prompt", "thinking", *setting_names]
     bounded = set(context_bounded(setting_names))
 
@@ -122,14 +123,13 @@ def keep_settings(c: dict, engine: Engine, demo: gr.Blocks, settings_inputs: lis
                     {"value": values[name]} if name in values else {})))
             else:
                 updates.append(values[name] if name in values else gr.skip())
-        # The message box opens only now: a message typed or a setting changed before the
-        # saved ones are put back would be overwritten by them.
-        ready = gr.update(interactive=True, placeholder=MESSAGE_PLACEHOLDER)
+        # The message box stays closed: the chat list opens it once it has put the chat shown
+        # back (ui/chat_list.py); a message typed before would be overwritten by it.
         kept = ([], {}, user) if forget else (gr.skip(),) * 3
-        return [chatbot_messages(conversation), ready, *kept, *updates]
+        return [chatbot_messages(conversation), *kept, *updates]
 
-    demo.load(on_page_load, [c["conversation"], c["saved_settings"], c["owner"]],
-              [c["chatbot"], c["message"], c["conversation"], c["saved_settings"],
+    return demo.load(on_page_load, [c["conversation"], c["saved_settings"], c["owner"]],
+              [c["chatbot"], c["conversation"], c["saved_settings"],
                c["owner"], *settings_inputs], api_visibility="private",
               show_progress="hidden")
 

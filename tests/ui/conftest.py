@@ -36,8 +36,10 @@ class RunningApp:
         env = {**os.environ, "GRADIO_ANALYTICS_ENABLED": "False", "PYTHONUNBUFFERED": "1"}
         self._console = self.console.open("w")
         self.proc = subprocess.Popen(
+            # Each app its own chat store (a test's --chat-store comes later and wins):
+            # chats of one test's logins never reach another's, nor the user's own file.
             [sys.executable, "app.py", "--port", str(self.port), "--log-file",
-             str(self.log_file), *args],
+             str(self.log_file), "--chat-store", str(workdir / "chats.sqlite3"), *args],
             cwd=ROOT, stdout=self._console, stderr=subprocess.STDOUT, env=env)
 
     def wait_ready(self, timeout: float = 300) -> RunningApp:

@@ -88,6 +88,9 @@ def log_in_on(page, user: str, password: str) -> None:
 def chat_as_guest(browser, app):
     """A guest's conversation and system prompt, kept in this browser's storage."""
     page = log_in(browser, app.url, "guest", "pw2")
+    # A new chat each time: the guest's chats of the tests before are kept (on the server).
+    page.locator("#chat-new").click()
+    page.wait_for_function("() => !document.querySelector('#chatbot [data-testid=user]')")
     page.locator("#system-prompt textarea").fill("The guest's private system prompt.")
     page.locator("#message textarea").fill("The guest's private question")
     page.locator("#message textarea").press("Enter")
@@ -102,6 +105,9 @@ def chat_as_guest(browser, app):
 def assert_a_fresh_chat_for_boss(page, app) -> None:
     assert page.locator("#chatbot").get_by_text("private question").count() == 0
     assert page.locator("#system-prompt textarea").input_value() == ""
+    assert "private question" not in page.locator("#chat-list").inner_text()
+    page.locator("#chat-new").click()  # boss's own chats of the tests before are his
+    page.wait_for_function("() => !document.querySelector('#chatbot [data-testid=user]')")
     page.locator("#message textarea").fill("Hello from boss")
     page.locator("#message textarea").press("Enter")
     page.locator("#chatbot").get_by_text("Hello from boss").wait_for()

@@ -1,0 +1,158 @@
+"""The chat list in a real browser against the real app, without logins (the chats kept in the
+browser): two chats kept apart across a reload, a preset applied to a chat and remembered with
+its Thinking switch, search, and delete with undo.
+
+The tests run in order on one page, each going on from the chats the one before left."""
+
+from __future__ import annotations
+
+import pytest
+
+from .browser import open_browser, set_number, wait_until_ready
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+
+SETTLED = """(replies) => {
+    const chat = document.querySelector('#chatbot');
+    return !document.querySelector('#send').disabled && !chat.innerText.includes('▌')
+        && chat.querySelectorAll('[data-testid=bot] sub').length === replies;
+}"""
+FIRST, SECOND = "What are the modes?", "How do I share it?"
+
+
+@pytest.fixture(scope="module")
+def app(start_app):
+    return start_app("--model", "demo", "--mode", "bf16", "--placement", "cpu")
+
+
+@pytest.fixture(scope="module")
+def page(app):
+    with open_browser() as browser:
+        page = browser.new_page(viewport={"width": 1500, "height": 1100})
+        page.set_default_timeout(30000)
+        page.goto(app.url)
+        wait_until_ready(page)
+        set_number(page, "max_new_tokens", 24)
+        yield page
+
+
+def chat_text(page) -> str:
+    return page.locator("#chatbot .message-wrap").inner_text()
+
+
+def send(page, text: str, replies: int) -> None:
+    page.locator("#message textarea").fill(text)
+    page.locator("#message textarea").press("Enter")
+    page.wait_for_function(SETTLED, arg=replies, timeout=90000)
+
+
+def titles(page) -> list[str]:
+    return [t.strip() for t in page.locator("#chat-list label").all_inner_texts()]
+
+
+def wait_titles(page, expected: list[str]) -> None:
+    page.wait_for_function(
+        """(expected) => JSON.stringify([...document.querySelectorAll('#chat-list label')]
+            .map(l => l.innerText.trim())) === JSON.stringify(expected)""", arg=expected)
+
+
+def open_chat(page, title: str) -> None:
+    page.locator("#chat-list label", has_text=title).click()
+    page.locator('#chatbot [data-testid="user"]', has_text=title).wait_for()
+
+
+def slider(page, label: str) -> float:
+    return float(page.locator(f'input[aria-label^="number input for {label}"]').input_value())
+
+
+def test_two_chats_are_kept_apart_across_a_reload(page):
+    wait_titles(page, ["New chat"])
+    send(page, FIRST, 1)
+    wait_titles(page, [FIRST])  # titled from the first message
+    page.locator("#chat-new").click()
+    page.wait_for_function("() => !document.querySelector('#chatbot [data-testid=user]')")
+    send(page, SECOND, 1)
+    wait_titles(page, [SECOND, FIRST])  # newest first
+    assert FIRST not in chat_text(page)
+
+    page.reload()
+    wait_until_ready(page)
+    wait_titles(page, [SECOND, FIRST])
+    page.locator('#chatbot [data-testid="user"]', has_text=SECOND).wait_for()
+    open_chat(page, FIRST)
+    assert SECOND not in chat_text(page)
+    assert page.locator('#chatbot [data-testid="bot"]').count() == 1
+    open_chat(page, SECOND)
+    assert FIRST not in chat_text(page)
+
+
+def test_a_preset_is_applied_to_a_chat_and_remembered_with_its_thinking_switch(page):
+    open_chat(page, FIRST)
+    page.locator("#system-prompt textarea").fill("Answer in one line.")
+    set_number(page, "temperature", 0)
+    set_number(page, "top_k", 7)
+    page.locator("#preset-name input, #preset-name textarea").first.fill("precise")
+    page.locator("#preset-save").click()
+    page.locator("#preset input").first.wait_for()
+    page.wait_for_function("() => document.querySelector('#preset input').value === 'precise'")
+
+    # The other chat: the model's own settings, and Thinking off.
+    open_chat(page, SECOND)
+    page.locator("#preset input").first.click()
+    page.get_by_role("option", name="Model's recommended").click()
+    page.wait_for_function("""() => Number(document.querySelector(
+        'input[aria-label^="number input for top_k"]').value) !== 7""")
+    page.locator("#thinking input").uncheck()
+    page.wait_for_timeout(1500)  # the chat keeps them once the change events ran
+
+    open_chat(page, FIRST)
+    page.wait_for_function("() => document.querySelector('#preset input').value === 'precise'")
+    page.wait_for_function("""() => Number(document.querySelector(
+        'input[aria-label^="number input for top_k"]').value) === 7""")
+    assert slider(page, "temperature") == 0
+    assert page.locator("#system-prompt textarea").input_value() == "Answer in one line."
+    assert page.locator("#thinking input").is_checked()
+
+    open_chat(page, SECOND)
+    page.wait_for_function("() => document.querySelector('#preset input').value === "
+                           "\"Model's recommended\"")
+    assert not page.locator("#thinking input").is_checked()
+    assert page.locator("#system-prompt textarea").input_value() == ""
+    page.reload()  # the chat shown keeps its preset and switch across a reload
+    wait_until_ready(page)
+    page.locator('#chatbot [data-testid="user"]', has_text=SECOND).wait_for()
+    page.wait_for_function("() => document.querySelector('#preset input').value === "
+                           "\"Model's recommended\"")
+    assert not page.locator("#thinking input").is_checked()
+
+
+def test_search_lists_the_chats_holding_the_words(page):
+    search = page.locator("#chat-search input, #chat-search textarea").first
+    search.fill("share")
+    wait_titles(page, [SECOND])
+    search.fill("modes WHAT")
+    wait_titles(page, [FIRST])
+    search.fill("no such words here")
+    wait_titles(page, [])
+    search.fill("")
+    wait_titles(page, [SECOND, FIRST])
+
+
+def test_rename_then_delete_with_undo(page):
+    open_chat(page, FIRST)
+    title = page.locator("#chat-title input, #chat-title textarea").first
+    title.fill("Modes talk")
+    page.locator("#chat-rename").click()
+    wait_titles(page, [SECOND, "Modes talk"])
+
+    page.locator("#chat-delete").click()
+    wait_titles(page, [SECOND])
+    page.locator("#chat-list-notice", has_text="Deleted “Modes talk”").wait_for()
+    page.locator('#chatbot [data-testid="user"]', has_text=SECOND).wait_for()
+    page.locator("#chat-undo-delete").click()
+    wait_titles(page, [SECOND, "Modes talk"])
+    page.locator('#chatbot [data-testid="user"]', has_text=FIRST).wait_for()
+    page.locator("#chat-undo-delete").wait_for(state="hidden")
+    page.reload()
+    wait_until_ready(page)
+    wait_titles(page, [SECOND, "Modes talk"])

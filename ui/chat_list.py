@@ -1,0 +1,291 @@
+"""The chat list beside the conversation: New chat, the chats newest first (a click opens one),
+search, rename, delete with undo. Each chat keeps its conversation (with its versions), its
+system prompt, its preset and its Thinking switch.
+
+The conversation shown stays the chat panel's `conversation` (in the browser, as before);
+every change of it, of the system prompt, the preset or the switch is written into the chat
+shown, in the library of this page (server/chat_library.py: the browser's without logins,
+the store's for the logged-in user with them). Which chat is shown is held by the page
+itself (a hidden field, sent with each event), set only once the page load has put the
+chat back: a change the page load makes before that is never written over a chat.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+import gradio as gr
+
+from server.chat_library import library_for
+from server.chat_store import ChatStoreError
+from server.chats import ChatLimitError, new_chat, renamed, with_messages
+from server.common import user_error
+from server.conversation import ConversationError, chatbot_messages, validate_history
+
+from .chat_settings import MESSAGE_PLACEHOLDER
+from .presets import preset_choices, preset_updates
+
+if TYPE_CHECKING:
+    from model_utils.engine import Engine
+    from server.chat_store import ChatStore
+
+CHAT_STORAGE_KEYS = ("qwen-chat-library", "qwen-chat-current", "qwen-chat-presets")
+REFUSED = (ChatLimitError, ChatStoreError, ConversationError)
+log = logging.getLogger("ui")
+
+
+def build_chat_list() -> dict:
+    """The list's components; call inside the layout, in the column beside the chatbot."""
+    c: dict = {}
+    c["chat_new"] = gr.Button("New chat", variant="primary", size="sm", elem_id="chat-new")
+    c["chat_search"] = gr.Textbox(show_label=False, placeholder="Search chats",
+                                  elem_id="chat-search", container=False)
+    c["chat_list"] = gr.Radio(choices=[], show_label=False, elem_id="chat-list",
+                              container=False)
+    c["chat_title"] = gr.Textbox(label="Title of this chat", elem_id="chat-title",
+                                 placeholder="from the first message")
+    with gr.Row():
+        c["chat_rename"] = gr.Button("Rename", size="sm", elem_id="chat-rename")
+        c["chat_delete"] = gr.Button("Delete", size="sm", elem_id="chat-delete")
+    c["chat_undo_delete"] = gr.Button("Undo delete", size="sm", visible=False,
+                                      elem_id="chat-undo-delete")
+    c["chat_list_notice"] = gr.Markdown("", elem_id="chat-list-notice")
+    # Without logins the chats and presets live here; with logins this stays empty.
+    c["chat_library"] = gr.BrowserState({}, storage_key=CHAT_STORAGE_KEYS[0])
+    c["chat_presets"] = gr.BrowserState({}, storage_key=CHAT_STORAGE_KEYS[2])
+    c["chat_remembered"] = gr.BrowserState("", storage_key=CHAT_STORAGE_KEYS[1])
+    c["chat_id"] = gr.Textbox("", visible="hidden", elem_id="chat-id")
+    c["chat_deleted"] = gr.State(None)  # the chat Undo delete puts back
+    return c
+
+
+class ChatList:
+    """The handlers' shared parts: which library, and the view of a chat."""
+
+    def __init__(self, c: dict, engine: Engine, store: ChatStore | None,
+                 setting_names: list[str], idle=None):
+        self.c, self.engine, self.store, self.setting_names = c, engine, store, setting_names
+        # Send, Stop and Regenerate as after a reply: opening another chat stops the one
+        # streaming, and its last update (which would have said so) never comes.
+        self.idle = idle or (lambda: (gr.skip(),) * 3)
+        self.view = [c["send"], c["stop"], c["regenerate"], c["chatbot"], c["conversation"], c["notice"], c["system_prompt"],
+                     c["thinking"], c["preset"], *(c[n] for n in setting_names),
+                     c["chat_list"], c["chat_title"], c["chat_id"], c["chat_remembered"],
+                     c["chat_library"], c["chat_list_notice"], c["message"]]
+
+    def library(self, request: gr.Request | None, value, presets=None):
+        try:
+            return library_for(self.store, getattr(request, "username", None), value, presets)
+        except ConversationError as error:
+            raise user_error(str(error)) from None
+
+    def choices(self, library, query: str | None) -> list[tuple[str, str]]:
+        query = (query or "").strip()
+        found = library.search(query) if query else library.summaries()
+        return [(s["title"], s["id"]) for s in found]
+
+    def list_update(self, library, query: str | None, shown: str | None):
+        choices = self.choices(library, query)
+        value = shown if any(v == shown for _, v in choices) else None
+        return gr.update(choices=choices, value=value)
+
+    def kept(self, library):
+        value = library.value()
+        return gr.skip() if value is None else value
+
+    def show(self, library, chat: dict, query: str | None, notice: str = "", *,
+             changed: bool = True) -> list:
+        """The view of `chat`: conversation, its settings, the list with it picked, and the
+        message box open. The browser's chats are handed back only when this event `changed`
+        them: a copy handed back unchanged could undo a write another event made meanwhile."""
+        presets = library.presets()
+        preset = chat["preset"] if chat["preset"] in preset_choices(presets) else None
+        prompt_and_settings = preset_updates(self.engine, presets, preset, self.setting_names)
+        return [*self.idle(), chatbot_messages(chat["messages"]),
+                chat["messages"], "",
+                chat["system_prompt"], chat["thinking"],
+                gr.update(choices=preset_choices(presets), value=preset),
+                *prompt_and_settings[1:], self.list_update(library, query, chat["id"]),
+                chat["title"], chat["id"], chat["id"],
+                self.kept(library) if changed else gr.skip(), notice,
+                gr.update(interactive=True, placeholder=MESSAGE_PLACEHOLDER)]
+
+    def put(self, library, chat: dict) -> None:
+        try:
+            library.put(chat)
+        except REFUSED as error:
+            raise user_error(str(error)) from None
+
+    def get(self, library, chat_id: str) -> dict | None:
+        try:
+            return library.get(chat_id)
+        except ChatStoreError as error:
+            raise user_error(str(error)) from None
+
+
+def wire_chat_list(c: dict, engine: Engine, store: ChatStore | None, *, loaded,
+                   cancels: list, setting_names: list[str], idle) -> ChatList:
+    """`loaded`: the page load's event that puts the conversation and settings back (the
+    list's own load follows it); `cancels`: the reply events a switch of chat stops, and
+    `idle()` the (Send, Stop, Regenerate) updates after it. Returns the handlers' shared
+    parts (export and import use them too)."""
+    chats = ChatList(c, engine, store, setting_names, idle)
+    current = [c["conversation"], c["system_prompt"], c["thinking"], c["preset"]]
+
+    def page_load(conversation, system_prompt, thinking, preset, kept, presets, remembered,
+                  query, request: gr.Request):
+        library = chats.library(request, kept, presets)
+        summaries = library.summaries()
+        ids = [s["id"] for s in summaries]
+        chosen = remembered if remembered in ids else (ids[0] if ids else None)
+        notice, changed = "", False
+        try:
+            chat = library.get(chosen) if chosen else None
+        except ChatStoreError as error:  # kept as it is; a new chat is shown instead
+            chat, notice = None, f"⚠ {error}"
+        if chat is None:  # the first visit: the conversation the page had becomes a chat
+            try:
+                messages = validate_history(conversation or [])
+            except ConversationError:
+                messages = []
+            chat = with_messages(new_chat(preset=preset or "", thinking=bool(thinking),
+                                          system_prompt=system_prompt or ""), messages)
+            try:  # refused (a limit): shown all the same, so that the page opens
+                library.put(chat)
+                changed = True
+            except REFUSED as error:
+                notice = f"⚠ {error}"
+        elif store is None and chosen == remembered:
+            # Without logins the conversation in the browser is written first (also by a
+            # reply cut short by a reload): it is the newer copy of this chat.
+            try:
+                chat = with_messages(chat, validate_history(conversation or []))
+            except ConversationError:
+                pass
+        return chats.show(library, chat, query, notice, changed=changed)
+
+    loaded.then(page_load, [*current, c["chat_library"], c["chat_presets"],
+                            c["chat_remembered"],
+                            c["chat_search"]], chats.view,
+                api_visibility="private", show_progress="hidden")
+
+    def keep_shown(chat_id, conversation, system_prompt, thinking, preset, kept, query,
+                   request: gr.Request):
+        """Write what the page shows into the chat shown: on the page's state, never a
+        broken copy (the chat panel refuses to send those, and so does this)."""
+        nothing = (gr.skip(),) * 4
+        if not chat_id:
+            return nothing  # the page load has not put a chat back yet
+        library = chats.library(request, kept)
+        try:
+            before = library.get(chat_id)
+            messages = validate_history(conversation or [])
+        except REFUSED:
+            return nothing
+        if before is None:  # deleted in another tab: this one's writing brings it back
+            before = {**new_chat(), "id": chat_id}
+        chat = {**with_messages(before, messages), "system_prompt": system_prompt or "",
+                "preset": preset or "", "thinking": bool(thinking)}
+        if chat == before:
+            return nothing
+        try:
+            library.put(chat)
+        except REFUSED as error:
+            return gr.skip(), gr.skip(), gr.skip(), f"⚠ {error}"
+        title = chat["title"] if chat["title"] != before["title"] else gr.skip()
+        return chats.kept(library), chats.list_update(library, query, chat_id), title, ""
+
+    gr.on([x.change for x in current], keep_shown,
+          [c["chat_id"], *current, c["chat_library"], c["chat_search"]],
+          [c["chat_library"], c["chat_list"], c["chat_title"], c["chat_list_notice"]],
+          # Every change is written, in order: "always_last" dropped a change still waiting
+          # when the next one came, even one of the chat shown before a switch.
+          api_visibility="private", show_progress="hidden", trigger_mode="multiple",
+          concurrency_id="chat-write", concurrency_limit=1)
+
+    def open_chat(chat_id, kept, presets, query, request: gr.Request):
+        library = chats.library(request, kept, presets)
+        chat = chats.get(library, chat_id) if chat_id else None
+        if chat is None:
+            raise user_error("that chat is gone (deleted in another tab?)")
+        return chats.show(library, chat, query, changed=False)
+
+    c["chat_list"].input(open_chat, [c["chat_list"], c["chat_library"], c["chat_presets"],
+                                     c["chat_search"]],
+                         chats.view, cancels=cancels, api_visibility="private",
+                         show_progress="hidden")
+
+    def start_new(chat_id, conversation, system_prompt, thinking, preset, kept, presets,
+                  query, request: gr.Request):
+        library = chats.library(request, kept, presets)
+        shown = chats.get(library, chat_id) if chat_id else None
+        if shown is not None and not shown["messages"] and not conversation:
+            # The chat shown is a new one already.
+            return chats.show(library, shown, query, changed=False)
+        chat = new_chat(preset=preset or "", thinking=bool(thinking),
+                        system_prompt=system_prompt or "")
+        chats.put(library, chat)
+        return chats.show(library, chat, query)
+
+    c["chat_new"].click(start_new, [c["chat_id"], *current, c["chat_library"],
+                                    c["chat_presets"], c["chat_search"]], chats.view, cancels=cancels,
+                        api_visibility="private", show_progress="hidden")
+
+    def search(query, chat_id, kept, request: gr.Request):
+        return chats.list_update(chats.library(request, kept), query, chat_id)
+
+    # .change, not .input: the list follows whatever sets the box (a paste, an autofill).
+    gr.on([c["chat_search"].change, c["chat_search"].submit], search,
+          [c["chat_search"], c["chat_id"], c["chat_library"]], c["chat_list"],
+          api_visibility="private", show_progress="hidden", trigger_mode="always_last")
+
+    def rename(chat_id, title, kept, query, request: gr.Request):
+        library = chats.library(request, kept)
+        chat = chats.get(library, chat_id) if chat_id else None
+        if chat is None:
+            raise user_error("open a chat to rename first")
+        chat = renamed(chat, title)
+        chats.put(library, chat)
+        return (chats.kept(library), chats.list_update(library, query, chat_id),
+                chat["title"])
+
+    rename_outputs = [c["chat_library"], c["chat_list"], c["chat_title"]]
+    for trigger in (c["chat_rename"].click, c["chat_title"].submit):
+        trigger(rename, [c["chat_id"], c["chat_title"], c["chat_library"], c["chat_search"]],
+                rename_outputs, api_visibility="private", show_progress="hidden")
+
+    undo_outputs = [c["chat_deleted"], c["chat_undo_delete"]]
+
+    def delete(chat_id, kept, presets, query, request: gr.Request):
+        library = chats.library(request, kept, presets)
+        chat = chats.get(library, chat_id) if chat_id else None
+        if chat is None:
+            raise user_error("open a chat to delete first")
+        library.delete(chat_id)
+        rest = library.summaries()
+        following = chats.get(library, rest[0]["id"]) if rest else None
+        if following is None:
+            following = new_chat(preset=chat["preset"], thinking=chat["thinking"])
+            chats.put(library, following)
+        log.info("chat list: a chat was deleted (%d left)", len(rest))
+        return (*chats.show(library, following, query, notice=f"Deleted “{chat['title']}”."),
+                chat, gr.update(visible=True, value=f"Undo delete of “{chat['title']}”"))
+
+    c["chat_delete"].click(delete, [c["chat_id"], c["chat_library"], c["chat_presets"],
+                                    c["chat_search"]],
+                           [*chats.view, *undo_outputs], cancels=cancels,
+                           api_visibility="private", show_progress="hidden")
+
+    def undo_delete(deleted, kept, presets, query, request: gr.Request):
+        if not deleted:
+            raise user_error("nothing to undo")
+        library = chats.library(request, kept, presets)
+        chats.put(library, deleted)
+        return (*chats.show(library, deleted, query), None, gr.update(visible=False))
+
+    c["chat_undo_delete"].click(undo_delete, [c["chat_deleted"], c["chat_library"],
+                                              c["chat_presets"], c["chat_search"]],
+                                [*chats.view, *undo_outputs], cancels=cancels,
+                                api_visibility="private", show_progress="hidden")
+    return chats
