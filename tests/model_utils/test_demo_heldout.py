@@ -50,9 +50,12 @@ def first_turns(demo) -> list[str]:
 
 
 def test_the_fixture_keeps_apart_from_the_training_data():
-    from model_utils.loading.demo_chats import TOPICS
+    from model_utils.loading.demo_chats import TOPICS, conversations
 
-    trained = {p.lower().rstrip("?!. ") for phrasings, _, _ in TOPICS for p in phrasings}
+    # The seeds, and every wording the generator made of them (a history turn included).
+    asked = [p for phrasings, _, _ in TOPICS for p in phrasings] + [
+        m["content"] for c in conversations() for m in c["messages"] if m["role"] == "user"]
+    trained = {p.lower().rstrip("?!. ") for p in asked}
     assert len(QUESTIONS) >= 20
     assert not [q["question"] for q in QUESTIONS if q["question"].lower().rstrip("?!. ")
                 in trained]
