@@ -106,7 +106,8 @@ _COMPILED = [(re.compile(pattern), alternatives) for pattern, alternatives in SY
 def _swap_synonyms(question: str, rng: random.Random) -> str:
     for pattern, alternatives in _COMPILED:
         question = pattern.sub(
-            lambda m: rng.choice(alternatives) if rng.random() < 0.5 else m.group(0), question)
+            lambda m, alts=alternatives: rng.choice(alts) if rng.random() < 0.5 else m.group(0),
+            question)
     return question
 
 
