@@ -4,8 +4,8 @@ No weights can be downloaded, so the app, its tests and its first run use a mode
 a byte-level BPE tokenizer trained on the text of the demo conversations (model_utils/data), a
 Qwen3 config a few MB in size initialised with a fixed seed, and Qwen3's own ChatML chat template
 with the thinking switch. That model is then trained on the demo conversations by the project's
-own fine-tuning loop (model_utils.finetune, method full, fixed seed, on the CPU: about a minute on
-two cores), so that it answers questions about the app in sentences. The result is written with
+own fine-tuning loop (model_utils.finetune, method full, fixed seed, on the CPU; its time is in
+BENCHMARKS.md), so that it answers questions about the app in sentences. The result is written with
 save_pretrained and loaded through exactly the same from_pretrained path as a real checkpoint.
 The build is cached, keyed by the recipe version and the data file's hash.
 """
@@ -26,9 +26,9 @@ DEMO_LABEL = "demo model (tiny, trained on questions about this app)"
 # Bump when the recipe changes so an old cached build is not reused.
 DEMO_VERSION = 3
 SEED = 1234
-# The training run of the build. Many short steps over the varied wordings (demo_chats.py) are
-# what makes held-out wordings land on their topic; the total is bounded by the first start,
-# which must stay about a minute on two CPU cores.
+# The training run of the build, over the varied wordings of demo_chats.py. Its length is
+# bounded by the first start, which should stay near a minute on two CPU cores (what it takes
+# now is in BENCHMARKS.md).
 TRAIN_STEPS = 400
 TRAIN_BATCH = 16
 TRAIN_LR = 3e-3
@@ -55,7 +55,7 @@ Let me think step by step. First, we consider the question. Then we answer it cl
 """
 
 VOCAB_SIZE = 2048
-# The Qwen3 config's sizes: small enough that the build's steps take ~0.1 s each on one core.
+# The Qwen3 config's sizes: small, since every one of the build's steps runs on one CPU core.
 MODEL_SHAPE = {"hidden_size": 128, "intermediate_size": 384, "num_hidden_layers": 4,
                "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32}
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -113,7 +113,7 @@ def _build(folder: Path, progress: Progress | None = None) -> None:
     start = time.perf_counter()
     conversations = read_conversations(demo_data_file())
     print(f"building the demo model: training a tiny model on {len(conversations)} "
-          "conversations about this app (about a minute on two CPU cores, once; cached in "
+          "conversations about this app (minutes on a CPU, once; cached in "
           f"{folder.parent})", file=sys.stderr, flush=True)
     base = folder / "init"
     tokenizer = _build_tokenizer(conversations)
