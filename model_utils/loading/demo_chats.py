@@ -1,206 +1,250 @@
-"""The demo model's training data: conversations about this app, written out as JSONL.
+"""The demo model's training data: short conversations about this app, written out as JSONL.
 
     python -m model_utils.loading.demo_chats            # rewrites model_utils/loading/data/demo_chats.jsonl
 
-The topics (demo_topics.py) give a few hand-written seed phrasings of each question and one
-answer. A tiny model learns to answer a question it has never seen only from many wordings of
-each topic, so every seed is varied here: synonyms swapped in (GPU / graphics card, stop /
-cancel, ...), question openers changed (How do I / Is there a way to / I want to ...), politeness
-and greetings added or left out, case and punctuation changed. Each topic is then asked
-alone, and again after one or two unrelated earlier turns, so that the reply follows the last
-question and not the history. Topics with a `reasoning` line put it in the assistant's <think>
-block (the Thinking switch shows real reasoning), and are also answered without it (what
-follows the empty think block the template writes when Thinking is off). The output is
-deterministic (a fixed seed): the demo model's cache is keyed by the file's hash, and a test
-checks that the committed file is what this writes.
+Each topic is a few hand-written phrasings of one question and one answer; every phrasing is
+used as written and once more in a varied form (lower case, a greeting in front, ...), some with
+a system prompt, and a few follow a greeting in a two-turn conversation. Topics with a
+`reasoning` line put it in the assistant's <think> block, so the Thinking switch shows real
+reasoning with the demo model. The output is deterministic (a fixed seed): the demo model's cache
+is keyed by the file's hash, and a test checks that the committed file is what this writes.
 """
 
 from __future__ import annotations
 
 import json
 import random
-import re
 from pathlib import Path
-
-from .demo_topics import GREETING, TOPICS
-
-__all__ = ["DATA_FILE", "GREETING", "TOPICS", "conversations", "write"]
 
 DATA_FILE = Path(__file__).with_name("data") / "demo_chats.jsonl"
 SEED = 7
-SINGLE_PER_TOPIC = 48  # distinct wordings asked as a first turn
-FOLLOW_UPS_PER_TOPIC = 20  # the same topic asked after earlier turns
+
+GREETING = ("Hello! I am the tiny demo model of this app. Ask me about the modes, the memory "
+            "cards, sharing, the benchmark or the command line.")
+
+# (phrasings, answer, reasoning or None)
+TOPICS: list[tuple[list[str], str, str | None]] = [
+    (["Hello", "Hi", "Hey there", "Good morning", "Hi, who is there?"], GREETING, None),
+    (["Who are you?", "What are you?", "Are you a real model?", "What model is this?"],
+     "I am a tiny demo model, trained in about a minute on questions about this app. Load a "
+     "real model in the Model tab for real answers.", None),
+    (["How are you?", "How are you doing today?", "How is it going?"],
+     "I am fine, thank you. I am a tiny demo model, so I only know about this app.", None),
+    (["Thank you", "Thanks a lot", "Thanks, that helps"],
+     "You are welcome! Ask me anything else about the app.", None),
+    (["Bye", "Goodbye", "See you later"], "Goodbye! Have a nice day.", None),
+    (["What can you do?", "What do you know?", "How can you help me?", "Help"],
+     "I can answer questions about this app: the precision modes, how to switch them, the "
+     "memory cards, safe sharing, the benchmark and the command line.", None),
+    (["Why is the demo model so small?", "Why are your answers so short?",
+      "Why do you only know about this app?"],
+     "I am a tiny model with about a million weights, built on first use in about a minute on "
+     "the CPU. I learned only a few hundred short conversations about this app.",
+     "The user asks why I am small. I was trained in about a minute on the CPU, so I can only "
+     "be tiny and know little."),
+    # -- modes ---------------------------------------------------------------------------------
+    (["What modes are there?", "Which modes can I choose?", "What are the modes?",
+      "What do the modes mean?", "List the precision modes"],
+     "The modes are fp32, bf16, fp16, int8, nf4, nf4-dq, fp4 and fp4-dq. They set how many "
+     "bytes each weight takes in memory.", None),
+    (["What is fp32?", "What does fp32 mean?", "Tell me about the fp32 mode"],
+     "fp32 is full precision: 4 bytes per parameter. It is the most exact mode and the "
+     "largest one.", None),
+    (["What is bf16?", "What does bf16 mean?", "Tell me about the bf16 mode"],
+     "bf16 is the 16-bit brain float: 2 bytes per parameter, with the range of fp32 and less "
+     "precision. It is the usual mode on a GPU.", None),
+    (["What is fp16?", "What does fp16 mean?", "Tell me about the fp16 mode"],
+     "fp16 is 16-bit half precision: 2 bytes per parameter. It has more precision than bf16 "
+     "but a smaller range.", None),
+    (["What is the difference between bf16 and fp16?", "bf16 or fp16?",
+      "Should I use bf16 or fp16?"],
+     "Both take 2 bytes per parameter. bf16 keeps the range of fp32, fp16 keeps more digits; "
+     "bf16 is the safer choice for large models.",
+     "Both are 16 bits. bf16 has 8 exponent bits like fp32, fp16 has more mantissa bits. "
+     "Overflow is the bigger risk, so bf16."),
+    (["What is int8?", "What does int8 mean?", "Tell me about the int8 mode",
+      "What is LLM.int8?"],
+     "int8 is LLM.int8 from bitsandbytes: about 1 byte per parameter. Outlier features stay in "
+     "16 bits, so the quality holds up well.", None),
+    (["What is nf4?", "What does nf4 mean?", "Tell me about the nf4 mode",
+      "What is 4-bit NormalFloat?"],
+     "nf4 is 4-bit NormalFloat from bitsandbytes: about half a byte per parameter. Its levels "
+     "follow the normal distribution of the weights.", None),
+    (["What is fp4?", "What does fp4 mean?", "Tell me about the fp4 mode"],
+     "fp4 is a plain 4-bit float from bitsandbytes: about half a byte per parameter, usually a "
+     "little less exact than nf4.", None),
+    (["What does -dq mean?", "What is nf4-dq?", "What is double quantization?",
+      "What is fp4-dq?"],
+     "The -dq modes add double quantization: the scales of the 4-bit blocks are quantized too, "
+     "which saves about 0.4 bits per parameter.", None),
+    (["Which mode should I pick?", "Which mode is best?", "What mode should I use?",
+      "Which mode do you recommend?"],
+     "Use bf16 when the model fits on your GPU. If it does not, try int8, then nf4 or nf4-dq, "
+     "which need about a quarter of the memory.",
+     "The best mode depends on memory. bf16 is exact enough and fast, int8 halves it, nf4 "
+     "quarters it. So start with bf16 and go down only if it does not fit."),
+    (["How much memory does a 7B model need?", "How big is a 7B model?",
+      "Will a 7B model fit on my GPU?"],
+     "About 15 GB in bf16, 8 GB in int8 and 5 GB in nf4, plus the KV cache. The Model tab "
+     "shows the estimate before you load.",
+     "7 billion parameters times the bytes per parameter: 2 in bf16, about 1 in int8, about "
+     "half a byte in nf4."),
+    (["What is the compute dtype?", "What does compute dtype mean?"],
+     "The compute dtype is the type the 4-bit modes compute in after unpacking the weights. "
+     "bf16 is the default; change it under Advanced in the Model tab.", None),
+    # -- switching -----------------------------------------------------------------------------
+    (["How do I switch modes?", "How do I change the mode?", "How can I switch to nf4?",
+      "How do I switch the precision?", "How do I change the precision mode?"],
+     "Open the Model tab, pick a mode and press Load. The old model is unloaded first, and if "
+     "the new load fails it comes back.", None),
+    (["What happens if a load fails?", "What if the new model does not load?",
+      "What if the switch fails?"],
+     "The previous model is loaded again, same mode and same placement, and the page says why "
+     "the new one failed.", None),
+    (["How do I load another model?", "How do I load a real model?", "How do I pick a model?"],
+     "Pick it in the model list of the Model tab, or type a folder path or a hub id, then "
+     "press Load.", None),
+    (["What is the placement?", "What does placement mean?", "Where do the weights go?"],
+     "The placement says where the weights go: the cpu, one GPU, or the auto, balanced and "
+     "sequential strategies of accelerate.", None),
+    (["Can I switch while a reply is streaming?", "What if I switch during a reply?"],
+     "A switch waits for the replies in flight to end, holds new ones back meanwhile, and says "
+     "so if it takes too long.", None),
+    (["How do I unload the model?", "How do I free the memory?"],
+     "Press Unload in the Model tab. The page then says whether all the memory came back.",
+     None),
+    # -- memory --------------------------------------------------------------------------------
+    (["What do the memory cards show?", "What is on the memory cards?",
+      "What does the Memory tab show?", "Explain the memory cards"],
+     "Each card shows one GPU: the memory used out of the total from NVML, and what torch has "
+     "allocated and reserved. Below them are the CPU RAM and this process.", None),
+    (["What is the difference between allocated and reserved?", "What does reserved mean?",
+      "What is allocated memory?"],
+     "Allocated is the memory tensors use now. Reserved is what torch keeps from the GPU, "
+     "allocated plus cached free blocks, so it is never smaller.",
+     "Allocated counts live tensors. Reserved counts what the caching allocator took from the "
+     "GPU, including the free blocks it keeps for later."),
+    (["What if I have no GPU?", "Does it work without a GPU?", "Can I run it on the CPU?"],
+     "Yes. Without a GPU every mode runs on the CPU, slowly, and the Memory tab shows the CPU "
+     "RAM and this process.", None),
+    (["How often do the cards refresh?", "What does the memory plot show?"],
+     "The cards refresh every 2 seconds, and the plot shows the last five minutes.", None),
+    (["What is RSS?", "What does process RSS mean?"],
+     "RSS is the memory of this process in RAM. It drops after an unload, when the weights are "
+     "freed.", None),
+    # -- sharing -------------------------------------------------------------------------------
+    (["How do I share the app safely?", "How do I share it?", "How can I share the app?",
+      "How do I make a public link?", "Is sharing safe?"],
+     "Start with --share and at least one --auth user:password. Add --admin with one user, so "
+     "that only that user may load or switch models.",
+     "A public link is open to anyone who has it, so it needs a login, and model changes "
+     "should be for one user only."),
+    (["What if I use --share without --auth?", "Can I share without a password?"],
+     "The app refuses: --share without --auth prints a message and exits with status 2 before "
+     "anything is loaded.", None),
+    (["What does --admin do?", "What is the admin user?", "Who may load models?"],
+     "--admin USER lets only that logged-in user load, unload or switch models and train. "
+     "Every other login may still chat.", None),
+    (["What does --auth do?", "How do I add a login?", "How do I add users?"],
+     "--auth user:password adds a login for the page and the API. Repeat it for more users, or "
+     "use --auth-file with one user:password a line.", None),
+    (["Can I bind to 0.0.0.0?", "How do I serve on my network?"],
+     "Yes, with --host 0.0.0.0, but any address other than 127.0.0.1 also needs --auth, the "
+     "same as --share.", None),
+    # -- benchmark -----------------------------------------------------------------------------
+    (["How do I run the benchmark?", "How do I benchmark a model?",
+      "How can I measure the speed?", "How do I run the bench?"],
+     "Open the Benchmark tab and press Run benchmark, or run python -m model_utils.bench "
+     "--model demo --modes bf16,nf4 on the command line.", None),
+    (["What does the benchmark measure?", "What does the Benchmark tab show?"],
+     "It measures the time to first token and the tokens per second of this app's decode path, "
+     "and compares them with plain model.generate on the same weights.", None),
+    (["Where are the benchmark results?", "Where are the measured figures?"],
+     "The bench command prints a table and writes JSON with --out and a chart. Measured "
+     "figures are in BENCHMARKS.md.", None),
+    (["What is the fast path?", "Why is the GPU so fast?"],
+     "On a CUDA GPU replies decode with a static KV cache and CUDA graphs. On the CPU the eager "
+     "path is used.", None),
+    # -- command line and the rest -------------------------------------------------------------
+    (["What does the CLI do?", "Is there a command line?", "How do I chat without a browser?",
+      "What is python -m model_utils chat?"],
+     "python -m model_utils chat loads a model and streams one reply to the terminal, with no "
+     "browser. python -m model_utils prompt prints the prompt the model receives.", None),
+    (["How do I get JSON from the CLI?", "What does --json do?"],
+     "Add --json to chat to get one JSON object at the end, with the text, the token counts "
+     "and the timings.", None),
+    (["How do I fine-tune a model?", "How do I train an adapter?", "How do I fine-tune?"],
+     "Run python -m model_utils.finetune --model demo --data chats.jsonl --out "
+     "models/my-adapter, or use the Train tab.", None),
+    (["What does the Train tab do?", "What is the Train tab?"],
+     "The Train tab fine-tunes a model on a JSONL file of chats, shows the loss curve live, and "
+     "puts the adapter in the model list.", None),
+    (["How do I start the app?", "How do I run the app?", "How do I install it?"],
+     "Run ./start.sh. The first run sets up the virtual environment, then the app serves on "
+     "http://127.0.0.1:7860.", None),
+    (["What is the Thinking switch?", "What does Thinking do?", "What is thinking mode?"],
+     "The Thinking switch lets a Qwen3 model reason in a think block before it answers. The "
+     "reasoning is shown apart from the answer.",
+     "The user asks about the switch. When it is on, the model writes its reasoning first, "
+     "like this."),
+    (["Is there an OpenAI API?", "Can I use an OpenAI client?"],
+     "Yes: POST /v1/chat/completions speaks the OpenAI chat format, so any OpenAI client can "
+     "use the loaded model.", None),
+    (["Where are the logs?", "Are my prompts logged?"],
+     "Logs go to server.log. Prompts and replies are not logged unless you start the app with "
+     "--log-prompts.", None),
+    (["How do I run the tests?", "How do I test the app?"],
+     "Run ./test.sh. It runs everything on the CPU with the demo model.", None),
+    (["What does Stop do?", "How do I stop a reply?"],
+     "Stop ends the reply within one decode step. Closing the tab does the same.", None),
+]
 
 SYSTEM_PROMPTS = ["You are a helpful assistant.", "Be brief.", "You answer questions about "
                   "this app."]
-OPENERS = ["Hi! ", "Hello, ", "Hey, ", "Quick question: ", "Please tell me: ", "Question: ",
-           "Sorry, ", "One more thing: ", "Ok, ", "So, ", "Excuse me, ", "I'd like to know: ",
-           "Could you explain: ", "Help me out: ", "Another question: ", "Now, "]
-CLOSERS = [" Thanks!", " Thank you.", " please", " Please help.", " :)", " Any idea?",
-           " I am new to this.", " Cheers", " thx"]
-
-_HOW = ["How can I", "How should I", "How would I", "What is the way to", "Is there a way to",
-        "Can I", "Tell me how to", "Explain how to", "I want to", "How to", "Show me how to",
-        "What do I do to", "I need to", "What are the steps to", "Where do I",
-        "Is it possible to"]
-# (pattern, alternatives): each match is swapped for one of the alternatives half the time.
-# Case-sensitive, so a capitalised UI name ("Memory tab") keeps its spelling.
-SYNONYMS: list[tuple[str, list[str]]] = [
-    (r"\bHow do I\b", _HOW), (r"\bHow can I\b", _HOW),
-    (r"\bWhat is\b", ["What's", "Explain", "Tell me about", "Describe", "Define",
-                      "What exactly is", "Can you explain"]),
-    (r"\bWhat are\b", ["What're", "Tell me about", "Describe", "List"]),
-    (r"\bmean\b", ["mean", "stand for", "signify"]),
-    (r"\bshow\b", ["show", "display", "tell me", "contain", "say"]),
-    (r"\bGPU\b", ["GPU", "graphics card", "video card", "CUDA card", "accelerator"]),
-    (r"\bthe CPU\b", ["the CPU", "the processor", "a CPU"]),
-    (r"\bthe app\b", ["the app", "this app", "the application", "the web UI", "this tool",
-                      "the program", "the server", "the chat app"]),
-    (r"\bmodel\b", ["model", "LLM", "language model"]),
-    (r"\bmemory\b", ["memory", "VRAM", "RAM"]),
-    (r"\bpassword\b", ["password", "login", "credentials", "passphrase"]),
-    (r"\bshare\b", ["share", "publish", "expose", "open up"]),
-    (r"\bonline\b", ["online", "on the internet", "on the web", "publicly"]),
-    (r"\bswitch\b", ["switch", "change", "swap"]),
-    (r"\bchange\b", ["change", "switch", "modify", "set"]),
-    (r"\bmodes\b", ["modes", "precisions", "dtypes", "quantization options", "formats"]),
-    (r"\bmode\b", ["mode", "precision", "dtype", "format"]),
-    (r"\bstop\b", ["stop", "cancel", "abort", "halt", "interrupt", "end"]),
-    (r"\breply\b", ["reply", "answer", "response", "generation", "output"]),
-    (r"\bfine-tune\b", ["fine-tune", "train", "finetune", "teach", "customize"]),
-    (r"\btrain\b", ["train", "fine-tune", "teach"]),
-    (r"\brun\b", ["run", "start", "launch", "execute"]),
-    (r"\bspeed\b", ["speed", "throughput", "latency", "performance"]),
-    (r"\bfast\b", ["fast", "quick", "slow"]),
-    (r"\bnetwork\b", ["network", "LAN", "local network", "intranet", "wifi"]),
-    (r"\brefresh\b", ["refresh", "update", "redraw", "poll"]),
-    (r"\boften\b", ["often", "frequently"]),
-    (r"\bweights\b", ["weights", "parameters", "tensors"]),
-    (r"\bparameter\b", ["parameter", "weight"]),
-    (r"\blogged\b", ["logged", "stored", "saved", "recorded", "kept"]),
-    (r"\btests\b", ["tests", "test suite", "unit tests", "checks"]),
-    (r"\bbrowser\b", ["browser", "web page", "GUI"]),
-    (r"\bshell\b", ["shell", "terminal", "console", "bash"]),
-    (r"\bfriend\b", ["friend", "coworker", "teammate", "customer"]),
-    (r"\bquality\b", ["quality", "accuracy", "precision"]),
-    (r"\bclient\b", ["client", "SDK", "library"]),
-    (r"\bchats\b", ["chats", "conversations", "dialogues"]),
-    (r"\bChat\b", ["Chat", "Talk"]),
-    (r"\bfree\b", ["free", "release", "reclaim", "clear"]),
-    (r"\bcards\b", ["cards", "panels", "boxes"]),
-    (r"\bresults\b", ["results", "numbers", "figures", "measurements"]),
-]
-# Words that carry no topic: a keyword-style question is a seed without them.
-STOPWORDS = set("""a an the i me my you your it its this that is are am be was do does did
-can could should would will how what which who where when why if of to in on for with from at
-by about there here any some and or so just please""".split())
-# Shapes a keyword-style question is asked in: shared by every topic, so that the shape of a
-# question says nothing about its topic and the model must read the content words.
-FRAMES = ["{}", "{}?", "Tell me about {}", "Question about {}", "Help with {}", "Info on {}",
-          "What about {}?", "I have a question on {}", "Something on {} please", "Explain {}",
-          "{} - how?", "{} help", "Any tips on {}?", "I am stuck with {}", "Details on {}"]
-FILLERS = ["actually", "exactly", "again", "here", "really", "now", "please", "quickly"]
-_COMPILED = [(re.compile(pattern), alternatives) for pattern, alternatives in SYNONYMS]
+OPENERS = ["Hi! ", "Hello, ", "Quick question: ", "Please tell me: ", "Hey, "]
 
 
-def _swap_synonyms(question: str, rng: random.Random) -> str:
-    for pattern, alternatives in _COMPILED:
-        question = pattern.sub(
-            lambda m, alts=alternatives: rng.choice(alts) if rng.random() < 0.5 else m.group(0),
-            question)
-    return question
-
-
-def _lower_first(text: str) -> str:
-    """'What is' -> 'what is', but 'API' and 'CLI' keep their capitals."""
-    return text if text[1:2].isupper() else text[0].lower() + text[1:]
-
-
-def _surface(question: str, rng: random.Random) -> str:
-    """Case, punctuation, an opener in front or a closer behind: what a chat box gets."""
-    roll = rng.random()
-    if roll < 0.25:
-        question = _lower_first(question)
-    elif roll < 0.35:
-        question = question.lower()
-    if rng.random() < 0.25:
-        question = question.rstrip("?.!")
-    if rng.random() < 0.3:
-        question = rng.choice(OPENERS) + _lower_first(question)
-    if rng.random() < 0.2:
-        question = question + rng.choice(CLOSERS)
-    return question
-
-
-def _keywords(question: str) -> str:
-    words = [w.strip("?,.!:") for w in question.split()]
-    kept = [w for w in words if w and w.lower() not in STOPWORDS]
-    return " ".join(kept) or question
-
-
-def _perturb(question: str, rng: random.Random) -> str:
-    """One word left out or one filler word put in: the answer must not hang on every word."""
-    words = question.split()
-    if len(words) >= 4 and rng.random() < 0.5:
-        del words[rng.randrange(len(words))]
-    else:
-        words.insert(rng.randrange(len(words) + 1), rng.choice(FILLERS))
-    return " ".join(words)
-
-
-def _variant(seed: str, rng: random.Random) -> str:
-    question = _swap_synonyms(seed, rng)
-    roll = rng.random()
-    if roll < 0.3:
-        question = rng.choice(FRAMES).format(_keywords(question))
-    elif roll < 0.55:
-        question = _perturb(question, rng)
-    return _surface(question, rng)
-
-
-def wordings(phrasings: list[str], count: int, rng: random.Random) -> list[str]:
-    """`count` distinct wordings: the seeds as written first, then varied ones."""
-    seen = dict.fromkeys(phrasings)
-    for _ in range(count * 20):
-        if len(seen) >= count:
-            break
-        seen.setdefault(_variant(rng.choice(phrasings), rng))
-    return list(seen)[:count]
+def _vary(question: str, rng: random.Random) -> str:
+    """A close paraphrase: lower case, no question mark, or an opener in front."""
+    lowered = question[0].lower() + question[1:]
+    choice = rng.randrange(4)
+    if choice == 0:
+        return lowered.rstrip("?")
+    if choice == 1:
+        return rng.choice(OPENERS) + lowered
+    if choice == 2:
+        return question + " Thanks!"
+    return question.rstrip("?").upper() if len(question) < 20 else lowered
 
 
 def _reply(answer: str, reasoning: str | None) -> str:
     return f"<think>\n{reasoning}\n</think>\n\n{answer}" if reasoning else answer
 
 
-def _replies(answer: str, reasoning: str | None, rng: random.Random) -> str:
-    """With reasoning half the time where the topic has some (Thinking on), else the answer."""
-    return _reply(answer, reasoning) if reasoning and rng.random() < 0.5 else answer
-
-
 def conversations(seed: int = SEED) -> list[dict]:
     rng = random.Random(seed)
-    asked = [wordings(phrasings, SINGLE_PER_TOPIC + FOLLOW_UPS_PER_TOPIC, rng)
-             for phrasings, _, _ in TOPICS]
     out = []
-    for index, (_, answer, reasoning) in enumerate(TOPICS):
-        questions = asked[index]
-        for question in questions[:SINGLE_PER_TOPIC]:
-            messages = [{"role": "user", "content": question},
-                        {"role": "assistant", "content": _replies(answer, reasoning, rng)}]
-            if rng.random() < 0.15:
-                messages.insert(0, {"role": "system", "content": rng.choice(SYSTEM_PROMPTS)})
-            out.append({"messages": messages})
-        for question in questions[SINGLE_PER_TOPIC:]:
-            # One or two earlier turns on other topics (their answers as the history holds
-            # them: without reasoning), then this topic's question.
-            history = []
-            for other in rng.sample([i for i in range(len(TOPICS)) if i != index],
-                                    rng.choice((1, 2))):
-                history += [{"role": "user", "content": rng.choice(asked[other])},
-                            {"role": "assistant", "content": TOPICS[other][1]}]
-            out.append({"messages": history + [
-                {"role": "user", "content": question},
-                {"role": "assistant", "content": _replies(answer, reasoning, rng)}]})
+    for phrasings, answer, reasoning in TOPICS:
+        reply = _reply(answer, reasoning)
+        for question in phrasings:
+            turns = [(question, reply), (_vary(question, rng), reply)]
+            if reasoning:
+                # The same question answered without reasoning: what follows the empty think
+                # block that the template puts in the prompt when Thinking is off.
+                turns.append((question, answer))
+            for text, content in turns:
+                messages = [{"role": "user", "content": text},
+                            {"role": "assistant", "content": content}]
+                if rng.random() < 0.2:
+                    messages.insert(0, {"role": "system", "content": rng.choice(SYSTEM_PROMPTS)})
+                out.append({"messages": messages})
+    # Two-turn conversations: a greeting first, so that a reply after some history is learned.
+    for phrasings, answer, reasoning in rng.sample(TOPICS[6:], 20):
+        out.append({"messages": [
+            {"role": "user", "content": rng.choice(TOPICS[0][0])},
+            {"role": "assistant", "content": GREETING},
+            {"role": "user", "content": rng.choice(phrasings)},
+            {"role": "assistant", "content": _reply(answer, reasoning)}]})
     rng.shuffle(out)
     return out
 
