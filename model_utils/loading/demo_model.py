@@ -19,6 +19,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from .load_stages import Progress
+
 DEMO_NAME = "demo"
 DEMO_LABEL = "demo model (tiny, trained on questions about this app)"
 # Bump when the recipe changes so an old cached build is not reused.
@@ -29,6 +31,8 @@ SEED = 1234
 TRAIN_STEPS = 300
 TRAIN_BATCH = 16
 TRAIN_LR = 3e-3
+# How often the console says how far the build is when it has no progress bar (not a tty).
+REPORT_EVERY = 25
 
 log = logging.getLogger(__name__)
 
@@ -66,8 +70,9 @@ def demo_data_file() -> Path:
     return DATA_FILE
 
 
-def demo_model_path(cache_dir: Path | None = None) -> Path:
-    """Path of the demo checkpoint, building it first if it is not there yet."""
+def demo_model_path(cache_dir: Path | None = None, progress: Progress | None = None) -> Path:
+    """Path of the demo checkpoint, building it first if it is not there yet; `progress`
+    (a load's (fraction, message) callback) hears the build's steps."""
     from model_utils.training.data import file_sha256
 
     digest = file_sha256(demo_data_file())[:12]
@@ -79,7 +84,7 @@ def demo_model_path(cache_dir: Path | None = None) -> Path:
     # build, the first rename wins, and nobody ever sees a half-written folder.
     tmp = Path(tempfile.mkdtemp(prefix=".demo-build-", dir=target.parent))
     try:
-        _build(tmp)
+        _build(tmp, progress)
         try:
             tmp.rename(target)
         except OSError:
@@ -91,7 +96,7 @@ def demo_model_path(cache_dir: Path | None = None) -> Path:
     return target
 
 
-def _build(folder: Path) -> None:
+def _build(folder: Path, progress: Progress | None = None) -> None:
     """Initialise the tiny model, then train it on the demo conversations into `folder`."""
     import time
 
@@ -121,12 +126,28 @@ def _build(folder: Path) -> None:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        result = run(config, examples, tokenizer)
+        result = run(config, examples, tokenizer, on_step=_step_reporter(progress))
     finally:
         torch.set_num_threads(threads)
     shutil.rmtree(base, ignore_errors=True)
     print(f"built the demo model in {time.perf_counter() - start:.0f} s (loss "
           f"{result.losses[0]:.2f} -> {result.final_loss:.3f})", file=sys.stderr, flush=True)
+
+
+def _step_reporter(progress: Progress | None):
+    """The train loop's step callback: the load's progress (the Model tab's stage text) at
+    every step, the console every REPORT_EVERY steps unless tqdm draws its bar there."""
+    console = not sys.stderr.isatty()
+
+    def on_step(done: int, steps: int, loss: float) -> None:
+        message = f"building the demo model: step {done}/{steps} (loss {loss:.2f})"
+        if progress is not None:
+            # Between the load's "resolving" (0.1) and its tokenizer (0.2).
+            progress(0.1 + 0.1 * done / steps, message)
+        if console and (done % REPORT_EVERY == 0 or done == steps):
+            print(message, file=sys.stderr, flush=True)
+
+    return on_step
 
 
 def _build_tokenizer(conversations: list[list[dict]]):

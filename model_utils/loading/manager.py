@@ -239,10 +239,11 @@ class ModelManager:
         log.info("%s", note)
         return found, tokens, note
 
-    def _check(self, request: LoadRequest):
-        """Resolve and validate a request without loading anything."""
+    def _check(self, request: LoadRequest, progress: Progress | None = None):
+        """Resolve and validate a request without loading anything (but the demo model's
+        build on its first use, which `progress` hears)."""
         preflight.check_types(request)
-        source = self.registry.resolve(request.model)
+        source = self.registry.resolve(request.model, progress)
         preflight.require_safetensors(source)
         mode = get_mode(request.mode)
         preflight.check_compute_dtype(mode, request.compute_dtype)
@@ -273,7 +274,7 @@ class ModelManager:
 
         progress = clock = StageClock(progress)
         progress(0.1, f"resolving {request.model}")
-        source, mode, config = self._check(request)
+        source, mode, config = self._check(request, progress)
         estimate, context, context_note = self._fit(config, mode, request)
         if not estimate.fits:
             raise LoadError(f"{source.label} in {mode.name} does not fit: {estimate.message()}")

@@ -20,6 +20,7 @@ from model_utils.errors import ModelNotFound
 from model_utils.training.manifest import read_manifest
 
 from .demo_model import DEMO_LABEL, DEMO_NAME, default_cache_dir, demo_model_path
+from .load_stages import Progress
 
 log = logging.getLogger(__name__)
 
@@ -92,10 +93,12 @@ class ModelRegistry:
         return ids
 
     # -- resolving one name ---------------------------------------------------------------
-    def resolve(self, name: str | None) -> ModelSource:
+    def resolve(self, name: str | None, progress: Progress | None = None) -> ModelSource:
+        """`progress`: a load's callback, told the demo model's build steps on its first use."""
         name = (name or "").strip()
         if name in ("", DEMO_NAME):
-            return ModelSource(DEMO_NAME, demo_model_path(self.cache_dir), DEMO_LABEL, True)
+            return ModelSource(DEMO_NAME, demo_model_path(self.cache_dir, progress), DEMO_LABEL,
+                               True)
         if name.startswith(("/", ".", "~")):
             return self._folder(Path(name).expanduser(), name)
         if _HUB_ID.match(name):

@@ -16,6 +16,7 @@ import math
 import os
 import signal
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -129,7 +130,10 @@ def _mixed_precision(choice: str) -> str:
     return "bf16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "no"
 
 
-def run(config: TrainConfig, examples: list[Example], tokenizer) -> RunResult:
+def run(config: TrainConfig, examples: list[Example], tokenizer,
+        on_step: Callable[[int, int, float], None] | None = None) -> RunResult:
+    """Train; `on_step(done, steps, loss)` after each optimizer step (main process only), for
+    a caller that shows the progress somewhere other than the console's bar."""
     from accelerate import Accelerator
     from accelerate.utils import set_seed
     from transformers import get_scheduler
@@ -267,6 +271,8 @@ def run(config: TrainConfig, examples: list[Example], tokenizer) -> RunResult:
                         if bar is not None:
                             bar.set_postfix(loss=f"{value:.4f}", tok_s=f"{tok_s:,.0f}")
                             bar.update(1)
+                        if on_step is not None:
+                            on_step(step + 1, steps, value)
                     done = step + 1
                     interrupted = _agree(accelerator, stop.raised or done == config.stop_after)
                     if interrupted or (config.save_every and done % config.save_every == 0

@@ -54,3 +54,17 @@ def test_thinking_shows_real_reasoning(load_demo):
         [{"role": "user", "content": "Which mode should I pick?"}], GREEDY, thinking=True)
     assert "depends on memory" in reply.reasoning
     assert reply.answer.strip() == answer_of("Which mode should I pick?")
+
+
+def test_the_build_reports_its_steps_as_one_load_stage():
+    """The Model tab's stage text follows the build's training steps (no build needed here)."""
+    from model_utils.loading.demo_model import _step_reporter
+    from model_utils.loading.load_stages import StageClock
+
+    seen = []
+    clock = StageClock(lambda fraction, message: seen.append((fraction, message)))
+    report = _step_reporter(clock)
+    for done in (1, 2):
+        report(done, 2, 0.5)
+    assert seen[-1] == (0.2, "building the demo model: step 2/2 (loss 0.50)")
+    assert [stage.name for stage in clock.finish()] == ["building the demo model"]
