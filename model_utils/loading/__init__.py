@@ -5,5 +5,6 @@ Public names: modes (MODES, get_mode, the dropdown), placement (Placement, the f
 registry (ModelRegistry, ModelSource), preflight (the checks before an unload),
 loaded_model (LoadRequest, LoadedModel, UnloadReport), manager (ModelManager: load, switch,
 unload under one lock), memory_accounting (what an unload gives back), load_stages (Progress,
-the stages' clock), tokenizer_reuse, adapter (trained adapters applied), demo_model + demo_chats (the embedded demo model).
+the stages' clock), tokenizer_reuse, adapter (trained adapters applied), demo_model +
+demo_chats (the embedded demo model).
 """
