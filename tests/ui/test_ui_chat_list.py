@@ -118,6 +118,7 @@ def test_a_preset_is_applied_to_a_chat_and_remembered_with_its_thinking_switch(p
                            "\"Model's recommended\"")
     assert not page.locator("#thinking input").is_checked()
     assert page.locator("#system-prompt textarea").input_value() == ""
+    page.wait_for_timeout(1500)  # the writes the switch of chat queued have run
     page.reload()  # the chat shown keeps its preset and switch across a reload
     wait_until_ready(page)
     page.locator('#chatbot [data-testid="user"]', has_text=SECOND).wait_for()
