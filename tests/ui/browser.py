@@ -44,3 +44,23 @@ def set_number(page, label: str, value) -> None:
     box.fill(str(value))
     box.press("Enter")
     page.wait_for_function(_SLIDER_HOLDS, arg=[label, value])
+
+
+# The page has settled: no reply streaming (Send is enabled again and no bubble shows the
+# cursor) and the chatbot holds this many replies, each ended by its stats line.
+SETTLED = """(replies) => {
+    const chat = document.querySelector('#chatbot');
+    return !document.querySelector('#send').disabled && !chat.innerText.includes('▌')
+        && chat.querySelectorAll('[data-testid=bot] sub').length === replies;
+}"""
+
+
+def titles(page) -> list[str]:
+    """The chat list's titles, top to bottom."""
+    return [t.strip() for t in page.locator("#chat-list label").all_inner_texts()]
+
+
+def wait_titles(page, expected: list[str]) -> None:
+    page.wait_for_function(
+        """(expected) => JSON.stringify([...document.querySelectorAll('#chat-list label')]
+            .map(l => l.innerText.trim())) === JSON.stringify(expected)""", arg=expected)

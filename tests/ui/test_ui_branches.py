@@ -11,17 +11,10 @@ import json
 
 import pytest
 
-from .browser import open_browser, set_number, wait_until_ready
+from .browser import SETTLED, open_browser, set_number, wait_until_ready
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
-# The page has settled: no reply streaming (Send is enabled again and no bubble shows the
-# cursor) and the chatbot holds this many replies, each ended by its stats line.
-SETTLED = """(replies) => {
-    const chat = document.querySelector('#chatbot');
-    return !document.querySelector('#send').disabled && !chat.innerText.includes('▌')
-        && chat.querySelectorAll('[data-testid=bot] sub').length === replies;
-}"""
 
 
 @pytest.fixture(scope="module")

@@ -8,15 +8,10 @@ from __future__ import annotations
 
 import pytest
 
-from .browser import open_browser, set_number, wait_until_ready
+from .browser import SETTLED, open_browser, set_number, wait_titles, wait_until_ready
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
-SETTLED = """(replies) => {
-    const chat = document.querySelector('#chatbot');
-    return !document.querySelector('#send').disabled && !chat.innerText.includes('▌')
-        && chat.querySelectorAll('[data-testid=bot] sub').length === replies;
-}"""
 FIRST, SECOND = "What are the modes?", "How do I share it?"
 
 
@@ -44,16 +39,6 @@ def send(page, text: str, replies: int) -> None:
     page.locator("#message textarea").fill(text)
     page.locator("#message textarea").press("Enter")
     page.wait_for_function(SETTLED, arg=replies, timeout=90000)
-
-
-def titles(page) -> list[str]:
-    return [t.strip() for t in page.locator("#chat-list label").all_inner_texts()]
-
-
-def wait_titles(page, expected: list[str]) -> None:
-    page.wait_for_function(
-        """(expected) => JSON.stringify([...document.querySelectorAll('#chat-list label')]
-            .map(l => l.innerText.trim())) === JSON.stringify(expected)""", arg=expected)
 
 
 def open_chat(page, title: str) -> None:

@@ -9,16 +9,11 @@ import sys
 
 import pytest
 
-from .browser import open_browser, set_number, wait_until_ready
+from .browser import SETTLED, open_browser, set_number, wait_titles, wait_until_ready
 from .conftest import ROOT
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
-SETTLED = """(replies) => {
-    const chat = document.querySelector('#chatbot');
-    return !document.querySelector('#send').disabled && !chat.innerText.includes('▌')
-        && chat.querySelectorAll('[data-testid=bot] sub').length === replies;
-}"""
 ANN, BOB = ("ann", "pw-ann"), ("bob", "pw-bob")
 ANNS, BOBS = "What are the modes?", "How do I share it?"
 
@@ -55,16 +50,6 @@ def log_in(browser, url: str, login: tuple[str, str]):
     page.get_by_role("button", name="Login").click()
     wait_until_ready(page)
     return page
-
-
-def titles(page) -> list[str]:
-    return [t.strip() for t in page.locator("#chat-list label").all_inner_texts()]
-
-
-def wait_titles(page, expected: list[str]) -> None:
-    page.wait_for_function(
-        """(expected) => JSON.stringify([...document.querySelectorAll('#chat-list label')]
-            .map(l => l.innerText.trim())) === JSON.stringify(expected)""", arg=expected)
 
 
 def send(page, text: str) -> None:

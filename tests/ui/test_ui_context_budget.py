@@ -16,18 +16,13 @@ from gradio_client.exceptions import AppError
 from model_utils.chat.budget import PromptBudget
 from server.context_budget import budget_line
 
-from .browser import open_browser, set_number, wait_until_ready
+from .browser import SETTLED, open_browser, set_number, wait_until_ready
 from .fake_model_server import FakeModelServer
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
 CONTEXT = 1024
 REPLY = 24  # max_new_tokens: the room kept for the reply, and short replies
-SETTLED = """(replies) => {
-    const chat = document.querySelector('#chatbot');
-    return !document.querySelector('#send').disabled && !chat.innerText.includes('▌')
-        && chat.querySelectorAll('[data-testid=bot] sub').length === replies;
-}"""
 
 
 def test_the_line_in_words():
