@@ -9,7 +9,8 @@
 #   peer    transformers' static cache + compile at the same lengths, in a process of its own
 #           (in the engine's process after it unloads, the peer's compile failed)
 #   hybrid  the same bench on the Qwen3.5-9B shape (hybrid linear attention), 128 and 4k
-#           tokens, 1 and 8 streams, no peer (fla-core's wheel in .whl gives its kernels)
+#           tokens, 1 and 8 streams (HYBRID_LENGTHS, HYBRID_STREAMS, HYBRID_CONTEXT), no peer
+#           (fla-core's wheel in .whl gives its kernels)
 # Run from the repository root on the GPU machine, the wheels the image lacks in .whl/:
 #   STEPS="kernel tests" OUT=$OUT benchmarks/gpu_long_context.sh
 # Each step has its own time limit (KERNEL_S, TESTS_S, BENCH_S, PEER_S, HYBRID_S) and writes into $OUT as it goes.
@@ -62,7 +63,8 @@ for step in $STEPS; do
       say "hybrid: Qwen3.5-9B shape"
       timeout "${HYBRID_S:-300}" $PY -m model_utils.bench.long_context \
           --random-from-config benchmarks/configs/qwen3.5-9b-style.config.json \
-          --context-tokens 8192 --lengths 128,4096 --streams 1,8 --new-tokens 128 \
+          --context-tokens "${HYBRID_CONTEXT:-8192}" --lengths "${HYBRID_LENGTHS:-128,4096}" \
+          --streams "${HYBRID_STREAMS:-1,8}" --new-tokens 128 \
           --mixed-long 0 --no-peer --out "$OUT/hybrid.json" >"$OUT/hybrid.log" 2>&1
       say "hybrid: exit $?";;
   esac

@@ -28,13 +28,14 @@ from model_utils.loading.loaded_model import LoadRequest
 from model_utils.loading.placement import Placement  # noqa: E402
 
 
-def build(config_file: Path, layers: int, folder: Path) -> Path:
+def build(config_file: Path, layers: int, folder: Path, keep_layer_types: bool = False) -> Path:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from model_utils.loading.demo_model import demo_model_path
 
-    config = AutoConfig.from_pretrained(config_file, num_hidden_layers=layers,
-                                        layer_types=["full_attention"] * layers)
+    types = AutoConfig.from_pretrained(config_file).get_text_config().layer_types
+    types = list(types[:layers]) if keep_layer_types and types else ["full_attention"] * layers
+    config = AutoConfig.from_pretrained(config_file, num_hidden_layers=layers, layer_types=types)
     with torch.device("cuda"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     model.save_pretrained(folder)
@@ -84,17 +85,22 @@ def main(argv=None) -> int:
     parser.add_argument("--length", type=int, default=4096, help="tokens each row attends to")
     parser.add_argument("--rows", default="1,8")
     parser.add_argument("--compiled-rows", default="1,0")
+    parser.add_argument("--keep-layer-types", action="store_true",
+                        help="the config's first --layers layer types (a hybrid model's linear-"
+                        "attention layers) instead of full attention throughout")
     parser.add_argument("--out", default="step_profile.json")
     args = parser.parse_args(argv)
-    folder = build(Path(args.config), args.layers, Path(tempfile.mkdtemp(prefix="step-")))
+    folder = build(Path(args.config), args.layers, Path(tempfile.mkdtemp(prefix="step-")),
+                   args.keep_layer_types)
+    row_counts = [int(x) for x in args.rows.split(",")]
     results = []
     for compiled in (int(x) for x in args.compiled_rows.split(",")):
-        engine = Engine(max_batch=8, compiled_rows=compiled)
+        engine = Engine(max_batch=max(row_counts), compiled_rows=compiled)
         engine.registry.allow_root(str(folder))
         engine.load(LoadRequest(str(folder), "bf16", Placement("cuda:0"),
                                 context_tokens=args.context))
         status = engine.status()
-        for rows in (int(x) for x in args.rows.split(",")):
+        for rows in row_counts:
             result = profile_step(engine, rows, args.length)
             result.update(compiled_rows=compiled, decode_path=status["decode_path"],
                           kv_cache_gb=status.get("kv_cache_gb"))
