@@ -3,8 +3,9 @@
     python benchmarks/step_profile.py --config benchmarks/configs/qwen2.5-7b-instruct.config.json \\
         --layers 4 --context 32768 --rows 1,8 --compiled-rows 1,0
 
-A model of the config's shape (with --layers layers: the cost of a step is per layer) and random
-bf16 weights is loaded through the engine, once per --compiled-rows value (1: the one-row step
+A model of the config's shape (with --layers layers: the cost of a step is per layer; full
+attention throughout, or with --keep-layer-types the config's first layer types, so that a
+hybrid model's linear-attention layers are profiled too) and random bf16 weights is loaded through the engine, once per --compiled-rows value (1: the one-row step
 torch.compile'd before capture, the default; 0: the plain forward captured). For each row count
 the step's graph is replayed and timed with CUDA events, then profiled: the kernels of one
 replay, the costliest first. A kernel that reads or writes far more than the weights and one
