@@ -10,7 +10,10 @@
 #           (in the engine's process after it unloads, the peer's compile failed)
 #   hybrid  the same bench on the Qwen3.5-9B shape (hybrid linear attention), 128 and 4k
 #           tokens, 1 and 8 streams (HYBRID_LENGTHS, HYBRID_STREAMS, HYBRID_CONTEXT), no peer
-#           (fla-core's wheel in .whl gives its kernels)
+#           (fla-core's wheel in .whl gives its kernels); HYBRID_ARGS adds flags (e.g.
+#           "--compiled-rows 32")
+#   profile benchmarks/step_profile.py on 4 layers of the Qwen3.5-9B shape (3 linear, 1 full):
+#           the captured step at PROFILE_ROWS rows, per PROFILE_COMPILED (--compiled-rows)
 # Run from the repository root on the GPU machine, the wheels the image lacks in .whl/:
 #   STEPS="kernel tests" OUT=$OUT benchmarks/gpu_long_context.sh
 # Each step has its own time limit (KERNEL_S, TESTS_S, BENCH_S, PEER_S, HYBRID_S) and writes into $OUT as it goes.
@@ -39,8 +42,8 @@ for step in $STEPS; do
       say "kernel: exit $?";;
     tests)
       say "tests: paged decode and graph paths"
-      timeout "${TESTS_S:-240}" $PY -m pytest -m gpu tests/gpu/test_paged_decode.py \
-          tests/gpu/test_graphs.py tests/gpu/test_hybrid.py -q -p no:cacheprovider \
+      timeout "${TESTS_S:-240}" $PY -m pytest -m gpu ${TEST_FILES:-tests/gpu/test_paged_decode.py \
+          tests/gpu/test_graphs.py tests/gpu/test_hybrid.py} -q -p no:cacheprovider \
           --junitxml="$OUT/gpu-tests.xml" \
           >"$OUT/gpu-tests.log" 2>&1
       say "tests: exit $? ($(tail -1 "$OUT/gpu-tests.log"))";;
@@ -65,8 +68,17 @@ for step in $STEPS; do
           --random-from-config benchmarks/configs/qwen3.5-9b-style.config.json \
           --context-tokens "${HYBRID_CONTEXT:-8192}" --lengths "${HYBRID_LENGTHS:-128,4096}" \
           --streams "${HYBRID_STREAMS:-1,8}" --new-tokens 128 \
-          --mixed-long 0 --no-peer --out "$OUT/hybrid.json" >"$OUT/hybrid.log" 2>&1
+          --mixed-long 0 --no-peer ${HYBRID_ARGS:-} --out "$OUT/hybrid.json" \
+          >"$OUT/hybrid.log" 2>&1
       say "hybrid: exit $?";;
+    profile)
+      say "profile: the decode step of 4 Qwen3.5-9B-shape layers"
+      timeout "${PROFILE_S:-240}" $PY benchmarks/step_profile.py \
+          --config benchmarks/configs/qwen3.5-9b-style.config.json --layers 4 \
+          --keep-layer-types --context 8192 --length 128 --rows "${PROFILE_ROWS:-1,8,32}" \
+          --compiled-rows "${PROFILE_COMPILED:-32,1}" --out "$OUT/step-profile.json" \
+          >"$OUT/step-profile.log" 2>&1
+      say "profile: exit $?";;
   esac
 done
 say "done"

@@ -50,7 +50,7 @@ from quant_swaps import LIBRARY_INDUCTOR_OPTIONS, SWAPS, missing  # beside this 
 from model_utils.bench import quality
 from model_utils.bench import run as bench
 from model_utils.engine import Engine
-from model_utils.layers.fused_qkv import fuse_qkv
+from model_utils.layers.decode_fusions import fuse_for_decoding
 from model_utils.loading.loaded_model import LoadRequest
 from model_utils.loading.placement import Placement
 from model_utils.memory import GB
@@ -173,7 +173,7 @@ def measure(engine: Engine, folder: str, candidate: str, args, prompts, referenc
         if CUDA:
             seen["load_peak_gb"] = round(torch.cuda.max_memory_allocated() / GB, 3)
         if swap is not None:
-            fuse_qkv(loaded.model)  # on the bf16 weights, as the app's own modes do (no-op)
+            fuse_for_decoding(loaded.model)  # on the bf16 weights, as the app's own modes do (no-op)
             swap(loaded.model)
             if mode == "bf16":  # another library's layers: the inductor settings it advises
                 loaded.model.inductor_options = LIBRARY_INDUCTOR_OPTIONS

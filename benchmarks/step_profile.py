@@ -18,6 +18,7 @@ import argparse
 import json
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -98,13 +99,18 @@ def main(argv=None) -> int:
     for compiled in (int(x) for x in args.compiled_rows.split(",")):
         engine = Engine(max_batch=max(row_counts), compiled_rows=compiled)
         engine.registry.allow_root(str(folder))
+        started = time.perf_counter()
         engine.load(LoadRequest(str(folder), "bf16", Placement("cuda:0"),
                                 context_tokens=args.context))
+        load_s = round(time.perf_counter() - started, 1)  # compiling and capturing included
         status = engine.status()
         for rows in row_counts:
             result = profile_step(engine, rows, args.length)
+            step_fn = engine.serving.scheduler.runner.step_fn
             result.update(compiled_rows=compiled, decode_path=status["decode_path"],
-                          kv_cache_gb=status.get("kv_cache_gb"))
+                          decode_path_reason=status.get("decode_path_reason"),
+                          kv_cache_gb=status.get("kv_cache_gb"), load_s=load_s,
+                          chosen=getattr(step_fn, "chosen", {}).get(rows))
             print(f"compiled_rows={compiled} rows={rows}: {result['step_ms']} ms a step "
                   f"({args.layers} layers, {args.length} tokens a row)")
             print(result["kernels"], flush=True)

@@ -154,10 +154,13 @@ def teacher_forced_plain(model, sequences: list[list[int]], prompt_len: int, *,
     from model_utils.runtime.decoders import input_device
 
     ids = torch.tensor(sequences, device=input_device(model))
+    # Only the positions compared get logits (logits_to_keep): a 16k-token prompt's own would
+    # be rows x 16k x vocabulary floats (10 GB a row at a 152k vocabulary).
     if not incremental:
-        logits = model(input_ids=ids, use_cache=False).logits[:, prompt_len - 1:-1]
+        kept = ids.shape[1] - prompt_len + 1
+        logits = model(input_ids=ids, use_cache=False, logits_to_keep=kept).logits[:, :-1]
         return torch.log_softmax(logits.float(), -1)
-    out = model(input_ids=ids[:, :prompt_len], use_cache=True)
+    out = model(input_ids=ids[:, :prompt_len], use_cache=True, logits_to_keep=1)
     steps, cache = [out.logits[:, -1].float()], out.past_key_values
     for t in range(prompt_len, ids.shape[1] - 1):
         out = model(input_ids=ids[:, t:t + 1], past_key_values=cache, use_cache=True)
@@ -231,21 +234,21 @@ def fp32_copy(model):
     owned = set()
     for name, module in model.named_modules():
         weight = dequantized_weight(module) if f"{name}.weight" in params else None
-        if weight is not None:  # (a fused qkv_proj has no counterpart: its parent is below)
+        if weight is not None:  # (a fused layer has no counterpart: its parent is below)
             params[f"{name}.weight"].copy_(weight.reshape(params[f"{name}.weight"].shape))
             owned.add(f"{name}.weight")
-        elif hasattr(module, "qkv_proj") and hasattr(module, "qkv_sizes"):  # fused_qkv
-            fused = dequantized_weight(module.qkv_proj)  # quantized after the fusing
-            fused = module.qkv_proj.weight if fused is None else fused
-            pieces = fused.split(module.qkv_sizes)
-            for proj, piece in zip(("q_proj", "k_proj", "v_proj"), pieces):
-                params[f"{name}.{proj}.weight"].copy_(piece.float())
-            owned.add(f"{name}.qkv_proj.weight")
-            if module.qkv_proj.bias is not None:
-                for proj, piece in zip(("q_proj", "k_proj", "v_proj"),
-                                       module.qkv_proj.bias.split(module.qkv_sizes)):
-                    params[f"{name}.{proj}.bias"].copy_(piece.float())
-                owned.add(f"{name}.qkv_proj.bias")
+        for fused_name, parts in getattr(module, "fused_linears", {}).items():  # linear_fusion
+            fused = getattr(module, fused_name)
+            sizes = [size for _, size in parts]
+            whole = dequantized_weight(fused)  # quantized after the fusing
+            whole = fused.weight if whole is None else whole
+            for (part, _), piece in zip(parts, whole.split(sizes)):
+                params[f"{name}.{part}.weight"].copy_(piece.float())
+            owned.add(f"{name}.{fused_name}.weight")
+            if fused.bias is not None:
+                for (part, _), piece in zip(parts, fused.bias.split(sizes)):
+                    params[f"{name}.{part}.bias"].copy_(piece.float())
+                owned.add(f"{name}.{fused_name}.bias")
     for name, param in model.named_parameters():
         if name not in owned and name in params:
             params[name].copy_(param.float())

@@ -1,3 +1,4 @@
 """Model layers the app swaps into a loaded model: weight-only int4/int8 linear layers
-(weight_only) and one q/k/v matmul per attention layer (fused_qkv). Below loading and runtime:
-they import neither."""
+(weight_only) and projections fused into one matmul for decoding (decode_fusions: q/k/v,
+gate/up, Qwen3.5's linear-attention inputs and its in-place decode step). Below loading and
+runtime: they import neither."""

@@ -8,9 +8,8 @@ Concatenating the three weights into one [q + k + v, hidden] matrix makes them o
 size of the query's alone.
 
 Applied only to attention classes whose forward is known (below), by giving those modules a
-forward that is transformers' own with the three projections replaced by one and a split; the
-tests compare it with the original forward. The weights are moved, not copied: memory stays the
-same.
+forward that is transformers' own with the three projections replaced by one and a split
+(linear_fusion.py); the tests compare it with the original forward.
 """
 
 from __future__ import annotations
@@ -23,71 +22,48 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from .linear_fusion import fuse_linears, plain_linears
+
 if TYPE_CHECKING:
     from transformers.cache_utils import Cache
 
 log = logging.getLogger(__name__)
 
-# Attention classes whose forward fused_forward reproduces (transformers 5.24): projections, an
-# optional per-head q/k RMSNorm (Qwen3), rotary embedding, cache update, the attention interface.
-FUSABLE = {"Qwen2Attention", "Qwen3Attention", "LlamaAttention"}
+# Attention classes whose forward the fused forwards below reproduce (transformers 5.24):
+# projections, an optional per-head q/k RMSNorm (Qwen3), rotary embedding, cache update, the
+# attention interface; the gated ones (Qwen3.5, Qwen3-Next) also an output gate that their query
+# projection computes beside the query.
+PLAIN = {"Qwen2Attention", "Qwen3Attention", "LlamaAttention"}
+GATED = {"Qwen3_5Attention", "Qwen3_5MoeAttention", "Qwen3NextAttention"}
+PROJECTIONS = ("q_proj", "k_proj", "v_proj")
 
 
 def fuse_qkv(model: nn.Module) -> int:
     """Fuse every fusable attention layer of `model` in place; returns how many were fused."""
     fused = 0
     for module in model.modules():
-        if type(module).__name__ in FUSABLE and _plain_projections(module):
-            _fuse(module)
+        kind = type(module).__name__
+        if (kind in PLAIN or kind in GATED) and plain_linears(module, PROJECTIONS):
+            _fuse(module, gated_forward if kind in GATED else fused_forward)
             fused += 1
     if fused:
         log.info("fused the q/k/v projections of %d attention layers", fused)
     return fused
 
 
-def _plain_projections(module: nn.Module) -> bool:
-    """Three plain nn.Linear on one device and dtype (not bitsandbytes layers, which subclass
-    nn.Linear, nor layers whose weights accelerate offloads), all with or all without bias."""
-    layers = [getattr(module, name, None) for name in ("q_proj", "k_proj", "v_proj")]
-    if not all(type(layer) is nn.Linear for layer in layers):
-        return False
-    weights = [layer.weight for layer in layers]
-    if any(w.device.type == "meta" for w in weights) or len({(w.device, w.dtype) for w in weights}) > 1:
-        return False
-    return len({layer.bias is None for layer in layers}) == 1
-
-
-def _fuse(module: nn.Module) -> None:
-    q, k, v = module.q_proj, module.k_proj, module.v_proj
-    with torch.no_grad():
-        fused = nn.Linear(q.in_features, q.out_features + k.out_features + v.out_features,
-                          bias=q.bias is not None, device="meta")
-        fused.weight = nn.Parameter(torch.cat([q.weight, k.weight, v.weight]), requires_grad=False)
-        if q.bias is not None:
-            fused.bias = nn.Parameter(torch.cat([q.bias, k.bias, v.bias]), requires_grad=False)
-    module.qkv_sizes = (q.out_features, k.out_features, v.out_features)
-    module.qkv_proj = fused
-    del module.q_proj, module.k_proj, module.v_proj  # their weights are freed
+def _fuse(module: nn.Module, forward) -> None:
+    module.qkv_sizes = fuse_linears(module, PROJECTIONS, "qkv_proj")
     home = sys.modules[type(module).__module__]  # the model's modeling file
     module.rotate, module.eager_attention = home.apply_rotary_pos_emb, home.eager_attention_forward
-    module.forward = types.MethodType(fused_forward, module)
+    module.forward = types.MethodType(forward, module)
 
 
-def fused_forward(self: nn.Module, hidden_states: torch.Tensor,
-                  position_embeddings: tuple[torch.Tensor, torch.Tensor],
-                  attention_mask: torch.Tensor | None, cache: Cache | None = None,
-                  **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """transformers' attention forward (Qwen2/Qwen3/Llama) with one q/k/v matmul."""
+def _attend(self, query, key, value, attention_mask, cache, input_shape, **kwargs):
+    """Rotary embedding, cache update and the attention interface, as transformers' forwards
+    do them; returns the attention output as [*input_shape, heads * head_dim] and the weights."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    input_shape = hidden_states.shape[:-1]
-    hidden_shape = (*input_shape, -1, self.head_dim)
-    query, key, value = self.qkv_proj(hidden_states).split(self.qkv_sizes, dim=-1)
-    query, key, value = query.view(hidden_shape), key.view(hidden_shape), value.view(hidden_shape)
-    if getattr(self, "q_norm", None) is not None:  # Qwen3 normalizes each head
-        query, key = self.q_norm(query), self.k_norm(key)
-    query, key, value = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
-    cos, sin = position_embeddings
+    cos, sin = kwargs.pop("position_embeddings")
     query, key = self.rotate(query, key, cos, sin)
     if cache is not None:
         key, value = cache.update(key, value, self.layer_idx, kwargs=kwargs)
@@ -96,5 +72,40 @@ def fused_forward(self: nn.Module, hidden_states: torch.Tensor,
     output, weights = attention(self, query, key, value, attention_mask, dropout=0.0,
                                 scaling=self.scaling,
                                 sliding_window=getattr(self, "sliding_window", None), **kwargs)
-    output = output.reshape(*input_shape, -1).contiguous()
+    return output.reshape(*input_shape, -1).contiguous(), weights
+
+
+def fused_forward(self: nn.Module, hidden_states: torch.Tensor,
+                  position_embeddings: tuple[torch.Tensor, torch.Tensor],
+                  attention_mask: torch.Tensor | None, cache: Cache | None = None,
+                  **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """transformers' attention forward (Qwen2/Qwen3/Llama) with one q/k/v matmul."""
+    input_shape = hidden_states.shape[:-1]
+    hidden_shape = (*input_shape, -1, self.head_dim)
+    query, key, value = self.qkv_proj(hidden_states).split(self.qkv_sizes, dim=-1)
+    query, key, value = query.view(hidden_shape), key.view(hidden_shape), value.view(hidden_shape)
+    if getattr(self, "q_norm", None) is not None:  # Qwen3 normalizes each head
+        query, key = self.q_norm(query), self.k_norm(key)
+    output, weights = _attend(self, query.transpose(1, 2), key.transpose(1, 2),
+                              value.transpose(1, 2), attention_mask, cache, input_shape,
+                              position_embeddings=position_embeddings, **kwargs)
     return self.o_proj(output), weights
+
+
+def gated_forward(self: nn.Module, hidden_states: torch.Tensor,
+                  position_embeddings: tuple[torch.Tensor, torch.Tensor],
+                  attention_mask: torch.Tensor | None, cache: Cache | None = None,
+                  **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """transformers' gated attention forward (Qwen3.5, Qwen3-Next: each head's query comes with
+    a gate of the same size, applied to the attention's output) with one q/k/v matmul."""
+    input_shape = hidden_states.shape[:-1]
+    hidden_shape = (*input_shape, -1, self.head_dim)
+    query_gate, key, value = self.qkv_proj(hidden_states).split(self.qkv_sizes, dim=-1)
+    query, gate = torch.chunk(query_gate.view(*input_shape, -1, self.head_dim * 2), 2, dim=-1)
+    gate = gate.reshape(*input_shape, -1)
+    query = self.q_norm(query.view(hidden_shape)).transpose(1, 2)
+    key = self.k_norm(key.view(hidden_shape)).transpose(1, 2)
+    value = value.view(hidden_shape).transpose(1, 2)
+    output, weights = _attend(self, query, key, value, attention_mask, cache, input_shape,
+                              position_embeddings=position_embeddings, **kwargs)
+    return self.o_proj(output * torch.sigmoid(gate)), weights

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .fused_qkv import fuse_qkv
+from .decode_fusions import fuse_for_decoding
 
 log = logging.getLogger(__name__)
 
@@ -176,9 +176,8 @@ def quantize_model(model: nn.Module, bits: int, group: int | None, device: torch
     start = time.perf_counter()
     if device.type == "cuda":
         # What the engine does to a bf16 model it compiles, done before quantizing (rows are
-        # quantized one by one, so the fused layer has the separate layers' numbers): one
-        # q/k/v kernel per layer instead of three.
-        fuse_qkv(model)
+        # quantized one by one, so a fused layer has the separate layers' numbers).
+        fuse_for_decoding(model)
     compute = model.get_input_embeddings().weight.dtype
     tinygemm = bits == 4 and uses_tinygemm(device, compute)
     # Names only: a list of the modules would keep every bf16 weight alive to the end.

@@ -34,18 +34,22 @@ Captured = tuple[torch.cuda.CUDAGraph, torch.Tensor]
 log = logging.getLogger(__name__)
 
 
-def compile_forward(model: PreTrainedModel, inductor_mode: str) -> Callable[..., Any]:
-    """torch.compile of the model's forward for one fixed shape; a model with weight-only
-    layers gets their inductor settings too (weight_only.inductor_options). torch.compile takes
-    a mode or options, not both: a named mode is spelled out as its options then."""
+def compile_forward(model: PreTrainedModel, inductor_mode: str,
+                    dynamic: bool | None = False) -> Callable[..., Any]:
+    """torch.compile of the model's forward, for one fixed shape (dynamic=False) or, with
+    dynamic=None, torch's automatic dynamic shapes: the first shape is compiled as it is, and a
+    second one that differs in the number of rows is compiled once more with that size symbolic,
+    for every later one. A model with weight-only layers gets their inductor settings too
+    (weight_only.inductor_options). torch.compile takes a mode or options, not both: a named mode
+    is spelled out as its options then."""
     options = inductor_options(model)
     if not options:
-        return torch.compile(model.forward, mode=inductor_mode, fullgraph=True, dynamic=False)
+        return torch.compile(model.forward, mode=inductor_mode, fullgraph=True, dynamic=dynamic)
     if inductor_mode != "default":
         from torch._inductor import list_mode_options
 
         options = {**list_mode_options(inductor_mode), **options}
-    return torch.compile(model.forward, options=options, fullgraph=True, dynamic=False)
+    return torch.compile(model.forward, options=options, fullgraph=True, dynamic=dynamic)
 
 
 def support(loaded: LoadedModel) -> tuple[bool, str]:
@@ -114,13 +118,15 @@ class GraphedBatchStep:
     Which forward is captured: the torch.compile'd one for up to `compiled_rows` rows (default
     1 row: one reply decodes at 192 tok/s on the H200, bf16 7B, where the plain forward's graph
     gave 5.11 against 7.05 ms a step), the model's plain forward for any other shape (see
-    _capture_any).
-    Why not compile every batch size: on the H200 each new shape cost 43-53 s of inductor
-    compilation (2, 4, ..., 32 rows, measured), which would stall every reply the first time that
-    many users overlap (or add minutes to each load). A CUDA graph of the plain forward still
-    removes the per-kernel launch cost, which is what made eager decoding slow: measured on the
-    H200, 8.2 ms per step for 32 rows (3492 tok/s through the engine) against 5.9 ms for 8 rows
-    compiled. Attention is the same paged decode kernel in both.
+    _capture_any). One row has a compilation of its own (fixed shapes); two rows and more share
+    one with the number of rows symbolic (compile_forward's dynamic=None), so that compiling
+    them all costs two compilations, not one per row bucket.
+    Why not compile every batch size by default: on the H200 each shape compiled for its fixed
+    size cost 43-53 s of inductor compilation (2, 4, ..., 32 rows, measured), which would add
+    minutes to each load. A CUDA graph of the plain forward still removes the per-kernel launch
+    cost, which is what made eager decoding slow: measured on the H200, 8.2 ms per step for 32
+    rows (3492 tok/s through the engine) against 5.9 ms for 8 rows compiled. Attention is the
+    same paged decode kernel in both.
     """
 
     replays_graphs = True  # see BatchRunner.tail_rows
@@ -129,6 +135,8 @@ class GraphedBatchStep:
                  compiled_rows: int = 1):
         self.model = model
         self.compiled = compile_forward(model, inductor_mode)
+        self.compiled_batched = compile_forward(model, inductor_mode, dynamic=None) \
+            if compiled_rows > 1 else self.compiled
         self.compiled_rows = compiled_rows
         self._graphs: dict[tuple[int, int], Captured | None] = {}
         self.capture = GraphCapture()  # shared with the prefill graphs (runtime/preparation.py)
@@ -159,7 +167,8 @@ class GraphedBatchStep:
         the H200) would stall every reply decoding.
         """
         compiles = b <= self.compiled_rows and kv.may_compile
-        forwards = [self.compiled, self.model] if compiles else [self.model]
+        compiled = self.compiled if b == 1 else self.compiled_batched
+        forwards = [compiled, self.model] if compiles else [self.model]
         captured = []
         reason = ""
         for forward in forwards:
@@ -170,7 +179,8 @@ class GraphedBatchStep:
                 reason = f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"
         if not captured and b > self.compiled_rows and kv.may_compile:  # as a last resort
             try:
-                captured.append((self.compiled, self._capture(kv, b, self.compiled)))
+                captured.append((self.compiled_batched,
+                                 self._capture(kv, b, self.compiled_batched)))
             except Exception as error:  # noqa: BLE001
                 log.exception("capturing the compiled batched step (%d rows) failed", b)
                 reason = f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"
@@ -179,14 +189,14 @@ class GraphedBatchStep:
             return None
         if len(captured) == 1:
             return captured[0][1]
-        times = {("compiled" if forward is self.compiled else "plain"): replay_ms(graph)
+        times = {("plain" if forward is self.model else "compiled"): replay_ms(graph)
                  for forward, (graph, _) in captured}
         kept = min(times, key=times.get)
         self.chosen[b] = {"kept": kept, **{f"{k}_ms": round(v, 3) for k, v in times.items()}}
         log.info("batched step for %d rows: compiled %.3f ms, plain forward %.3f ms a replay: "
                  "keeping the %s one", b, times["compiled"], times["plain"], kept)
         return next(entry for forward, entry in captured
-                    if (forward is self.compiled) == (kept == "compiled"))
+                    if (forward is not self.model) == (kept == "compiled"))
 
     def _capture(self, kv: PagedKV, b: int, forward: Callable[..., Any]) -> Captured:
         args = kv.decode_args(b)
@@ -202,7 +212,7 @@ class GraphedBatchStep:
 
         graph, logits = self.capture(run, restore)
         log.info("captured the batched step (%s) for %d rows in %.1f s",
-                 "compiled" if forward is self.compiled else "plain forward", b,
+                 "plain forward" if forward is self.model else "compiled", b,
                  time.perf_counter() - start)
         return graph, logits
 

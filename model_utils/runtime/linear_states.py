@@ -91,6 +91,11 @@ class StateView:
     """What the layers of one forward see as its `cache` (the calls transformers' Gated DeltaNet
     and attention layers make), over slots [start, start + count) of LinearStates."""
 
+    # The slots handed out are the states themselves (contiguous views of the persistent
+    # tensors): a layer may update them where they are (layers/gated_delta.py) instead of
+    # returning new ones for update_recurrent_state to copy in.
+    updates_in_place = True
+
     def __init__(self, states: LinearStates, start: int, count: int, fresh: bool):
         self.fresh = fresh
         self.conv = {i: t[start:start + count] for i, t in states.conv.items()}
@@ -129,7 +134,8 @@ class StateView:
     def update_recurrent_state(self, recurrent_states: torch.Tensor, layer_idx: int,
                                state_idx: int = 0, **kwargs) -> torch.Tensor:
         state = self.recurrent[layer_idx]
-        state.copy_(recurrent_states)
+        if recurrent_states is not state:
+            state.copy_(recurrent_states)
         return state
 
     def get_seq_length(self, layer_idx: int = 0) -> int:  # positions are always given

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from model_utils.layers.fused_qkv import fuse_qkv
+from model_utils.layers.decode_fusions import fuse_for_decoding
 from model_utils.loading.load_stages import Progress
 from model_utils.loading.loaded_model import LoadedModel
 from model_utils.memory import torch_cuda_gb
@@ -52,12 +52,12 @@ class DecodePreparation:
         if not self.config.compile:
             why = "eager path: compilation turned off (--no-compile)"
         elif applies:
-            fused = fuse_qkv(loaded.model)  # before compiling: the step traces the fused forward
+            fused = fuse_for_decoding(loaded.model)  # before compiling: it traces the fusions
             step = cuda_graphs.GraphedBatchStep(loaded.model, self.config.compile_mode,
                                                 compiled_rows=self.config.compiled_rows)
             path = "paged-kv+cuda-graphs (batched)"
             why = "compiled path: batched paged KV cache + CUDA graphs" + \
-                  (", one q/k/v matmul per layer" if fused else "")
+                  "".join(f", {what}" for what in fused)
         serving.decode_path, serving.decode_path_reason = path, \
             f"{why}; up to {self.config.max_batch} concurrent replies decoded together"
         runner = BatchRunner(loaded.model, context_tokens=loaded.context_tokens,

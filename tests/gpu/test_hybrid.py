@@ -61,3 +61,57 @@ def test_hybrid_next_turns_and_short_prompts_together_are_close_to_plain_generat
     finally:
         engine.unload()
     assert_close_to_plain_generate(folder, prompts, together)
+
+
+class Slots:
+    """A cache of one linear-attention layer's states as the engine keeps them (tensors of its
+    own, contiguous), with or without the in-place decode step (layers/gated_delta.py)."""
+
+    def __init__(self, conv, recurrent, updates_in_place):
+        self.conv, self.recurrent, self.updates_in_place = conv, recurrent, updates_in_place
+
+    def get_conv_state(self, layer_idx, state_idx=0):
+        return self.conv
+
+    def get_recurrent_state(self, layer_idx, state_idx=0):
+        return self.recurrent
+
+    def is_recording_past(self, layer_idx):
+        return False
+
+    def update_recurrent_state(self, states, layer_idx, state_idx=0, **kwargs):
+        if states is not self.recurrent:
+            self.recurrent.copy_(states)
+        return self.recurrent
+
+
+@pytest.mark.parametrize("rows", [1, 5])
+def test_the_in_place_decode_step_matches_transformers_path(rows):
+    """fla's convolution and delta-rule kernels updating the states where they are, against
+    transformers' own decode of the same layer (fla's kernel returning a new state), for a few
+    tokens, at Qwen3.5-9B's head sizes."""
+    from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet
+
+    from model_utils.layers.gated_delta import fuse_gated_delta
+
+    config = Qwen3_5TextConfig(hidden_size=512, num_hidden_layers=1,
+                               layer_types=["linear_attention"], linear_key_head_dim=128,
+                               linear_value_head_dim=128, linear_num_key_heads=2,
+                               linear_num_value_heads=4)
+    torch.manual_seed(0)
+    layer = Qwen3_5GatedDeltaNet(config, layer_idx=0).to("cuda", torch.bfloat16)
+    holder = torch.nn.ModuleDict({"linear_attn": layer})
+    assert fuse_gated_delta(holder) == 1 and layer.decodes_in_place
+    conv = torch.randn(rows, layer.conv_dim, layer.conv_kernel_size, device="cuda",
+                       dtype=torch.bfloat16)
+    recurrent = torch.randn(rows, 4, 128, 128, device="cuda") * 0.05
+    fast = Slots(conv.clone(), recurrent.clone(), True)
+    slow = Slots(conv.clone(), recurrent.clone(), False)
+    with torch.inference_mode():
+        for _ in range(6):
+            hidden = torch.randn(rows, 1, 512, device="cuda", dtype=torch.bfloat16)
+            got, expected = layer(hidden, cache=fast), layer(hidden, cache=slow)
+            torch.testing.assert_close(got, expected, rtol=3e-2, atol=3e-2)
+    torch.testing.assert_close(fast.conv, slow.conv, rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(fast.recurrent, slow.recurrent, rtol=2e-2, atol=2e-3)
