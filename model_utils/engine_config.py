@@ -53,9 +53,12 @@ class EngineConfig:
         "torch.compile mode of the GPU decode step; max-autotune-no-cudagraphs benchmarks "
         "kernels at load (about a minute slower) and was not reliably faster on an H200 "
         "(BENCHMARKS.md)", choices=COMPILE_MODES))
-    compiled_rows: int = field(default=1, metadata=_flag(
+    compiled_rows: int | None = field(default=None, metadata=_flag(
         "batched steps of up to this many rows are torch.compile'd before capture, larger "
-        "ones capture the plain forward (64: compile all)", metavar="N"))
+        "ones capture the plain forward (64: compile all; rows 2 and up share one "
+        "compilation)", metavar="N", shown="every batch size for a model with "
+        "linear-attention layers (Qwen3.5), where the plain forward's many small kernels cost "
+        "a quarter of the step; 1 otherwise"))
     tp: int = field(default=1, metadata=_flag(
         "split the model over N worker processes that the engine starts itself (tensor "
         "parallelism: attention heads and MLP columns; gloo on the CPU, NCCL with one GPU per "
@@ -73,13 +76,14 @@ class EngineConfig:
             spec = by_name[name]  # KeyError: not an engine option
             options = dict(spec.metadata["argparse"])
             flag = options.pop("flag", "--" + name.replace("_", "-"))
-            value, shown = (defaults or {}).get(name, (spec.default, None))
+            own_shown = options.pop("shown", None)
+            value, shown = (defaults or {}).get(name, (spec.default, own_shown))
             if spec.type in (bool, "bool"):
                 # Off unless given (--trust-remote-code), or on unless turned off (--no-compile).
                 action = "store_false" if flag.startswith("--no-") else "store_true"
                 parser.add_argument(flag, dest=name, action=action, help=spec.metadata["help"])
                 continue
-            kind = int if spec.type in (int, "int") else str
+            kind = int if spec.type in (int, "int", "int | None") else str
             shown = shown or ("none" if value is None else str(value))
             parser.add_argument(flag, dest=name, type=kind, default=value,
                                 help=f"{spec.metadata['help']} (default: {shown})".replace(

@@ -31,6 +31,10 @@ TOP_K = 5
 # model gives (a perturbed side differs by whole nats, tests/model_utils/test_logprob_check).
 TOLERANCE = {torch.float32: 1e-3, torch.float16: 0.25, torch.bfloat16: 0.25}
 ERROR_RATIO_LIMIT = 1.1
+# Sequences up to this long are teacher-forced in one forward; longer ones in chunks of
+# ONE_PASS_CHUNK tokens through a cache (teacher_forced_plain).
+ONE_PASS_TOKENS = 4096 + 512
+ONE_PASS_CHUNK = 1024
 # Below this mean KL (nats) the plain side is as exact as fp32 itself (an fp32 model against
 # its own copy): the ratio is taken against this floor rather than a division by ~0.
 KL_FLOOR = 1e-6
@@ -156,9 +160,23 @@ def teacher_forced_plain(model, sequences: list[list[int]], prompt_len: int, *,
     ids = torch.tensor(sequences, device=input_device(model))
     # Only the positions compared get logits (logits_to_keep): a 16k-token prompt's own would
     # be rows x 16k x vocabulary floats (10 GB a row at a 152k vocabulary).
-    if not incremental:
+    if not incremental and ids.shape[1] <= ONE_PASS_TOKENS:
         kept = ids.shape[1] - prompt_len + 1
         logits = model(input_ids=ids, use_cache=False, logits_to_keep=kept).logits[:, :-1]
+        return torch.log_softmax(logits.float(), -1)
+    if not incremental:
+        # Longer: the prompt in chunks into a cache, then the compared positions in one
+        # forward. fp32 attention has no flash kernel: one pass over a 16k-token prompt would
+        # hold its whole score matrix (7 rows x 28 heads x 16k x 16k floats, 197 GB).
+        from transformers import DynamicCache
+
+        cache = DynamicCache(config=model.config)
+        for start in range(0, prompt_len - 1, ONE_PASS_CHUNK):
+            stop = min(start + ONE_PASS_CHUNK, prompt_len - 1)
+            model(input_ids=ids[:, start:stop], cache=cache, use_cache=True,
+                  logits_to_keep=1)
+        logits = model(input_ids=ids[:, prompt_len - 1:-1], cache=cache,
+                       use_cache=True).logits
         return torch.log_softmax(logits.float(), -1)
     out = model(input_ids=ids[:, :prompt_len], use_cache=True, logits_to_keep=1)
     steps, cache = [out.logits[:, -1].float()], out.past_key_values

@@ -13,6 +13,11 @@ Two changes to transformers' forward of the layer, each compared with the origin
   beta's sigmoid are computed inside the kernel too, as fla offers, instead of as separate
   elementwise kernels. Every other call (prefill, a cache that keeps its own tensors, the CPU)
   runs transformers' own code.
+- A prompt whose linear states the engine keeps at a point inside it (state_snapshots.py, for
+  the conversation's next turn) runs the delta rule in two parts within the one forward and
+  keeps the states between them: before, the prompt's forward stopped at that point and a
+  second forward of all layers took its last 16-31 tokens (on the H200, 9B shape, a 4k-token
+  prompt's first token went from 152 to 230 ms, BENCHMARKS.md).
 
 The kernel call is a torch custom op, so that torch.compile treats it as one opaque step that
 mutates the two states (and CUDA graphs replay it like any kernel).
@@ -97,14 +102,18 @@ def _output(self, core: torch.Tensor, z: torch.Tensor, batch_size: int,
 
 
 def _transformers_core(self, mixed_qkv, a, b, cache, batch_size, seq_len, **kwargs):
-    """The convolution and the delta rule as transformers 5.24's forward computes them."""
+    """The convolution and the delta rule as transformers 5.24's forward computes them; with a
+    cache that asks for the states after its first `keep_at` tokens (linear_states.StateView),
+    the delta rule runs in two parts and the states between them are kept."""
     home = self.home
     if cache is not None:
         conv_state = cache.get_conv_state(self.layer_idx, state_idx=0)
         recurrent_state = cache.get_recurrent_state(self.layer_idx, state_idx=0)
     else:
         conv_state, recurrent_state = None, None
+    keep_at = getattr(cache, "keep_at", 0) if seq_len > 1 else 0
     mixed_qkv = mixed_qkv.transpose(1, 2)
+    kept_conv = None
     if conv_state is not None and seq_len == 1 and not cache.is_recording_past(self.layer_idx):
         mixed_qkv = home.causal_conv1d_update(mixed_qkv, conv_state,
                                               self.conv1d.weight.squeeze(1), self.conv1d.bias,
@@ -113,6 +122,11 @@ def _transformers_core(self, mixed_qkv, a, b, cache, batch_size, seq_len, **kwar
         if cache is not None:
             mixed_qkv = cache.update_conv_state(mixed_qkv, self.layer_idx,
                                                 conv_kernel_size=self.conv_kernel_size)
+        if keep_at:  # the convolution's inputs up to that token: its state there
+            window = mixed_qkv[..., :mixed_qkv.shape[-1] - seq_len + keep_at]
+            kernel = self.conv_kernel_size
+            kept_conv = nn.functional.pad(window, (max(0, kernel - window.shape[-1]), 0))
+            kept_conv = kept_conv[..., -kernel:]
         mixed_qkv = home.causal_conv1d_fn(mixed_qkv, self.conv1d.weight.squeeze(1),
                                           self.conv1d.bias, activation=self.activation, **kwargs)
         if cache is not None:
@@ -125,11 +139,25 @@ def _transformers_core(self, mixed_qkv, a, b, cache, batch_size, seq_len, **kwar
     value = value.reshape(batch_size, seq_len, -1, self.head_v_dim)
     beta = b.sigmoid()
     g = -self.A_log.float().exp() * nn.functional.softplus(a.float() + self.dt_bias)
-    rule = home.torch_recurrent_gated_delta_rule if recurrent_state is not None and seq_len == 1 \
-        else home.torch_chunk_gated_delta_rule
-    core, last_state = rule(query, key, value, g=g, beta=beta, initial_state=recurrent_state,
-                            output_final_state=cache is not None, use_qk_l2norm_in_kernel=True,
-                            cu_seqlens=kwargs.pop("cu_seq_lens_q", None), **kwargs)
+    cu_seqlens = kwargs.pop("cu_seq_lens_q", None)
+    if recurrent_state is not None and seq_len == 1:
+        rule = home.torch_recurrent_gated_delta_rule
+    else:
+        rule = home.torch_chunk_gated_delta_rule
+
+    def run(part: slice, initial):
+        return rule(query[:, part], key[:, part], value[:, part], g=g[:, part],
+                    beta=beta[:, part], initial_state=initial,
+                    output_final_state=cache is not None, use_qk_l2norm_in_kernel=True,
+                    cu_seqlens=cu_seqlens, **kwargs)
+
+    if kept_conv is not None:
+        first, kept_state = run(slice(0, keep_at), recurrent_state)
+        cache.keep(self.layer_idx, kept_conv, kept_state)
+        rest, last_state = run(slice(keep_at, seq_len), kept_state)
+        core = torch.cat([first, rest], dim=1)
+    else:
+        core, last_state = run(slice(None), recurrent_state)
     if cache is not None:
         cache.update_recurrent_state(last_state, self.layer_idx)
     return core

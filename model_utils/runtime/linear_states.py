@@ -98,6 +98,11 @@ class StateView:
 
     def __init__(self, states: LinearStates, start: int, count: int, fresh: bool):
         self.fresh = fresh
+        # Mid-prompt snapshot (state_snapshots.py): after `keep_at` tokens of this forward, a
+        # layer that can split its recurrence there (layers/gated_delta.py) writes its states
+        # into `keep_into`, so that the prompt needs no forward that ends at that point.
+        self.keep_at = 0
+        self.keep_into: tuple[dict, dict] | None = None
         self.conv = {i: t[start:start + count] for i, t in states.conv.items()}
         self.recurrent = {i: t[start:start + count] for i, t in states.recurrent.items()}
 
@@ -137,6 +142,12 @@ class StateView:
         if recurrent_states is not state:
             state.copy_(recurrent_states)
         return state
+
+    def keep(self, layer_idx: int, conv: torch.Tensor, recurrent: torch.Tensor) -> None:
+        """A layer's states at keep_at, into the snapshot."""
+        conv_into, recurrent_into = self.keep_into
+        conv_into[layer_idx].copy_(conv)
+        recurrent_into[layer_idx].copy_(recurrent)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:  # positions are always given
         return 0

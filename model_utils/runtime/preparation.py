@@ -16,11 +16,13 @@ from typing import TYPE_CHECKING
 import torch
 
 from model_utils.layers.decode_fusions import fuse_for_decoding
+from model_utils.layers.gated_delta import fuse_gated_delta
 from model_utils.loading.load_stages import Progress
 from model_utils.loading.loaded_model import LoadedModel
 from model_utils.memory import torch_cuda_gb
 
 from . import compile_cache, cuda_graphs, kv_cache, paged_attention
+from .linear_states import linear_layers
 from .runner import BatchRunner, EagerStep
 from .scheduler import Scheduler
 from .serving import Serving
@@ -47,6 +49,10 @@ class DecodePreparation:
             log.warning("%s: replies are not batched (%s)", loaded.display_name, why_not)
             serving.decode_path_reason = f"eager path; replies take turns ({why_not})"
             return serving
+        # Qwen3.5's linear-attention layers get their own forward on every batched path (it
+        # keeps a prompt's states mid-forward, runner.forward_prompt); the other fusions only
+        # where the step is compiled (below), as they change no arithmetic a test compares.
+        fuse_gated_delta(loaded.model)
         step, path = EagerStep(loaded.model), "eager"
         applies, why = cuda_graphs.support(loaded)
         if not self.config.compile:
@@ -54,7 +60,7 @@ class DecodePreparation:
         elif applies:
             fused = fuse_for_decoding(loaded.model)  # before compiling: it traces the fusions
             step = cuda_graphs.GraphedBatchStep(loaded.model, self.config.compile_mode,
-                                                compiled_rows=self.config.compiled_rows)
+                                                compiled_rows=self._compiled_rows(loaded))
             path = "paged-kv+cuda-graphs (batched)"
             why = "compiled path: batched paged KV cache + CUDA graphs" + \
                   "".join(f", {what}" for what in fused)
@@ -116,6 +122,14 @@ class DecodePreparation:
         # so that the memory panels show what serving holds (graph pools stay reserved).
         torch.cuda.empty_cache()
         self._record_memory(serving, "ready")
+
+    def _compiled_rows(self, loaded: LoadedModel) -> int:
+        """The configured --compiled-rows, or by default: every batch size for a model with
+        linear-attention layers (their plain forward's graph took 1.3x the compiled one's at 8
+        and 32 rows, BENCHMARKS.md), one row otherwise."""
+        if self.config.compiled_rows is not None:
+            return self.config.compiled_rows
+        return self.config.max_batch if linear_layers(loaded.model) else 1
 
     @staticmethod
     def _record_memory(serving: Serving, stage: str) -> None:

@@ -96,6 +96,11 @@ class BatchRunner:
         self.kv: PagedKV | None = None  # allocated on first use
         self.pool: BlockPool | None = None
         self.snapshots: StateSnapshots | None = None  # linear layers' states at prompt points
+        # Every linear-attention layer keeps its states at a point inside a forward
+        # (layers/gated_delta.py), so a prompt's snapshot needs no forward of its own.
+        linear = linear_layers(model).values()
+        self.keeps_mid_forward = bool(linear) and all(hasattr(m, "in_proj_sizes")
+                                                      for m in linear)
         self.padded_prefill: PaddedPrefill | None = None  # see use_padded_prefill
         self._readback: TokenReadback | None = None  # made with the cache
         self._samplers: dict[Request, RowSampler] = {}  # requests set up and not ended
@@ -245,8 +250,11 @@ class BatchRunner:
                 first = 0
             point = snapshot_point(len(tokens), BLOCK_TOKENS) if snapshot else 0
             if point <= cached or point < self.min_reuse_tokens:
-                point = 0  # else a forward ends there, so that its states can be copied
-        bounds = set(range(first, len(tokens), chunk)) | {cached, point} - {len(tokens)}
+                point = 0  # else the states are kept there (by the forward that passes it)
+        # Where the layers cannot keep the states mid-forward (layers/gated_delta.py), a
+        # forward ends at the point, so that its states can be copied.
+        cut = {point} if point and not self.keeps_mid_forward else set()
+        bounds = set(range(first, len(tokens), chunk)) | {cached} | cut - {len(tokens)}
         bounds = sorted(b for b in bounds if b >= first)
         logits = None
         for start, stop in zip(bounds, bounds[1:] + [len(tokens)]):
@@ -258,10 +266,18 @@ class BatchRunner:
                 step = kv.extend_step(slots, kv.slots_of(blocks, 0, stop), start)
             ids = torch.tensor([tokens[start:stop]], device=self.device)
             positions = torch.arange(start, stop, device=self.device)[None]
-            states = {"cache": kv.states.prefill_view(fresh=start == 0)} if kv.states else {}
-            logits = self.model(input_ids=ids, position_ids=positions,
-                                attention_mask=kv.no_masks, paged=step, use_cache=False,
-                                logits_to_keep=1, **states).logits[:, -1]
+            view = kv.states.prefill_view(fresh=start == 0) if kv.states else None
+            if view is not None and start < point < stop:
+                view.keep_at, view.keep_into = point - start, \
+                    self.snapshots.target(self._name(tokens, point))
+            try:
+                logits = self.model(input_ids=ids, position_ids=positions,
+                                    attention_mask=kv.no_masks, paged=step, use_cache=False,
+                                    logits_to_keep=1,
+                                    **({"cache": view} if view else {})).logits[:, -1]
+            finally:
+                if view is not None:
+                    view.keep_at, view.keep_into = 0, None
             if stop == point:
                 self.snapshots.save(self._name(tokens, point), kv.states.prefill_slot)
         return logits

@@ -60,15 +60,27 @@ class StateSnapshots:
 
     def save(self, name: int, slot: int) -> None:
         """Keep the states of LinearStates' slot `slot` under `name`."""
-        if name in self._slots:
-            self._slots.move_to_end(name)
-            index = self._slots[name]
-        else:
-            index = self._free.pop() if self._free else self._slots.popitem(last=False)[1]
-            self._slots[name] = index
+        index = self._reserve(name)
         self._copy((self.states.conv, self.states.recurrent), slot,
                    (self.conv, self.recurrent), index)
         self.saved += 1
+
+    def target(self, name: int) -> tuple[dict, dict]:
+        """({layer: conv state}, {layer: recurrent state}) of the snapshot `name`, to be
+        written by the forward that passes its point (layers/gated_delta.py keeps them there
+        mid-prompt, linear_states.StateView.keep)."""
+        index = self._reserve(name)
+        self.saved += 1
+        return ({i: t[index:index + 1] for i, t in self.conv.items()},
+                {i: t[index:index + 1] for i, t in self.recurrent.items()})
+
+    def _reserve(self, name: int) -> int:
+        if name in self._slots:
+            self._slots.move_to_end(name)
+            return self._slots[name]
+        index = self._free.pop() if self._free else self._slots.popitem(last=False)[1]
+        self._slots[name] = index
+        return index
 
     def restore(self, name: int, slot: int) -> bool:
         """Put the states kept under `name` into LinearStates' slot `slot`; False if none."""

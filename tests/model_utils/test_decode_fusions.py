@@ -87,13 +87,16 @@ def test_the_fp32_copy_of_a_fused_model_is_the_unfused_model(name, demo_path, hy
 
 
 def test_a_fused_hybrid_decodes_in_batches_as_the_unfused_model_alone(hybrid_folder):
-    """The fused linear-attention forward reading and writing the engine's state slots
+    """The fused forwards reading and writing the engine's state slots
     (runtime/linear_states.StateView): prefill, chunked or not, and batched decode steps."""
     reference = AutoModelForCausalLM.from_pretrained(hybrid_folder, dtype=torch.float32)
     engine = load(hybrid_folder, max_batch=4)
     try:
         serving = engine.serving
-        assert "linear-attention input" in " ".join(fuse_for_decoding(serving.loaded.model))
+        # The linear-attention layers are fused on every batched path (preparation.py), the
+        # rest where the step compiles: here, by hand.
+        assert serving.scheduler.runner.keeps_mid_forward
+        assert "q/k/v" in " ".join(fuse_for_decoding(serving.loaded.model))
         prompts = [[(7 * j + 11 * i) % 900 + 5 for j in range(3 + (i * 97) % 260)]
                    for i in range(3)]
         lengths = [14, 9, 20]

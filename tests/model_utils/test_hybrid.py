@@ -268,6 +268,9 @@ def test_a_next_turn_starts_from_the_kept_states_and_stays_exact(strong_hybrid, 
     serving = strong_hybrid.serving
     runner = serving.scheduler.runner
     monkeypatch.setattr(runner, "min_reuse_tokens", 16)  # the tiny prompts here are reused
+    # The states at the kept point come from inside the prompt's one forward
+    # (layers/gated_delta.py), not from a forward that stops there.
+    assert runner.keeps_mid_forward
     first = [(11 * j) % 700 + 7 for j in range(120)]
     reply, stats = submit(serving, first, greedy(20))
     assert stats.cached_tokens == 0

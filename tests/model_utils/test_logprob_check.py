@@ -121,3 +121,16 @@ def test_a_request_records_the_top_logprobs_of_each_token(load_demo):
     assert [ids[0] for ids in recorded.top_ids] == recorded.tokens  # greedy: the top-1
     assert all(len(ids) == check.TOP_K for ids in recorded.top_ids)
     assert all(lp[0] >= lp[-1] for lp in recorded.top_logprobs)
+
+
+def test_a_long_sequence_teacher_forced_in_chunks_equals_one_pass(peaked, monkeypatch):
+    """Past ONE_PASS_TOKENS the prompt goes through a cache in chunks (fp32 attention would
+    hold a 16k prompt's whole score matrix): the same distributions as one forward."""
+    model = plain_model(peaked, torch.float32)
+    sequences = [[(5 * i + 3 * r) % 200 + 4 for i in range(PROMPT + 9)] for r in range(2)]
+    whole = check.teacher_forced_plain(model, sequences, PROMPT)
+    monkeypatch.setattr(check, "ONE_PASS_TOKENS", 8)
+    monkeypatch.setattr(check, "ONE_PASS_CHUNK", 5)
+    chunked = check.teacher_forced_plain(model, sequences, PROMPT)
+    assert chunked.shape == whole.shape == (2, 9, whole.shape[-1])
+    torch.testing.assert_close(chunked, whole, rtol=1e-4, atol=1e-4)
