@@ -96,11 +96,10 @@ class BatchRunner:
         self.kv: PagedKV | None = None  # allocated on first use
         self.pool: BlockPool | None = None
         self.snapshots: StateSnapshots | None = None  # linear layers' states at prompt points
-        # Every linear-attention layer keeps its states at a point inside a forward
-        # (layers/gated_delta.py), so a prompt's snapshot needs no forward of its own.
+        # Every linear layer keeps its states mid-forward (layers/gated_delta.py), so a
+        # prompt's snapshot needs no forward of its own.
         linear = linear_layers(model).values()
-        self.keeps_mid_forward = bool(linear) and all(hasattr(m, "in_proj_sizes")
-                                                      for m in linear)
+        self.keeps_mid_forward = bool(linear) and all(hasattr(m, "in_proj_sizes") for m in linear)
         self.padded_prefill: PaddedPrefill | None = None  # see use_padded_prefill
         self._readback: TokenReadback | None = None  # made with the cache
         self._samplers: dict[Request, RowSampler] = {}  # requests set up and not ended
@@ -251,8 +250,7 @@ class BatchRunner:
             point = snapshot_point(len(tokens), BLOCK_TOKENS) if snapshot else 0
             if point <= cached or point < self.min_reuse_tokens:
                 point = 0  # else the states are kept there (by the forward that passes it)
-        # Where the layers cannot keep the states mid-forward (layers/gated_delta.py), a
-        # forward ends at the point, so that its states can be copied.
+        # Layers that cannot keep the states mid-forward: a forward ends at the point.
         cut = {point} if point and not self.keeps_mid_forward else set()
         bounds = set(range(first, len(tokens), chunk)) | {cached} | cut - {len(tokens)}
         bounds = sorted(b for b in bounds if b >= first)

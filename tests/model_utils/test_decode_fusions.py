@@ -13,17 +13,10 @@ from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 from model_utils.bench.logprob_check import fp32_copy
 from model_utils.layers.decode_fusions import fuse_for_decoding
 
+from .test_fused_qkv import tiny
 from .test_hybrid import build as build_hybrid
 from .test_hybrid import greedy as greedy_settings
 from .test_hybrid import load, submit, together
-
-
-def tiny(config_class, seed: int):
-    config = config_class(vocab_size=300, hidden_size=64, intermediate_size=128,
-                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                          max_position_embeddings=256)
-    torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
 
 
 @pytest.fixture(scope="module")
