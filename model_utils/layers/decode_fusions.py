@@ -19,7 +19,7 @@ FUSIONS = (("q/k/v", fuse_qkv), ("gate/up", fuse_gate_up),
 
 
 def fuse_for_decoding(model: nn.Module) -> list[str]:
-    """Fuse what applies; returns what was fused, e.g. ["q/k/v matmuls of 28 layers"]."""
+    """Fuse what applies; returns what was fused, e.g. ["one q/k/v matmul in 28 layers"]."""
     done = []
     for what, fuse in FUSIONS:
         count = fuse(model)

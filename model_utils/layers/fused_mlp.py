@@ -1,8 +1,8 @@
 """One matmul for an MLP's gate and up projections.
 
 A SwiGLU MLP multiplies the same input by two matrices of the same shape (gate and up), then
-combines them: one [2 x intermediate, hidden] product instead of two halves the kernels a
-decode step launches for it, and each one reads a larger matrix (linear_fusion.py).
+combines them: one [2 x intermediate, hidden] product instead of two launches half the
+matmul kernels of a decode step's MLP (linear_fusion.py).
 
 Applied only to MLP classes whose forward is transformers' `down(act(gate(x)) * up(x))`
 (transformers 5.24, listed below); the tests compare the fused forward with the original.

@@ -1,6 +1,6 @@
 """Qwen3.5's linear-attention layer (Gated DeltaNet) made cheap to decode.
 
-Two changes to transformers' forward of the layer, each compared with the original in the tests:
+Three changes to transformers' forward of the layer, each compared with the original in the tests:
 
 - Its four input projections (q/k/v for the convolution, the output gate z, the delta rule's
   beta and its decay's input a) read the same hidden state: one matmul (linear_fusion.py). Two
@@ -8,16 +8,15 @@ Two changes to transformers' forward of the layer, each compared with the origin
 - Decoding one token of rows that keep their states in the engine's slots (a cache that says
   `updates_in_place`, runtime/linear_states.py), the short convolution and the delta rule run
   as fla's Triton kernels writing both states where they are read. transformers' path returns
-  a new recurrent state that the cache then copies into its slot: measured on the H200 at 32
-  rows, that copy (64 MB a layer) took 33 us of a 47 us kernel (BENCHMARKS.md). The decay and
+  a new recurrent state that the cache then copies into its slot, a copy of the whole state per
+  layer and step that cost most of what the kernel itself did (BENCHMARKS.md). The decay and
   beta's sigmoid are computed inside the kernel too, as fla offers, instead of as separate
   elementwise kernels. Every other call (prefill, a cache that keeps its own tensors, the CPU)
   runs transformers' own code.
 - A prompt whose linear states the engine keeps at a point inside it (state_snapshots.py, for
   the conversation's next turn) runs the delta rule in two parts within the one forward and
-  keeps the states between them: before, the prompt's forward stopped at that point and a
-  second forward of all layers took its last 16-31 tokens (on the H200, 9B shape, a 4k-token
-  prompt's first token went from 152 to 230 ms, BENCHMARKS.md).
+  keeps the states between them, where otherwise the prompt's forward stops at that point and
+  a second forward of every layer takes its last 16-31 tokens (BENCHMARKS.md).
 
 The kernel call is a torch custom op, so that torch.compile treats it as one opaque step that
 mutates the two states (and CUDA graphs replay it like any kernel).

@@ -50,8 +50,8 @@ class DecodePreparation:
             serving.decode_path_reason = f"eager path; replies take turns ({why_not})"
             return serving
         # Qwen3.5's linear-attention layers get their own forward on every batched path (it
-        # keeps a prompt's states mid-forward, runner.forward_prompt); the other fusions only
-        # where the step is compiled (below), as they change no arithmetic a test compares.
+        # keeps a prompt's states mid-forward, runner.forward_prompt). The other fusions only
+        # where the step is compiled (below): the eager path keeps transformers' own forwards.
         fuse_gated_delta(loaded.model)
         step, path = EagerStep(loaded.model), "eager"
         applies, why = cuda_graphs.support(loaded)

@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 from model_utils.bench.logprob_check import fp32_copy
 from model_utils.layers.decode_fusions import fuse_for_decoding
 
-from .test_fused_qkv import tiny
+from .test_fused_qkv import assert_same_model, greedy, tiny
 from .test_hybrid import build as build_hybrid
 from .test_hybrid import greedy as greedy_settings
 from .test_hybrid import load, submit, together
@@ -35,12 +35,6 @@ def builders(demo_path, hybrid_folder):
     }
 
 
-def greedy(model, prompt: list[int], n: int) -> list[int]:
-    out = model.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n,
-                         do_sample=False, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
-
-
 EXPECTED = {  # what each model has to fuse
     "qwen2-bias": ["q/k/v", "gate/up"], "llama": ["q/k/v", "gate/up"],
     "qwen3-demo": ["q/k/v", "gate/up"],
@@ -58,12 +52,7 @@ def test_fused_models_give_the_same_logits_tokens_and_parameters(name, demo_path
     assert [d.split(" matmul")[0].removeprefix("one ") for d in done] == EXPECTED[name]
     assert sum(p.numel() for p in model.parameters()) == params  # moved, not copied
     assert fuse_for_decoding(model) == []  # a second call finds nothing left to fuse
-    ids = torch.tensor([[5 + (7 * i) % 250 for i in range(40)]])
-    with torch.inference_mode():
-        expected, got = reference(ids).logits, model(ids).logits
-    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
-    prompt = ids[0, :12].tolist()
-    assert greedy(model, prompt, 30) == greedy(reference, prompt, 30)
+    assert_same_model(model, reference)
 
 
 @pytest.mark.parametrize("name", ["qwen2-bias", "qwen3.5-hybrid"])
