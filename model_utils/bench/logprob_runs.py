@@ -111,7 +111,9 @@ def _teacher_forced(runner, sequences, prompt_len, should_yield) -> torch.Tensor
             for j, row in enumerate(group):
                 if not padded:
                     logits = runner.forward_prompt(sequences[row][:prompt_len], held[row])
-                kv.place(row, held[row], prompt_len, sequences[row][prompt_len])
+                # Padded, the row's linear-attention states are in the group's slot j.
+                kv.place(row, held[row], prompt_len, sequences[row][prompt_len],
+                         j if padded else 0)
                 first[row] = torch.log_softmax(logits[j if padded else 0].float(), -1)
         out = [torch.stack(first).cpu()]
         length = prompt_len
@@ -137,7 +139,7 @@ def _teacher_forced(runner, sequences, prompt_len, should_yield) -> torch.Tensor
 def _prefill_groups(runner, rows: int, prompt_len: int):
     """(row indices, padded): the groups the scheduler would prefill these prompts in."""
     padded = runner.padded_prefill
-    if padded and padded.fits(prompt_len):
+    if runner.fits_padded(prompt_len):  # not a hybrid's prompt whose states are kept
         group: list[int] = []
         for row in range(rows):
             if group and not padded.fit_together([prompt_len] * (len(group) + 1)):

@@ -362,3 +362,24 @@ def test_prompts_prefilled_together_left_padded_decode_as_each_alone(strong_hybr
     # every prompt went through it, in replays of several (rows x bucket within 256 tokens)
     assert sorted(sum(groups, [])) == [len(p) for p in prompts]
     assert max(len(g) for g in groups) > 1, groups
+
+
+def test_the_logprob_checks_teacher_forcing_takes_each_padded_rows_own_states(strong_hybrid):
+    """The bench's teacher-forced run of several sequences prefilled together (left padded, as
+    a GPU does for short hybrid prompts) equals each sequence's run alone: each row decodes
+    from its own prompt's linear-attention states, not from the first row's."""
+    from model_utils.bench.logprob_runs import engine_teacher_forced
+
+    runner = strong_hybrid.serving.scheduler.runner
+    strong_hybrid.worker.call(lambda: runner.use_padded_prefill())
+    groups = record_padded_prefills(runner)
+    prompt = 12  # under min_reuse_tokens: no states to keep, so padded as the scheduler would
+    sequences = [[(7 * j + 11 * i) % 900 + 5 for j in range(prompt + 8)] for i in range(3)]
+    try:
+        together = engine_teacher_forced(strong_hybrid, sequences, prompt)
+        alone = [engine_teacher_forced(strong_hybrid, [s], prompt)[0] for s in sequences]
+    finally:
+        runner.padded_prefill = None
+    assert groups[0] == [prompt] * 3  # the three were prefilled in one padded call
+    for row, expected in enumerate(alone):
+        torch.testing.assert_close(together[row], expected, atol=1e-4, rtol=0)
