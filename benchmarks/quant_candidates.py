@@ -19,7 +19,8 @@ torch.profiler summary of one decode step (per kernel). Candidates:
   A16W8_INT8), swapped in the same way;
 - int8-wo-aten: the app's int8-wo with PyTorch's own torch._weight_int8pack_mm kernel;
   int8-wo-hybrid: the same for two rows or more (batches, prefills), the compiled one-row step
-  as in int8-wo; int4-wo-head8: int4-wo with lm_head in int8 weight-only as well.
+  as in int8-wo; int4-wo-head8: int4-wo with lm_head in int8 weight-only as well;
+  fp8-wo-below-8: the app's fp8 with steps of fewer than 8 rows multiplied weight-only.
 A candidate whose package is missing, or that fails, is recorded with the reason, and the run
 goes on. Candidates that would not finish within --budget-s are skipped (reported). JSON and
 markdown are written after every candidate, so a run cut short still leaves its results.
@@ -48,7 +49,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from quant_swaps import LIBRARY_INDUCTOR_OPTIONS, SWAPS, missing  # beside this script
 
 from model_utils.bench import quality
-from model_utils.bench import run as bench
+from model_utils.bench.inputs import build_random_model, random_prompts
+from model_utils.bench.measure import engine_concurrent, engine_decode, reset_peaks, sync
+from model_utils.bench.run import quality_reference
 from model_utils.engine import Engine
 from model_utils.layers.decode_fusions import fuse_for_decoding
 from model_utils.loading.loaded_model import LoadRequest
@@ -56,8 +59,8 @@ from model_utils.loading.placement import Placement
 from model_utils.memory import GB
 
 log = logging.getLogger("quant_candidates")
-DEFAULT = ("bf16,int4-wo,int8-wo,torchao-int4,gemlite-int4,int4-wo-head8,int8-wo-hybrid,"
-           "gemlite-int8,int8-wo-aten,torchao-int8")
+DEFAULT = ("bf16,fp8,gemlite-int4,fp8-wo-below-8,int4-wo,int8-wo,gemlite-int8,int8-wo-hybrid,"
+           "int4-wo-head8,int8-wo-aten,torchao-int4,torchao-int8")
 CUDA = torch.cuda.is_available()
 
 
@@ -104,17 +107,17 @@ def profile_step(engine: Engine, steps: int = 3) -> dict:
         kv.set_lengths(1, 1, 1)
         for _ in range(3):
             runner.step_fn(kv, 1)
-        bench.sync()
+        sync()
         start = time.perf_counter()
         for _ in range(10):
             runner.step_fn(kv, 1)
-        bench.sync()
+        sync()
         wall_ms = (time.perf_counter() - start) / 10 * 1000
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if CUDA else [])
         with profile(activities=activities) as prof:
             for _ in range(steps):
                 runner.step_fn(kv, 1)
-            bench.sync()
+            sync()
         kv.pad_rows(0, kv.rows)
         return wall_ms, prof
 
@@ -132,12 +135,12 @@ def profile_step(engine: Engine, steps: int = 3) -> dict:
             inputs = kv.decode_args(1)
             kv.prepare_decode(1)
             compiled(**inputs)
-            bench.sync()
+            sync()
             with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as again:
                 for _ in range(steps):
                     kv.prepare_decode(1)
                     compiled(**inputs)
-                bench.sync()
+                sync()
             kv.pad_rows(0, kv.rows)
             return again
 
@@ -183,7 +186,7 @@ def measure(engine: Engine, folder: str, candidate: str, args, prompts, referenc
         prepare(loaded, progress)
 
     engine.manager.on_loaded = on_loaded
-    bench.reset_peaks()
+    reset_peaks()
     start = time.perf_counter()
     try:
         with LoadLog() as load_log:
@@ -197,12 +200,12 @@ def measure(engine: Engine, folder: str, candidate: str, args, prompts, referenc
               "footprint_gb": status["footprint_gb"], **seen}
     if swap is not None and mode == "bf16":
         result["footprint_gb"] = None  # the table's count is the bf16 one; see weights_gb
-    bench.engine_decode(engine, prompts[0], 8)  # first reply after the load
-    singles = [bench.engine_decode(engine, prompts[i], args.new_tokens) for i in range(2)]
+    engine_decode(engine, prompts[0], 8)  # first reply after the load
+    singles = [engine_decode(engine, prompts[i], args.new_tokens) for i in range(2)]
     result["tok_s_1"] = round(statistics.median(s.tok_s for _, s in singles), 1)
     result["ttft_ms_1"] = round(statistics.median(s.ttft_ms for _, s in singles), 2)
     if args.streams > 1:
-        many = bench.engine_concurrent(engine, prompts[:args.streams], args.new_tokens)
+        many = engine_concurrent(engine, prompts[:args.streams], args.new_tokens)
         result[f"aggregate_tok_s_{args.streams}"] = round(many["aggregate"], 1)
         result[f"ttft_ms_p50_{args.streams}"] = round(many["ttft_ms"], 2)
         result["batched_with"] = many["batched_with"]
@@ -305,12 +308,12 @@ def main(argv=None) -> int:
         except Exception:  # noqa: BLE001 - not installed
             meta[package] = None
     folder = Path(tempfile.mkdtemp(prefix="quant-candidates-"))
-    bench.build_random_model(Path(args.config), folder, "cuda" if CUDA else "cpu")
+    build_random_model(Path(args.config), folder, "cuda" if CUDA else "cpu")
     engine = Engine(max_batch=max(args.streams, 1), max_queue=64)
     engine.registry.allow_root(str(folder))
     vocab = json.loads((folder / "config.json").read_text()).get("vocab_size", 1000)
-    prompts = bench.random_prompts(max(args.streams, 2), args.prompt_tokens, vocab)
-    reference = bench.quality_reference(engine, str(folder), args.quality_positions)
+    prompts = random_prompts(max(args.streams, 2), args.prompt_tokens, vocab)
+    reference = quality_reference(engine, str(folder), args.quality_positions)
     meta["setup_s"] = round(time.perf_counter() - start, 1)
     results: list[dict] = []
     longest = 0.0

@@ -95,6 +95,19 @@ def int8_head(model):
             torch.cuda.empty_cache()
 
 
+def fp8_weight_only_below(rows: int):
+    """The app's fp8 mode with inputs of fewer than `rows` rows multiplied unquantized (the
+    weight-only product, compiled into a reduction over the fp8 weights) instead of through
+    _scaled_mm: which is faster for decode steps is what this candidate measures."""
+    from model_utils.layers.fp8_weights import Fp8Linear
+
+    def swap(model):
+        for module in model.modules():
+            if isinstance(module, Fp8Linear):
+                module.scaled_mm_from_rows = rows
+    return swap
+
+
 # What torchao's README advises for its weight-only layers under torch.compile (gpt-fast's
 # settings); given to the torchao and gemlite candidates' compiled step.
 LIBRARY_INDUCTOR_OPTIONS = {"coordinate_descent_tuning": True,
@@ -108,7 +121,8 @@ SWAPS = {"torchao-int4": (torchao_int4, "torchao", True, "bf16"),
          "gemlite-int8": (gemlite_int8, "gemlite", True, "bf16"),
          "int8-wo-aten": (aten_int8, "torch", False, "int8-wo"),
          "int8-wo-hybrid": (lambda m: aten_int8(m, rows_from=2), "torch", False, "int8-wo"),
-         "int4-wo-head8": (int8_head, "torch", False, "int4-wo")}
+         "int4-wo-head8": (int8_head, "torch", False, "int4-wo"),
+         "fp8-wo-below-8": (fp8_weight_only_below(8), "torch", False, "fp8")}
 
 
 def missing(candidate: str) -> str | None:

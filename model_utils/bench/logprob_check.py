@@ -191,9 +191,9 @@ def teacher_forced_plain(model, sequences: list[list[int]], prompt_len: int, *,
 def dequantized_weight(module) -> torch.Tensor | None:
     """The float weight of a quantized layer (bitsandbytes 4-bit or LLM.int8, the app's
     weight-only int4/int8), None for other modules."""
-    from model_utils.layers.weight_only import Int4WeightOnlyLinear, Int8WeightOnlyLinear
+    from model_utils.layers.weight_only import WEIGHT_ONLY_LAYERS
 
-    if isinstance(module, (Int4WeightOnlyLinear, Int8WeightOnlyLinear)):
+    if isinstance(module, WEIGHT_ONLY_LAYERS):
         if getattr(module, "tinygemm", False):  # a layout only its kernel reads
             return _probed_weight(module)
         return module.dequantized(torch.float32)

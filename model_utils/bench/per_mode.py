@@ -83,7 +83,7 @@ def load_peer(path, mode: str):
     device_map = {"": 0} if torch.cuda.is_available() else {"": "cpu"}
     if mode_row.is_weight_only:  # no library default to compare with: the same weights
         return load_quantized(path, mode_row.weight_only_bits, mode_row.group_size,
-                              device_map=device_map, **kwargs)
+                              device_map=device_map, fmt=mode_row.weight_format, **kwargs)
     return AutoModelForCausalLM.from_pretrained(path, device_map=device_map, **kwargs)
 
 

@@ -91,10 +91,13 @@ def quality_reference(engine: Engine, model_name: str, positions: int):
     """(token sequences, fp32 log-probabilities) for quality.compare, None when positions is 0."""
     if positions <= 0:
         return None
-    from transformers import AutoTokenizer
+    from transformers import AutoConfig, AutoTokenizer
 
     path = engine.registry.resolve(model_name).path
     sequences = quality.sequences(AutoTokenizer.from_pretrained(path), positions)
+    # A random checkpoint of a small shape can carry a tokenizer larger than its vocabulary.
+    vocab = AutoConfig.from_pretrained(path).get_text_config().vocab_size
+    sequences = [[token % vocab for token in sequence] for sequence in sequences]
     device = "cuda:0" if torch.cuda.is_available() else "cpu"
     return sequences, quality.fp32_reference(path, sequences, device=device)
 

@@ -30,7 +30,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import fp8_weights
 from .decode_fusions import fuse_for_decoding
+from .fp8_weights import Fp8Linear
 
 log = logging.getLogger(__name__)
 
@@ -150,15 +152,19 @@ class Int8WeightOnlyLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}"
 
 
-WEIGHT_ONLY_LAYERS = (Int4WeightOnlyLinear, Int8WeightOnlyLinear)
+WEIGHT_ONLY_LAYERS = (Int4WeightOnlyLinear, Int8WeightOnlyLinear, Fp8Linear)
 
 
 # -- a whole model -------------------------------------------------------------------------------
-def quantizable(name: str, linear: nn.Linear, bits: int, group: int | None) -> bool:
+def quantizable(name: str, linear: nn.Linear, bits: int, group: int | None,
+                fmt: str = "int") -> bool:
     """Every decoder Linear; lm_head stays full precision. int4 needs whole groups per row and
-    tinygemm's tile multiples; a layer of another shape keeps its weight (counted as such)."""
+    tinygemm's tile multiples, fp8 _scaled_mm's multiples of 16; a layer of another shape keeps
+    its weight (counted as such)."""
     if name.split(".")[-1] == "lm_head":
         return False
+    if fmt == "fp8":
+        return fp8_weights.fits(linear)
     if bits == 4:
         return (linear.in_features % group == 0 and linear.in_features % TINYGEMM_K_MULTIPLE == 0
                 and linear.out_features % TINYGEMM_N_MULTIPLE == 0)
@@ -170,9 +176,10 @@ def uses_tinygemm(device: torch.device, compute_dtype: torch.dtype) -> bool:
 
 
 def quantize_model(model: nn.Module, bits: int, group: int | None, device: torch.device,
-                   progress=None) -> dict:
-    """Replace the model's Linear layers by weight-only ones on `device`, one layer at a time,
-    then move the rest there. Returns {quantized, kept, seconds}."""
+                   progress=None, fmt: str = "int") -> dict:
+    """Replace the model's Linear layers by weight-only ones (`fmt` "int": int4 / int8 by
+    `bits`; "fp8": fp8_weights.Fp8Linear) on `device`, one layer at a time, then move the rest
+    there. Returns {quantized, kept, seconds}."""
     start = time.perf_counter()
     if device.type == "cuda":
         # What the engine does to a bf16 model it compiles, done before quantizing (rows are
@@ -180,6 +187,7 @@ def quantize_model(model: nn.Module, bits: int, group: int | None, device: torch
         fuse_for_decoding(model)
     compute = model.get_input_embeddings().weight.dtype
     tinygemm = bits == 4 and uses_tinygemm(device, compute)
+    label = "fp8" if fmt == "fp8" else f"int{bits}"
     # Names only: a list of the modules would keep every bf16 weight alive to the end.
     targets = [name for name, module in model.named_modules() if type(module) is nn.Linear]
     kept = []
@@ -188,30 +196,35 @@ def quantize_model(model: nn.Module, bits: int, group: int | None, device: torch
             parent_name, _, child = name.rpartition(".")
             parent = model.get_submodule(parent_name)
             linear = getattr(parent, child)
-            if not quantizable(name, linear, bits, group):
+            if not quantizable(name, linear, bits, group, fmt):
                 kept.append(name)
                 continue
             linear.to(device)  # this one layer in the compute dtype, on the device
-            layer = (Int4WeightOnlyLinear(linear, group, tinygemm=tinygemm) if bits == 4
-                     else Int8WeightOnlyLinear(linear))
+            if fmt == "fp8":
+                layer = Fp8Linear(linear)
+            elif bits == 4:
+                layer = Int4WeightOnlyLinear(linear, group, tinygemm=tinygemm)
+            else:
+                layer = Int8WeightOnlyLinear(linear)
             setattr(parent, child, layer)
             del linear  # the parent held the only other reference: its weight is freed
             if progress and i % 32 == 0:
                 progress(0.3 + 0.3 * i / len(targets),
-                         f"quantizing to int{bits}: layer {i + 1} of {len(targets)}")
+                         f"quantizing to {label}: layer {i + 1} of {len(targets)}")
         model.to(device)
-    model.weight_only = {"bits": bits, "group": group, "kernel": "tinygemm" if tinygemm else
-                         ("dequantize" if bits == 4 else "int8 matmul")}
+    kernel = "tinygemm" if tinygemm else ("dequantize" if bits == 4 else "int8 matmul")
+    model.weight_only = {"bits": bits, "group": group, "format": fmt,
+                         "kernel": "fp8 scaled_mm" if fmt == "fp8" else kernel}
     seconds = time.perf_counter() - start
-    log.info("quantized %d Linear layers to int%d (%s) in %.1f s; kept %s", len(targets) -
-             len(kept), bits, model.weight_only["kernel"], seconds, kept or "none")
+    log.info("quantized %d Linear layers to %s (%s) in %.1f s; kept %s", len(targets) -
+             len(kept), label, model.weight_only["kernel"], seconds, kept or "none")
     return {"quantized": len(targets) - len(kept), "kept": kept, "seconds": seconds}
 
 
 def load_quantized(path, bits: int, group: int | None, *, device_map: dict, dtype: torch.dtype,
-                   progress=None, **from_pretrained_kwargs) -> nn.Module:
-    """from_pretrained into CPU memory in `dtype`, then quantize_model onto the one device of
-    `device_map` ({"": "cpu"} or {"": gpu index})."""
+                   progress=None, fmt: str = "int", **from_pretrained_kwargs) -> nn.Module:
+    """from_pretrained into CPU memory in `dtype`, then quantize_model (`fmt`) onto the one
+    device of `device_map` ({"": "cpu"} or {"": gpu index})."""
     from transformers import AutoModelForCausalLM
 
     if not isinstance(device_map, dict) or set(device_map) != {""}:
@@ -222,7 +235,7 @@ def load_quantized(path, bits: int, group: int | None, *, device_map: dict, dtyp
     check_staging_memory(path)
     model = AutoModelForCausalLM.from_pretrained(path, device_map={"": "cpu"}, dtype=dtype,
                                                  **from_pretrained_kwargs)
-    quantize_model(model, bits, group, device, progress)
+    quantize_model(model, bits, group, device, progress, fmt)
     # accelerate's map still says "cpu"; the weights now live on `device`.
     if getattr(model, "hf_device_map", None) is not None:
         model.hf_device_map = {"": str(device)}

@@ -305,7 +305,7 @@ class ModelManager:
         if mode.is_weight_only:  # quantized by the app as it loads, one layer at a time
             kwargs["dtype"] = torch_dtype(request.compute_dtype)
             model = load_quantized(source.path, mode.weight_only_bits, mode.group_size,
-                                   progress=progress, use_safetensors=True,
+                                   progress=progress, fmt=mode.weight_format, use_safetensors=True,
                                    trust_remote_code=self.trust_remote_code, **kwargs)
         else:
             model = AutoModelForCausalLM.from_pretrained(

@@ -51,6 +51,8 @@ class Mode:
     # int4 has one scale and one zero point per group_size weights of a row.
     weight_only_bits: int | None = None
     group_size: int | None = None
+    # How those bits are read: "int" (weight_only.py) or "fp8" (e4m3, fp8_weights.py).
+    weight_format: str = "int"
     # Whether the compiled CUDA-graph path applies on a GPU (bitsandbytes' int8 matmul breaks
     # graph capture, measured on an H200: BENCHMARKS.md).
     compiles: bool = True
@@ -77,6 +79,8 @@ class Mode:
                            else "")
         if not self.compiles:
             return f"{cost}; slow on this GPU: eager path"
+        if self.weight_format == "fp8":
+            return f"{cost}; compiled CUDA-graph path, fp8 matmul"
         kernel = {4: ", tinygemm int4 kernel", 8: ", dequantization fused into the matmul"}
         # Measured (BENCHMARKS.md, weight-only section): faster than bf16 for one reply only.
         caveat = "; many replies at once and long prompts are slower than bf16" \
@@ -100,6 +104,9 @@ MODES: dict[str, Mode] = {
         # + one bf16 scale per output row (rows of 3584-18944 weights in a 7B model)
         Mode("int8-wo", "int8 weight-only, per-row scales", "bf16", group=FAST,
              weight_only_bits=8, bytes_per_param=1.0, bytes_per_row=2.0),
+        # + one fp32 scale per output row; inputs are scaled per token as they come
+        Mode("fp8", "fp8 (e4m3) weights, per-row scales", "bf16", group=FAST,
+             weight_only_bits=8, weight_format="fp8", bytes_per_param=1.0, bytes_per_row=4.0),
         Mode("int8", "int8 LLM.int8", "fp16", "int8",
              bytes_per_param=1.0 + 4 / 4096, group=SAVERS, compiles=False),
         Mode("nf4", "nf4 4-bit", "bf16", "nf4",
@@ -147,6 +154,10 @@ def unavailable_reason(mode: Mode, *, device: str) -> str | None:
     """Why this mode cannot run on this kind of device ("cpu" or "cuda"), or None."""
     if device not in mode.runs_on:
         return f"{mode.name} does not run on {device} (runs on: {', '.join(mode.runs_on)})"
+    if mode.weight_format == "fp8":
+        from model_utils.layers.fp8_weights import unavailable_reason as fp8_unavailable
+
+        return fp8_unavailable(device)
     if mode.uses_bitsandbytes:
         try:
             import bitsandbytes  # noqa: F401

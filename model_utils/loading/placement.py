@@ -178,7 +178,8 @@ def weight_bytes(config, mode: Mode) -> float:
         quantized = (mode.is_quantized and isinstance(module, torch.nn.Linear)
                      and not name.endswith("lm_head"))
         if quantized and mode.is_weight_only:  # a shape int4's kernel cannot take stays as is
-            quantized = quantizable(name, module, mode.weight_only_bits, mode.group_size)
+            quantized = quantizable(name, module, mode.weight_only_bits, mode.group_size,
+                                    mode.weight_format)
         total += direct * (mode.bytes_per_param if quantized else dtype_bytes)
         total += module.out_features * mode.bytes_per_row if quantized else 0
     return total

@@ -54,10 +54,10 @@ def test_bench_writes_table_json_and_chart(tmp_path):
 
 def test_bench_refuses_an_unknown_mode_with_status_2(tmp_path):
     result = subprocess.run(
-        [sys.executable, "-m", "model_utils.bench", "--modes", "fp8", "--out",
+        [sys.executable, "-m", "model_utils.bench", "--modes", "int3", "--out",
          str(tmp_path / "r.json")], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert result.returncode == 2
-    assert "unknown mode 'fp8'" in result.stderr
+    assert "unknown mode 'int3'" in result.stderr
 
 
 def test_a_table_with_differing_greedy_tokens_says_where_and_gives_the_reference():

@@ -38,12 +38,14 @@ def _assert_precision(model, mode) -> None:
     """The weights are what the mode promises: the dtype, or quantized layers of its kind."""
     import bitsandbytes as bnb
 
+    from model_utils.layers.fp8_weights import Fp8Linear
     from model_utils.layers.weight_only import Int4WeightOnlyLinear, Int8WeightOnlyLinear
 
     assert model.get_input_embeddings().weight.dtype == mode.dtype
     q_proj = model.model.layers[0].self_attn.q_proj
     if mode.is_weight_only:
-        kind = Int4WeightOnlyLinear if mode.weight_only_bits == 4 else Int8WeightOnlyLinear
+        kind = Fp8Linear if mode.weight_format == "fp8" else \
+            Int4WeightOnlyLinear if mode.weight_only_bits == 4 else Int8WeightOnlyLinear
         assert isinstance(q_proj, kind)
     elif mode.quantization is None:
         assert type(q_proj) is torch.nn.Linear
@@ -58,8 +60,8 @@ def _assert_precision(model, mode) -> None:
 
 
 def test_unknown_mode_is_refused_with_the_choices():
-    with pytest.raises(ValueError, match="unknown mode 'fp8'.*nf4"):
-        get_mode("fp8")
+    with pytest.raises(ValueError, match="unknown mode 'int3'.*nf4"):
+        get_mode("int3")
 
 
 def test_mode_for_other_hardware_says_where_it_runs():

@@ -1,0 +1,45 @@
+"""The fast quantized layers' GPU kernels against the weights they hold, dequantized to fp32:
+tinygemm int4, int8 weight-only and fp8 (_scaled_mm), at decode row counts and prefill lengths,
+eager and compiled (the decode step's graphs replay the compiled form)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from model_utils.bench.logprob_check import dequantized_weight
+from model_utils.layers.fp8_weights import Fp8Linear
+from model_utils.layers.weight_only import Int4WeightOnlyLinear, Int8WeightOnlyLinear
+
+from .conftest import gpu_marks
+
+pytestmark = gpu_marks()
+
+ROWS = [1, 2, 7, 31, 64, 512, 1024]
+# Relative error of the product against fp32 over the stored weights: bf16 arithmetic for the
+# weight-only layers; fp8 also rounds each input to e4m3 (three mantissa bits).
+BOUND = {"int4": 0.01, "int8": 0.01, "fp8": 0.06}
+
+
+def layer(kind: str) -> nn.Module:
+    torch.manual_seed(0)
+    linear = nn.Linear(3584, 1024, bias=False, dtype=torch.bfloat16, device="cuda")
+    if kind == "int4":
+        return Int4WeightOnlyLinear(linear, 128, tinygemm=True)
+    return Int8WeightOnlyLinear(linear) if kind == "int8" else Fp8Linear(linear)
+
+
+@pytest.mark.parametrize("kind", list(BOUND))
+@pytest.mark.parametrize("compiled", [False, True])
+def test_the_kernel_computes_the_product_of_the_stored_weights(kind, compiled):
+    module = layer(kind)
+    weight = dequantized_weight(module).to("cuda")  # tinygemm's: read back through the kernel
+    forward = torch.compile(module, dynamic=False) if compiled else module
+    for rows in ROWS:
+        x = torch.randn(rows, 3584, dtype=torch.bfloat16, device="cuda")
+        with torch.inference_mode():
+            got = forward(x).float()
+        expected = x.float() @ weight.T
+        error = ((got - expected).norm() / expected.norm()).item()
+        assert error < BOUND[kind], (kind, rows, error)
