@@ -34,6 +34,7 @@ from .loaded_model import LoadedModel, LoadRequest, UnloadReport
 from .memory_accounting import (
     _fmt,
     _release_freed_memory,
+    drop_error_frames,
     memory_counters,
     stored_bytes,
     summarize_device_map,
@@ -163,17 +164,24 @@ class ModelManager:
             log.error("load of %s (%s, %s) failed: %s", request.model, request.mode,
                       request.placement.describe(), reason,
                       exc_info=not isinstance(error, LoadError))
+            drop_error_frames(error)  # else the failed model stays alive through the restore
             _release_freed_memory()
             if previous is None:
                 raise LoadError(reason) from error
             progress(0.9, "load failed: restoring the previous model")
             try:
-                restored = self._load_locked(previous, progress, kept)
+                # Only its name kept here: this frame stays in the raised error's traceback,
+                # and a local holding the model (or its tokenizer, `kept`) would outlive the
+                # next unload for as long as a caller holds the error.
+                restored = self._load_locked(previous, progress, kept).display_name
+                kept = None
             except Exception as restore_error:
                 log.exception("could not restore the previous model")
+                drop_error_frames(restore_error)
+                kept = None  # nothing is loaded: the tokenizer goes too
                 raise LoadError(f"{reason}; restoring the previous model failed too: "
                                 f"{_user_message(restore_error)}") from error
-            raise LoadError(f"{reason}. The previous model ({restored.display_name}, "
+            raise LoadError(f"{reason}. The previous model ({restored}, "
                             f"{previous.mode}, {previous.placement.describe()}) "
                             "is serving again.") from error
 
@@ -327,7 +335,16 @@ class ModelManager:
         )
         self._loaded = loaded
         if self.on_loaded is not None:
-            self.on_loaded(loaded, progress)
+            try:
+                self.on_loaded(loaded, progress)
+            except BaseException:
+                # A model its preparation failed on (a capture out of memory, say) is not
+                # loaded: left as the current one it would stay alive through the restore,
+                # beside the model restored, and a first load would look ready when not.
+                self._loaded = None
+                if self.on_unloaded is not None:
+                    self.on_unloaded()  # what the preparation built goes with it
+                raise
         loaded.stages, loaded.ready_s = clock.finish(), clock.elapsed
         after = memory_counters()
         log.info("loaded %s mode=%s placement=%s in %.2f s; from_pretrained(%s, %s); "
