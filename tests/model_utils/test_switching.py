@@ -329,3 +329,29 @@ def test_a_failed_switch_restores_the_model_with_its_tokenizer_unread(
     assert tokenizer_reads == ["mine", "broken"]
     assert engine.manager.loaded.tokenizer is tokenizer
     assert engine.generate_text(HELLO, FEW_TOKENS).stats.new_tokens == 4
+
+
+def test_a_mode_switch_keeps_the_grammar_compiler_of_its_tokenizer(models_dir, demo_path):
+    from model_utils.runtime.generation_settings import GenerationSettings
+    from model_utils.runtime.grammar import OutputFormat
+
+    copy_demo(demo_path, models_dir / "mine")
+    copy_demo(demo_path, models_dir / "other")
+    engine = Engine(models_dir=models_dir)
+    settings = GenerationSettings(max_new_tokens=48, temperature=0.0)
+
+    def forced_reply() -> object:
+        """A reply forced into JSON; the compiler it was made with."""
+        final = engine.generate_text(HELLO, settings, thinking=False,
+                                     output_format=OutputFormat("json_object"))
+        assert final.answer.lstrip().startswith("{"), final.answer
+        return engine._grammar_cache[1]
+
+    engine.load(cpu_request("fp32", model="mine"))
+    compiler = forced_reply()
+    engine.load(cpu_request("bf16", model="mine"))
+    assert forced_reply() is compiler  # the same tokenizer: its compiler goes on
+    engine.load(cpu_request("fp32", model="other"))
+    assert forced_reply() is not compiler  # another model's tokenizer: a compiler of its own
+    engine.unload()
+    assert engine._kept_grammars is None and engine._grammar_cache is None

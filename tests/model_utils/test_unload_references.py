@@ -37,6 +37,8 @@ def references_of(engine: Engine) -> dict[str, weakref.ref]:
         refs[f"module {name or '(root)'}"] = weakref.ref(module)
     for name, tensor in [*loaded.model.named_parameters(), *loaded.model.named_buffers()]:
         refs[f"tensor {name}"] = weakref.ref(tensor)
+    if engine._grammar_cache is not None:
+        refs["grammar compiler"] = weakref.ref(engine._grammar_cache[1])
     if serving.scheduler is not None:
         runner = serving.scheduler.runner
         refs.update({"scheduler": weakref.ref(serving.scheduler), "runner": weakref.ref(runner),
@@ -62,13 +64,17 @@ def live_models(cls: type) -> list:
 
 
 def replies_together(engine: Engine, n: int = 3) -> None:
-    """n replies at once, so that the batch path (rows, blocks, the scheduler's loop) ran."""
+    """n replies at once, so that the batch path (rows, blocks, the scheduler's loop) ran,
+    and one forced into JSON (the grammar compiler, which holds the tokenizer)."""
+    from model_utils.runtime.grammar import OutputFormat
+
     threads = [threading.Thread(target=engine.generate_text, args=(HELLO, FEW_TOKENS))
                for _ in range(n)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
+    engine.generate_text(HELLO, FEW_TOKENS, output_format=OutputFormat("json_object"))
 
 
 @pytest.mark.parametrize("mode", CPU_MODES)
@@ -93,6 +99,7 @@ def test_a_switch_drops_every_reference_of_the_mode_it_replaced():
     # The tokenizer is the one thing a mode switch keeps (tokenizer_reuse): it serves on.
     assert engine.manager.loaded.tokenizer is tokenizer
     refs.pop("tokenizer")
+    refs.pop("grammar compiler")  # made of the tokenizer: kept with it
     del tokenizer
     assert alive(refs) == []
 
@@ -127,6 +134,7 @@ def test_a_failed_switch_leaves_only_the_restored_model_alive(failing_adapter):
     replies_together(engine)
     refs = references_of(engine)
     refs.pop("tokenizer")  # kept by the switch, and by the restored model after it
+    refs.pop("grammar compiler")  # likewise
     model_class = type(engine.manager.loaded.model)
     models_before = len(live_models(model_class))  # this engine's, and other tests' alive
 
