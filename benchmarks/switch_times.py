@@ -23,7 +23,11 @@ earlier process <= 10 s, cold <= 25 s; leftover within 64 MB after 20 cycles.
     python benchmarks/switch_times.py --out /tmp/st   # on a CPU: the demo model, eager
 
 Writes OUT/rows.jsonl as it goes (a killed run keeps what it measured), then
-OUT/switch_times.json and OUT/switch_times.md.
+OUT/switch_times.json and OUT/switch_times.md, and prints the table and a JSON summary (per
+phase and mode, the seconds of each switch; what the last unload left). A phase that fails
+writes and prints what was measured before it, then exits with an error. After a killed run:
+
+    python benchmarks/switch_times.py --report --out DIR   # the table and JSON of DIR's rows
 """
 
 from __future__ import annotations
@@ -103,6 +107,14 @@ def one_phase(model: str, modes: list[str], cycles: int, placement: str, rows_fi
            "leftover_gb": {k: round(after.get(k, 0.0) - v, 4) for k, v in baseline.items()}})
 
 
+def model_as_given(model: str) -> str:
+    """A folder named on the command line, relative ("models/Qwen2.5-7B") or not, as the
+    absolute path the engine loads: a bare relative name would read as a hub id or a name
+    under a models folder. Anything else ('demo', a hub id) goes on as it is."""
+    path = Path(model).expanduser()
+    return str(path.resolve()) if model != "demo" and path.is_dir() else model
+
+
 def run_phase(name: str, args, cache: Path) -> list[dict]:
     env_cache = {"TORCHINDUCTOR_CACHE_DIR": str(cache)}
     cycles = 1 if name == "cold" else args.cycles
@@ -119,9 +131,13 @@ def run_phase(name: str, args, cache: Path) -> list[dict]:
         failed, log = True, f"timed out after {args.timeout} s\n{error.stderr or ''}"
     (args.out / f"{name}.log").write_text(log)
     if failed:
-        raise SystemExit(f"the {name} phase failed (see {args.out / f'{name}.log'}; its rows so "
-                         f"far are in {rows_file}):\n" + log[-3000:])
+        raise PhaseFailed(f"the {name} phase failed (see {args.out / f'{name}.log'}; its rows "
+                          f"so far are in {rows_file}):\n" + log[-3000:])
     return [row for row in read_rows(rows_file) if row["phase"] == name]
+
+
+class PhaseFailed(RuntimeError):
+    pass
 
 
 def read_rows(rows_file: Path) -> list[dict]:
@@ -133,7 +149,7 @@ def report(rows: list[dict]) -> str:
     lines = ["| phase | cycle | mode | click to first token (s) | ready (s) | graphs cached / "
              "compiled | longest stages |", "|---|---|---|---|---|---|---|"]
     switches = [r for r in rows if "click_to_first_token_s" in r]
-    last_cycle = max(r["cycle"] for r in switches)
+    last_cycle = max((r["cycle"] for r in switches), default=0)
     for row in switches:
         if row["phase"] == "warm" and 0 < row["cycle"] < last_cycle:
             continue  # the middle cycles: in the JSON
@@ -144,15 +160,41 @@ def report(rows: list[dict]) -> str:
         lines.append(f"| {row['phase']} | {row['cycle']} | {row['mode']} | "
                      f"{row['click_to_first_token_s']:.2f} | {row['ready_s']:.2f} | {cached} | "
                      f"{longest} |")
-    last = rows[-1]["leftover_gb"]
-    lines.append("")
-    lines.append(f"Left over after the {rows[-1]['phase']} phase's last unload against before its "
-                 "first load (GB): " + ", ".join(f"{k} {v:+.4f}" for k, v in last.items()))
+    unloads = [r for r in rows if r["mode"] == "(unloaded)"]
+    if unloads:  # a run killed or failed mid-phase has none for that phase
+        lines.append("")
+        lines.append(f"Left over after the {unloads[-1]['phase']} phase's last unload against "
+                     "before its first load (GB): " +
+                     ", ".join(f"{k} {v:+.4f}" for k, v in unloads[-1]["leftover_gb"].items()))
     kept = [r for r in rows if r.get("model_kept_by")]
     if kept:
         lines.append(f"The unloaded model was still alive after {len(kept)} switch(es), kept by: "
                      + "; ".join(kept[0]["model_kept_by"]))
     return "\n".join(lines)
+
+
+def summary(rows: list[dict]) -> dict:
+    """Per phase and mode, the click-to-first-token seconds of each switch in order; per phase,
+    what its last unload left (GB): the printed JSON."""
+    times: dict[str, dict[str, list[float]]] = {}
+    left: dict[str, dict] = {}
+    for row in rows:
+        if "click_to_first_token_s" in row:
+            times.setdefault(row["phase"], {}).setdefault(row["mode"], []).append(
+                row["click_to_first_token_s"])
+        elif row["mode"] == "(unloaded)":
+            left[row["phase"]] = row["leftover_gb"]
+    return {"click_to_first_token_s": times, "leftover_after_last_unload_gb": left}
+
+
+def write_report(args, rows: list[dict]) -> None:
+    """OUT/switch_times.json and .md from `rows`, and the table and summary printed."""
+    (args.out / "switch_times.json").write_text(json.dumps(
+        {"model": args.model, "placement": args.placement, "rows": rows}, indent=1))
+    table = report(rows) if rows else "(no switch was measured)"
+    (args.out / "switch_times.md").write_text(table + "\n")
+    print(table)
+    print(json.dumps(summary(rows)))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -166,6 +208,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--placement", default="auto", help="cpu, cuda:0, auto (default)")
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--timeout", type=int, default=3600, help="seconds a phase may take")
+    p.add_argument("--report", action="store_true", help="measure nothing: the table and JSON "
+                   "of the rows already in --out (a killed run's)")
     p.add_argument("--phase", default=None, help=argparse.SUPPRESS)  # the child: its name
     args = p.parse_args(argv)
     if args.placement == "auto":
@@ -176,6 +220,12 @@ def main(argv: list[str] | None = None) -> int:
         one_phase(args.model, args.modes.split(","), args.cycles, args.placement,
                   args.out / "rows.jsonl", args.phase)
         return 0
+    if args.report:
+        if args.out is None:
+            p.error("--report needs --out: the folder of the run")
+        write_report(args, read_rows(args.out / "rows.jsonl"))
+        return 0
+    args.model = model_as_given(args.model)
     args.out = args.out or Path(tempfile.mkdtemp(prefix="switch-times-"))
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "rows.jsonl").unlink(missing_ok=True)
@@ -187,12 +237,13 @@ def main(argv: list[str] | None = None) -> int:
                                             Path(tempfile.mkdtemp(prefix="switch-model-")),
                                             device))
     cache = Path(tempfile.mkdtemp(prefix="compile-cache-"))  # empty: the cold phase is cold
-    rows = run_phase("cold", args, cache) + run_phase("warm", args, cache)
-    (args.out / "switch_times.json").write_text(json.dumps(
-        {"model": args.model, "placement": args.placement, "rows": rows}, indent=1))
-    table = report(rows)
-    (args.out / "switch_times.md").write_text(table + "\n")
-    print(table)
+    try:
+        rows = run_phase("cold", args, cache) + run_phase("warm", args, cache)
+    except PhaseFailed as failed:
+        write_report(args, read_rows(args.out / "rows.jsonl"))  # what it measured before
+        print(failed, file=sys.stderr)
+        return 1
+    write_report(args, rows)
     return 0
 
 

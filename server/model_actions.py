@@ -130,9 +130,30 @@ def status_markdown(status: dict) -> str:
     if graphs := status.get("compiled_graphs"):
         lines.append(f"compiled graphs: {graphs['hits']} from the compile cache, "
                      f"{graphs['misses']} compiled afresh")
+    if switch := status.get("last_switch"):
+        lines.append(switch_line(switch, status.get("compiled_graphs") or {}))
     if status.get("estimate"):
         lines.append(f"estimate at load: {status['estimate']}")
     return "\n\n".join(lines)
+
+
+def switch_line(switch: dict, graphs: dict) -> str:
+    """What the last load cost as a whole (its checks, the unload of the model before it,
+    getting ready) and what it took from caches instead of doing again."""
+    if switch.get("failed"):
+        head = (f"the last switch, to {switch['failed']}, failed: this model was loaded again "
+                f"in {switch['s']:.1f} s")
+    elif switch.get("replaced"):
+        head = (f"the last switch took {switch['s']:.1f} s, unloading {switch['replaced']} "
+                f"{switch['unload_s']:.1f} s of it")
+    else:
+        head = f"the load took {switch['s']:.1f} s"
+    cached = ["the tokenizer (kept from the mode before)"] \
+        if "tokenizer" in switch.get("from_caches", []) else []
+    if graphs.get("hits"):
+        cached.append(f"{graphs['hits']} of {graphs['hits'] + graphs.get('misses', 0)} "
+                      "compiled graphs (torch.compile's cache)")
+    return f"{head}; from caches: {', '.join(cached) if cached else 'nothing'}"
 
 
 def loaded_message(status: dict, ready_s: float) -> str:

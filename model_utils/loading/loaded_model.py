@@ -26,6 +26,26 @@ class LoadRequest:
     context_tokens: int | None = None  # default: the model's own, or what fits
 
 
+@dataclass(frozen=True)
+class SwitchCost:
+    """What the load that brought a model in cost the user, beyond its own stages: the whole
+    wait from the request (the checks, replies ending, the unload of the model it replaced,
+    the load, getting ready), and what it took from the load before it instead of reading it
+    again. Set on a model restored after a failed switch too, with the failure."""
+
+    total_s: float
+    replaced: str = ""  # "demo model (fp32)": the model unloaded first, "" when none was
+    unload_s: float = 0.0
+    tokenizer_kept: bool = False
+    failed: str = ""  # on a model restored: what the failed switch was to ("x in bf16")
+
+    def as_dict(self) -> dict:
+        return {"s": round(self.total_s, 2), "unload_s": round(self.unload_s, 2),
+                **({"replaced": self.replaced} if self.replaced else {}),
+                "from_caches": ["tokenizer"] if self.tokenizer_kept else [],
+                **({"failed": self.failed} if self.failed else {})}
+
+
 @dataclass
 class LoadedModel:
     source: ModelSource
@@ -51,6 +71,8 @@ class LoadedModel:
     notes: list[str] = field(default_factory=list)
     # What the tokenizer was read from, so that a switch within the model can keep it
     tokenizer_key: TokenizerKey | None = None
+    tokenizer_kept: bool = False  # taken from the model this load replaced, not read again
+    switch: SwitchCost | None = None  # the whole wait of the load, set once it is ready
 
     @property
     def display_name(self) -> str:
@@ -70,6 +92,7 @@ class LoadedModel:
             "load_s": round(self.load_s, 3),
             "ready_s": round(self.ready_s, 2),
             "load_stages": [stage.as_dict() for stage in self.stages],
+            **({"last_switch": self.switch.as_dict()} if self.switch else {}),
             "footprint_gb": round(self.footprint_gb, 4),
             "context_tokens": self.context_tokens,
             **({"context_note": self.context_note} if self.context_note else {}),

@@ -19,6 +19,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import torch
 
@@ -30,10 +31,11 @@ from . import preflight
 from .adapter import apply_adapter, check_adapter
 from .load_stages import Progress, StageClock
 from .load_stages import summary as stage_summary
-from .loaded_model import LoadedModel, LoadRequest, UnloadReport
+from .loaded_model import LoadedModel, LoadRequest, SwitchCost, UnloadReport
 from .memory_accounting import (
     _fmt,
     _release_freed_memory,
+    drop_error_frames,
     memory_counters,
     stored_bytes,
     summarize_device_map,
@@ -45,7 +47,6 @@ from .placement import (
     FitEstimate,
     check_placement,
     device_map_kwargs,
-    estimate_fit,
     may_offload_to_cpu,
 )
 from .placement import unavailable_reason as placement_unavailable
@@ -137,6 +138,7 @@ class ModelManager:
     def load(self, request: LoadRequest, progress: Progress | None = None) -> LoadedModel:
         """Load `request`, replacing the current model; on failure the previous one is back."""
         progress = progress or (lambda _f, _m: None)
+        requested = time.perf_counter()  # the switch's cost counts the checks and waits too
         with self._lock:
             # Plainly wrong input (no such folder, unknown mode) is refused before the current
             # model is touched; only a failure of the load itself costs a reload.
@@ -145,35 +147,57 @@ class ModelManager:
             except Exception as error:
                 raise LoadError(_user_message(error)) from error
             with self._switch():
-                return self._replace_locked(request, progress)
+                return self._replace_locked(request, progress, requested)
 
-    def _replace_locked(self, request: LoadRequest, progress: Progress) -> LoadedModel:
+    def _replace_locked(self, request: LoadRequest, progress: Progress,
+                        requested: float) -> LoadedModel:
         previous = self._loaded.request if self._loaded else None
-        kept = None
+        kept, replaced, unload_s = None, "", 0.0
         if previous is not None:
             last = self._loaded.ready_s
+            replaced = f"{self._loaded.display_name} ({self._loaded.mode.name})"
             if self._loaded.tokenizer_key is not None:
                 kept = KeptTokenizer(self._loaded.tokenizer_key, self._loaded.tokenizer)
-            progress(0.05, f"unloading {self._loaded.display_name} (its load took {last:.0f} s)")
+            progress(0.05, f"unloading {replaced} (its load took {last:.0f} s)")
+            start = time.perf_counter()
             self._unload_locked()
+            unload_s = time.perf_counter() - start
+            progress(0.08, f"unloaded {replaced} in {unload_s:.1f} s")
+
+        def cost(failed: str = "") -> SwitchCost:
+            return SwitchCost(time.perf_counter() - requested, replaced, unload_s,
+                              self._loaded.tokenizer_kept, failed)
+
         try:
-            return self._load_locked(request, progress, kept)
+            loaded = self._load_locked(request, progress, kept)
+            loaded.switch = cost()
+            return loaded
         except Exception as error:
             reason = _user_message(error)
             log.error("load of %s (%s, %s) failed: %s", request.model, request.mode,
                       request.placement.describe(), reason,
                       exc_info=not isinstance(error, LoadError))
+            drop_error_frames(error)  # else the failed model stays alive through the restore
             _release_freed_memory()
             if previous is None:
                 raise LoadError(reason) from error
             progress(0.9, "load failed: restoring the previous model")
             try:
-                restored = self._load_locked(previous, progress, kept)
+                # Only its name kept here: this frame stays in the raised error's traceback,
+                # and a local holding the model (or its tokenizer, `kept`) would outlive the
+                # next unload for as long as a caller holds the error.
+                restored = self._load_locked(previous, progress, kept).display_name
+                kept = None
+                # Named by its last part: the status is every page's, guests' too, and
+                # neither a server path nor the reason (which may hold one) belongs there.
+                self._loaded.switch = cost(f"{Path(request.model).name} in {request.mode}")
             except Exception as restore_error:
                 log.exception("could not restore the previous model")
+                drop_error_frames(restore_error)
+                kept = None  # nothing is loaded: the tokenizer goes too
                 raise LoadError(f"{reason}; restoring the previous model failed too: "
                                 f"{_user_message(restore_error)}") from error
-            raise LoadError(f"{reason}. The previous model ({restored.display_name}, "
+            raise LoadError(f"{reason}. The previous model ({restored}, "
                             f"{previous.mode}, {previous.placement.describe()}) "
                             "is serving again.") from error
 
@@ -187,13 +211,13 @@ class ModelManager:
         except Exception as error:
             raise LoadError(_user_message(error)) from error
         # What a load would find: the current model's memory is freed before it.
-        return self._fit(config, mode, request, preflight.held_gb(self._loaded, self.held_beside()))[0]
+        return preflight.fit(config, mode, request, preflight.held_gb(self._loaded, self.held_beside()))[0]
 
     def _preflight(self, request: LoadRequest) -> None:
         """Refuse, while the current model still serves, whatever would fail the load for a
         reason known without the weights; the fit counts the current model's memory as free."""
         source, mode, config = self._check(request)
-        estimate, _, _ = self._fit(config, mode, request, preflight.held_gb(self._loaded, self.held_beside()))
+        estimate, _, _ = preflight.fit(config, mode, request, preflight.held_gb(self._loaded, self.held_beside()))
         if not estimate.fits:
             raise LoadError(f"{source.label} in {mode.name} does not fit: {estimate.message()}")
 
@@ -203,41 +227,6 @@ class ModelManager:
     @staticmethod
     def _context_tokens(config, request: LoadRequest) -> int:
         return preflight.context_tokens(config, request.context_tokens)
-
-    def _fit(self, config, mode, request: LoadRequest,
-             reclaimable: dict[str, float] | None = None) -> tuple[FitEstimate, int, str]:
-        """(the fit estimate, the context the load gets, why it is shorter than the model's
-        own or ""). A context that was asked for is kept (and the fit judged with it); else
-        the model's own, and when its KV cache does not fit beside the weights, the longest
-        that does."""
-        context = self._context_tokens(config, request)
-        estimate = estimate_fit(config, mode, request.placement, context_tokens=context,
-                                reclaimable_gb=reclaimable)
-        if estimate.fits or request.context_tokens is not None:
-            return estimate, context, ""
-        per_token = estimate.kv_cache_gb * GB / context
-
-        def fits(tokens: int) -> FitEstimate | None:
-            found = estimate_fit(config, mode, request.placement, context_tokens=tokens,
-                                 reclaimable_gb=reclaimable, weights_gb=estimate.weights_gb)
-            return found if found.fits else None
-
-        # The room the weights leave (on the target device, or the roomiest), then checked
-        # and narrowed by the fit itself.
-        caps = {d: min(g, estimate.caps_gb.get(d, float("inf")))
-                for d, g in estimate.free_gb.items()}
-        target = request.placement.target
-        room = (caps[target] if target in caps else max(caps.values(), default=0.0)) \
-            - estimate.weights_gb
-        tokens = preflight.fitted_context(per_token, room, context)
-        while tokens is not None and (found := fits(tokens)) is None:
-            tokens = preflight.fitted_context(per_token, tokens * per_token / GB * 0.9, context)
-        if tokens is None:
-            return estimate, context, ""
-        note = (f"context {tokens} tokens: the model's own {context} do not fit beside its "
-                f"weights (their KV cache would take {estimate.kv_cache_gb:.2f} GB)")
-        log.info("%s", note)
-        return found, tokens, note
 
     def _check(self, request: LoadRequest, progress: Progress | None = None):
         """Resolve and validate a request without loading anything (but the demo model's
@@ -275,7 +264,7 @@ class ModelManager:
         progress = clock = StageClock(progress)
         progress(0.1, f"resolving {request.model}")
         source, mode, config = self._check(request, progress)
-        estimate, context, context_note = self._fit(config, mode, request)
+        estimate, context, context_note = preflight.fit(config, mode, request)
         if not estimate.fits:
             raise LoadError(f"{source.label} in {mode.name} does not fit: {estimate.message()}")
         kwargs = device_map_kwargs(request.placement, estimate)
@@ -324,10 +313,20 @@ class ModelManager:
                                                        *model.buffers()]) / GB,
             device_map=summarize_device_map(model), estimate=estimate,
             from_pretrained_kwargs=logged_kwargs, memory_before_load=before, tokenizer_key=key,
+            tokenizer_kept=kept is not None and tokenizer is kept.tokenizer,
         )
         self._loaded = loaded
         if self.on_loaded is not None:
-            self.on_loaded(loaded, progress)
+            try:
+                self.on_loaded(loaded, progress)
+            except BaseException:
+                # A model its preparation failed on (a capture out of memory, say) is not
+                # loaded: left as the current one it would stay alive through the restore,
+                # beside the model restored, and a first load would look ready when not.
+                self._loaded = None
+                if self.on_unloaded is not None:
+                    self.on_unloaded()  # what the preparation built goes with it
+                raise
         loaded.stages, loaded.ready_s = clock.finish(), clock.elapsed
         after = memory_counters()
         log.info("loaded %s mode=%s placement=%s in %.2f s; from_pretrained(%s, %s); "

@@ -96,6 +96,27 @@ def _locals_among(frame, seen: dict, chain: dict) -> list[str]:
     return found
 
 
+def drop_error_frames(error: BaseException) -> None:
+    """Let a caught load error stop keeping the model it failed on. An exception's traceback
+    keeps every frame it passed through, and with them their local variables: the half-loaded
+    model of _load_locked, peft's wrapper of it. Whoever holds the error (the restore that
+    runs inside its except block, a caller showing its message) would keep the whole model,
+    on the GPU beside the one being restored. Clearing the finished frames keeps the
+    traceback's text (files, lines) and drops their variables, along the whole chain of
+    causes and contexts (`raise ... from None` still keeps its context)."""
+    import traceback
+
+    seen: set[int] = set()
+    errors = [error]
+    while errors:
+        error = errors.pop()
+        if error is None or id(error) in seen:
+            continue
+        seen.add(id(error))
+        traceback.clear_frames(error.__traceback__)  # a frame still running is left as it is
+        errors += [error.__cause__, error.__context__]
+
+
 def unload_report(name: str, baseline: dict[str, float], before: dict[str, float],
                   model: weakref.ref | None = None):
     """Release what the unloaded model left to the garbage collector and the caches, then say

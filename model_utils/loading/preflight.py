@@ -3,7 +3,8 @@
 Everything here is judged without the weights: the request's types, the files (safetensors
 present), the config, the compute dtype, the context window. A refusal is a ValueError with a
 plain message (the manager presents it as a LoadError), naming the model by its label, never by
-a server path. The fit itself is placement.estimate_fit, given held_gb() as reclaimable.
+a server path. The fit itself is placement.estimate_fit, given held_gb() as reclaimable;
+fit() picks the context a load gets from it.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import logging
 from model_utils.memory import GB
 
 from .modes import COMPUTE_DTYPES, Mode
+from .placement import FitEstimate, estimate_fit
 
 log = logging.getLogger(__name__)
 
@@ -125,3 +127,39 @@ def held_gb(loaded, beside: dict[str, float] | None = None) -> dict[str, float]:
     for device, gb in (beside or {}).items():
         held[device] = held.get(device, 0.0) + gb
     return held
+
+
+def fit(config, mode: Mode, request, reclaimable: dict[str, float] | None = None
+        ) -> tuple[FitEstimate, int, str]:
+    """(the fit estimate, the context the load gets, why it is shorter than the model's
+    own or ""). A context that was asked for is kept (and the fit judged with it); else
+    the model's own, and when its KV cache does not fit beside the weights, the longest
+    that does."""
+    context = context_tokens(config, request.context_tokens)
+    estimate = estimate_fit(config, mode, request.placement, context_tokens=context,
+                            reclaimable_gb=reclaimable)
+    if estimate.fits or request.context_tokens is not None:
+        return estimate, context, ""
+    per_token = estimate.kv_cache_gb * GB / context
+
+    def fits(tokens: int) -> FitEstimate | None:
+        found = estimate_fit(config, mode, request.placement, context_tokens=tokens,
+                             reclaimable_gb=reclaimable, weights_gb=estimate.weights_gb)
+        return found if found.fits else None
+
+    # The room the weights leave (on the target device, or the roomiest), then checked
+    # and narrowed by the fit itself.
+    caps = {d: min(g, estimate.caps_gb.get(d, float("inf")))
+            for d, g in estimate.free_gb.items()}
+    target = request.placement.target
+    room = (caps[target] if target in caps else max(caps.values(), default=0.0)) \
+        - estimate.weights_gb
+    tokens = fitted_context(per_token, room, context)
+    while tokens is not None and (found := fits(tokens)) is None:
+        tokens = fitted_context(per_token, tokens * per_token / GB * 0.9, context)
+    if tokens is None:
+        return estimate, context, ""
+    note = (f"context {tokens} tokens: the model's own {context} do not fit beside its "
+            f"weights (their KV cache would take {estimate.kv_cache_gb:.2f} GB)")
+    log.info("%s", note)
+    return found, tokens, note

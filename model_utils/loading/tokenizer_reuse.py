@@ -4,7 +4,9 @@ precision, and loading a large vocabulary again costs seconds on every switch.
 The previous load's tokenizer is taken again only when it was read from the same folder, with
 the same trust_remote_code, and none of that folder's files changed since (names, sizes and
 modification times of the files a tokenizer is read from): an edited chat template or a
-replaced checkpoint in the same folder loads afresh."""
+replaced checkpoint in the same folder loads afresh. The chat template is the tokenizer's, so it
+is kept with it. The config is read again on every load: AutoConfig took about 1 ms for the
+Qwen2.5-7B config.json (a 2-core CPU), less than comparing what a key of it would hold."""
 
 from __future__ import annotations
 

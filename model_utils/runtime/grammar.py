@@ -98,6 +98,12 @@ class Grammars:
         self._compiler = None
         self._lock = threading.Lock()
 
+    def fits(self, tokenizer, vocab_size: int, stop_ids: set[int]) -> bool:
+        """Whether this compiler serves a model of this tokenizer (the very object), vocabulary
+        size and stop tokens: a mode switch of one model keeps all three."""
+        return (tokenizer is self.tokenizer and vocab_size == self.vocab_size
+                and stop_ids == self.stop_ids)
+
     def constraint(self, fmt: OutputFormat, reasoning: Reasoning) -> Constraint:
         """A fresh matcher for one reply; InvalidParameter naming fmt.param for a format
         that cannot be compiled (a schema xgrammar does not take, an unknown tool)."""

@@ -41,3 +41,46 @@ def test_the_status_keeps_the_breakdown(load_demo):
     assert status["ready_s"] >= status["load_s"]
     assert messages[0].startswith("unloading") and "its load took" in messages[0]
     assert messages[-1].startswith("loaded") and "ready in" in messages[-1]
+
+
+def test_the_status_says_what_the_last_switch_cost_and_took_from_caches(load_demo):
+    from model_utils.loading.demo_model import DEMO_LABEL
+
+    engine = load_demo("fp32")
+    messages = []
+    status = engine.load(cpu_request("int8-wo"), lambda f, m: messages.append(m))
+    switch = status["last_switch"]
+    assert switch["replaced"] == f"{DEMO_LABEL} (fp32)"
+    assert switch["from_caches"] == ["tokenizer"]
+    # The whole wait: the unload before the load and getting ready after it.
+    assert switch["s"] >= status["ready_s"] + switch["unload_s"] - 0.01
+    assert switch["unload_s"] > 0
+    # The progress bar said how long the unload took, before the load's own stages.
+    unloaded = [m for m in messages if m.startswith("unloaded ")]
+    assert unloaded == [f"unloaded {DEMO_LABEL} (fp32) in {switch['unload_s']:.1f} s"]
+
+    engine.unload()
+    first = engine.load(cpu_request("fp32"))["last_switch"]
+    assert "replaced" not in first and first["from_caches"] == [] and first["unload_s"] == 0
+
+
+def test_a_model_restored_after_a_failed_switch_says_so(tmp_path, demo_path):
+    from model_utils.engine import Engine
+    from model_utils.errors import LoadError
+
+    from .helpers import copy_demo
+
+    broken = copy_demo(demo_path, tmp_path / "models" / "broken", weights=False)
+    (broken / "model.safetensors").write_bytes(bytes(range(256)) * 64)
+    engine = Engine(models_dir=tmp_path / "models")
+    engine.load(cpu_request("fp32"))
+    with pytest.raises(LoadError, match="serving again"):
+        engine.load(cpu_request("bf16", model=str(broken)))
+    status = engine.status()
+    assert status["mode"] == "fp32"
+    switch = status["last_switch"]
+    # Named as the page may show it to anyone: the folder's name, not its server path.
+    assert switch["failed"] == "broken in bf16"
+    assert str(tmp_path) not in str(switch)
+    assert switch["from_caches"] == ["tokenizer"]  # the restore kept the tokenizer too
+    engine.unload()

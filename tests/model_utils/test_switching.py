@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import threading
 import weakref
+from pathlib import Path
 
 import psutil
 import pytest
@@ -269,3 +270,88 @@ def test_a_mode_switch_keeps_the_tokenizer_until_its_files_change(models_dir, de
     engine.load(cpu_request("fp32", model="mine"))
     assert engine.manager.loaded.tokenizer is not second
     engine.unload()
+
+
+@pytest.fixture
+def tokenizer_reads(monkeypatch):
+    """The folders AutoTokenizer.from_pretrained read a tokenizer from, in order (the real
+    read runs: only counted)."""
+    from transformers import AutoTokenizer
+
+    read, folders = AutoTokenizer.from_pretrained, []
+
+    def counted(folder, *args, **kwargs):
+        folders.append(Path(folder).name)
+        return read(folder, *args, **kwargs)
+
+    monkeypatch.setattr(AutoTokenizer, "from_pretrained", counted)
+    return folders
+
+
+def test_mode_switches_read_the_tokenizer_once_and_another_model_reads_its_own(
+        models_dir, demo_path, tokenizer_reads):
+    copy_demo(demo_path, models_dir / "mine")
+    other = copy_demo(demo_path, models_dir / "other")
+    # The other model's template says so in every prompt: its prompts show whose it is.
+    template = other / "chat_template.jinja"
+    template.write_text("{{- 'OTHER TEMPLATE\\n' }}" + template.read_text())
+    engine = Engine(models_dir=models_dir)
+
+    for mode in ("fp32", "bf16", "int8-wo", "fp32"):
+        engine.load(cpu_request(mode, model="mine"))
+    assert tokenizer_reads == ["mine"]
+    mine = engine.manager.loaded.tokenizer
+
+    engine.load(cpu_request("bf16", model="other"))
+    assert tokenizer_reads == ["mine", "other"]
+    assert engine.render_prompt(HELLO).startswith("OTHER TEMPLATE")
+    engine.load(cpu_request("fp32", model="other"))
+    assert tokenizer_reads == ["mine", "other"]
+
+    engine.load(cpu_request("fp32", model="mine"))  # the one kept is the other's: read again
+    assert tokenizer_reads == ["mine", "other", "mine"]
+    assert engine.manager.loaded.tokenizer is not mine
+    assert not engine.render_prompt(HELLO).startswith("OTHER TEMPLATE")
+    assert engine.generate_text(HELLO, FEW_TOKENS).stats.new_tokens == 4
+
+
+def test_a_failed_switch_restores_the_model_with_its_tokenizer_unread(
+        models_dir, demo_path, tokenizer_reads):
+    copy_demo(demo_path, models_dir / "mine")
+    broken = copy_demo(demo_path, models_dir / "broken", weights=False)
+    (broken / "model.safetensors").write_bytes(bytes(range(256)) * 64)
+    engine = Engine(models_dir=models_dir)
+    engine.load(cpu_request("fp32", model="mine"))
+    tokenizer = engine.manager.loaded.tokenizer
+    with pytest.raises(LoadError, match="serving again"):
+        engine.load(cpu_request("bf16", model="broken"))
+    # The broken model's own tokenizer was read (another folder); the restore read none.
+    assert tokenizer_reads == ["mine", "broken"]
+    assert engine.manager.loaded.tokenizer is tokenizer
+    assert engine.generate_text(HELLO, FEW_TOKENS).stats.new_tokens == 4
+
+
+def test_a_mode_switch_keeps_the_grammar_compiler_of_its_tokenizer(models_dir, demo_path):
+    from model_utils.runtime.generation_settings import GenerationSettings
+    from model_utils.runtime.grammar import OutputFormat
+
+    copy_demo(demo_path, models_dir / "mine")
+    copy_demo(demo_path, models_dir / "other")
+    engine = Engine(models_dir=models_dir)
+    settings = GenerationSettings(max_new_tokens=48, temperature=0.0)
+
+    def forced_reply() -> object:
+        """A reply forced into JSON; the compiler it was made with."""
+        final = engine.generate_text(HELLO, settings, thinking=False,
+                                     output_format=OutputFormat("json_object"))
+        assert final.answer.lstrip().startswith("{"), final.answer
+        return engine._grammar_cache[1]
+
+    engine.load(cpu_request("fp32", model="mine"))
+    compiler = forced_reply()
+    engine.load(cpu_request("bf16", model="mine"))
+    assert forced_reply() is compiler  # the same tokenizer: its compiler goes on
+    engine.load(cpu_request("fp32", model="other"))
+    assert forced_reply() is not compiler  # another model's tokenizer: a compiler of its own
+    engine.unload()
+    assert engine._kept_grammars is None and engine._grammar_cache is None

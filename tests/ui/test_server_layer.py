@@ -162,3 +162,24 @@ def test_the_status_says_how_many_graphs_came_from_the_compile_cache():
     assert "compiling the batched decode step 3.5 s" in text
     assert "3 from the compile cache, 1 compiled afresh" in text
     assert "compile cache" not in status_markdown({**status, "compiled_graphs": {}})
+
+
+def test_the_status_says_what_the_last_switch_cost_and_took_from_caches():
+    from server.model_actions import status_markdown
+
+    status = {"loaded": True, "model": "demo", "mode": "bf16", "placement": "cuda:0",
+              "load_stages": [{"stage": "compiling the batched decode step", "s": 3.5}],
+              "ready_s": 9.0, "compiled_graphs": {"hits": 3, "misses": 1},
+              "last_switch": {"s": 10.2, "unload_s": 0.8, "replaced": "demo (nf4)",
+                              "from_caches": ["tokenizer"]}}
+    text = status_markdown(status)
+    assert ("the last switch took 10.2 s, unloading demo (nf4) 0.8 s of it; from caches: the "
+            "tokenizer (kept from the mode before), 3 of 4 compiled graphs "
+            "(torch.compile's cache)") in text
+    cold = {**status, "compiled_graphs": {"hits": 0, "misses": 4},
+            "last_switch": {"s": 30.0, "unload_s": 0.0, "from_caches": []}}
+    assert "the load took 30.0 s; from caches: nothing" in status_markdown(cold)
+    failed = {**status, "last_switch": {"s": 12.0, "unload_s": 0.8, "replaced": "demo (bf16)",
+                                        "from_caches": ["tokenizer"], "failed": "mine in nf4"}}
+    assert ("the last switch, to mine in nf4, failed: this model was loaded again in 12.0 s"
+            in status_markdown(failed))

@@ -180,6 +180,9 @@ def test_switch_mode_updates_status_and_memory(page, artifacts):
     page.locator("#model-status").get_by_text("nf4", exact=True).wait_for()
     status = page.locator("#model-status").inner_text()
     assert "nf4" in status and "cpu" in status and "0-3" in status
+    # What the switch cost, the bf16 model's unload in it, and what it did not read again.
+    assert "the last switch took" in status and "(bf16)" in status, status
+    assert "from caches: the tokenizer (kept from the mode before)" in status, status
     # The header follows (a memory tick taken mid-switch may show "no model" for a moment).
     page.locator("#headline").get_by_text("nf4", exact=False).wait_for()
     page.screenshot(path=str(artifacts / "model-switched.png"), full_page=True)
