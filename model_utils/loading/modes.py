@@ -56,6 +56,9 @@ class Mode:
     # Whether the compiled CUDA-graph path applies on a GPU (bitsandbytes' int8 matmul breaks
     # graph capture, measured on an H200: BENCHMARKS.md).
     compiles: bool = True
+    # How it compares with bf16 on a GPU and what to pick instead, where the comparison was
+    # measured (BENCHMARKS.md, modes; the README's mode table has the figures).
+    speed_note: str = ""
 
     @property
     def is_quantized(self) -> bool:
@@ -77,20 +80,21 @@ class Mode:
         if device == "cpu":  # every mode decodes eagerly there: dropdown_info says it once
             return cost + ("; weights dequantized in every forward" if self.is_weight_only
                            else "")
+        note = f"; {self.speed_note}" if self.speed_note else ""
         if not self.compiles:
-            return f"{cost}; slow on this GPU: eager path"
+            return f"{cost}; slow on this GPU: eager path{note}"
         if self.weight_format == "fp8":
-            return f"{cost}; compiled CUDA-graph path, fp8 matmul"
+            return f"{cost}; compiled CUDA-graph path, fp8 matmul{note}"
         kernel = {4: ", tinygemm int4 kernel", 8: ", dequantization fused into the matmul"}
-        # Measured (BENCHMARKS.md, weight-only section): faster than bf16 for one reply only.
-        caveat = "; many replies at once and long prompts are slower than bf16" \
-            if self.is_weight_only else ""
-        return f"{cost}; compiled CUDA-graph path" + kernel.get(self.weight_only_bits, "") + caveat
+        return f"{cost}; compiled CUDA-graph path" + kernel.get(self.weight_only_bits, "") + note
 
     @property
     def dtype(self) -> torch.dtype:
         return torch_dtype(self.weight_dtype)
 
+
+# bitsandbytes 4-bit on the compiled path: one reply as fast as bf16, many at once about half.
+SAVER_NOTE = "bf16's speed for one reply, half of it for many at once"
 
 MODES: dict[str, Mode] = {
     m.name: m
@@ -100,23 +104,28 @@ MODES: dict[str, Mode] = {
         Mode("fp16", "fp16", "fp16", bytes_per_param=2.0),
         # + one bf16 scale and one bf16 zero point per 128 weights
         Mode("int4-wo", "int4 weight-only, group 128", "bf16", group=FAST,
-             weight_only_bits=4, group_size=128, bytes_per_param=0.5 + 4 / 128),
+             weight_only_bits=4, group_size=128, bytes_per_param=0.5 + 4 / 128,
+             speed_note="fastest for one reply; slow for many at once and long prompts"),
         # + one bf16 scale per output row (rows of 3584-18944 weights in a 7B model)
         Mode("int8-wo", "int8 weight-only, per-row scales", "bf16", group=FAST,
-             weight_only_bits=8, bytes_per_param=1.0, bytes_per_row=2.0),
+             weight_only_bits=8, bytes_per_param=1.0, bytes_per_row=2.0,
+             speed_note="bf16's speed for one reply; slow for many at once"),
         # + one fp32 scale per output row; inputs are scaled per token as they come
         Mode("fp8", "fp8 (e4m3) weights, per-row scales", "bf16", group=FAST,
              weight_only_bits=8, weight_format="fp8", bytes_per_param=1.0, bytes_per_row=4.0),
         Mode("int8", "int8 LLM.int8", "fp16", "int8",
-             bytes_per_param=1.0 + 4 / 4096, group=SAVERS, compiles=False),
+             bytes_per_param=1.0 + 4 / 4096, group=SAVERS, compiles=False,
+             speed_note="bf16 for speed, nf4 for memory"),
         Mode("nf4", "nf4 4-bit", "bf16", "nf4",
-             bytes_per_param=0.5 + 4 / 64, group=SAVERS),
+             bytes_per_param=0.5 + 4 / 64, group=SAVERS, speed_note=SAVER_NOTE),
         Mode("nf4-dq", "nf4 4-bit + double quant", "bf16", "nf4", double_quant=True,
-             bytes_per_param=0.5 + 1 / 64 + 4 / (64 * 256), group=SAVERS),
+             bytes_per_param=0.5 + 1 / 64 + 4 / (64 * 256), group=SAVERS,
+             speed_note=SAVER_NOTE),
         Mode("fp4", "fp4 4-bit", "bf16", "fp4",
-             bytes_per_param=0.5 + 4 / 64, group=SAVERS),
+             bytes_per_param=0.5 + 4 / 64, group=SAVERS, speed_note=SAVER_NOTE),
         Mode("fp4-dq", "fp4 4-bit + double quant", "bf16", "fp4", double_quant=True,
-             bytes_per_param=0.5 + 1 / 64 + 4 / (64 * 256), group=SAVERS),
+             bytes_per_param=0.5 + 1 / 64 + 4 / (64 * 256), group=SAVERS,
+             speed_note=SAVER_NOTE),
     )
 }
 

@@ -25,7 +25,7 @@ from .helpers import FEW_TOKENS, HELLO, cpu_request
 # Every mode that loads on a CPU, bitsandbytes' and the app's own weight-only layers included:
 # each builds its weights its own way (quantize as it loads, quantization statistics beside
 # the weight), and each of those ways could keep a reference.
-CPU_MODES = ("fp32", "bf16", "int8", "nf4", "int8-wo", "int4-wo")
+CPU_MODES = ("fp32", "bf16", "int8", "nf4", "int8-wo", "int4-wo", "fp8")
 
 
 def references_of(engine: Engine) -> dict[str, weakref.ref]:
