@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# The modes on one GPU, in steps that fit one call of the GPU machine (10 minutes):
+#   kernels  tests/gpu/test_weight_kernels.py: tinygemm int4, int8-wo and fp8 against their
+#            dequantized weights at 1-1024 rows, eager and compiled
+#   tests    the CUDA tests of every mode and the packed attention (needs bitsandbytes and
+#            torchao: tests/gpu/test_batches_and_modes.py, test_packed_attention.py), and the
+#            switching memory over 20 cycles (tests/gpu/test_switch_memory.py)
+#   quant    benchmarks/quant_candidates.py on the Qwen2.5-7B shape: bf16, the app's fp8,
+#            int4-wo and int8-wo, gemlite's int4 and int8 and the variants (QUANT_CANDIDATES),
+#            one stream and 32 streams, TTFT, KL against fp32
+#   switch   benchmarks/switch_times.py on the Qwen2.5-7B shape (SWITCH_MODES, SWITCH_CYCLES)
+# Run from the repository root on the GPU machine, the wheels the image lacks in .whl/ (and
+# .whl-quant/: torchao, gemlite; .whl-bnb/: bitsandbytes):
+#   STEPS="kernels quant" OUT=$OUT benchmarks/gpu_modes.sh
+# Each step has its own time limit (KERNELS_S, TESTS_S, QUANT_S, SWITCH_S) and writes into
+# $OUT as it goes.
+set -u
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/gpu-modes}
+PY=${PYTHON:-python3}
+STEPS=${STEPS:-"kernels quant"}
+CONFIG=benchmarks/configs/qwen2.5-7b-instruct.config.json
+mkdir -p "$OUT"
+LOG="$OUT/run.log"
+START=$(date +%s)
+say() { echo "[$(( $(date +%s) - START )) s] $*" | tee -a "$LOG"; }
+export PYTHONUNBUFFERED=1
+wheels=$(ls .whl/*.whl .whl-quant/*.whl .whl-bnb/*.whl 2>/dev/null)
+if [ -n "$wheels" ]; then
+  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+      --target /tmp/site $wheels && export PYTHONPATH=/tmp/site:$PWD
+fi
+rm -rf /tmp/bench-model-* 2>/dev/null  # random checkpoints of earlier runs fill the disk
+say "start: $($PY -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__, torch.cuda.get_device_name(0))' 2>&1 | tail -1)"
+
+for step in $STEPS; do
+  case $step in
+    kernels)
+      say "kernels: the quantized layers against their dequantized weights"
+      timeout "${KERNELS_S:-200}" $PY -m pytest -m gpu tests/gpu/test_weight_kernels.py -q \
+          -p no:cacheprovider >"$OUT/gpu-tests-kernels.log" 2>&1
+      say "kernels: exit $? ($(tail -1 "$OUT/gpu-tests-kernels.log"))";;
+    tests)
+      say "tests: every mode, the packed attention, switching memory"
+      timeout "${TESTS_S:-400}" $PY -m pytest -m gpu tests/gpu/test_batches_and_modes.py \
+          tests/gpu/test_packed_attention.py tests/gpu/test_switch_memory.py -q \
+          -p no:cacheprovider --junitxml="$OUT/gpu-tests-modes.xml" \
+          >"$OUT/gpu-tests-modes.log" 2>&1
+      say "tests: exit $? ($(tail -1 "$OUT/gpu-tests-modes.log"))";;
+    quant)
+      say "quant: the candidates side by side, Qwen2.5-7B shape"
+      timeout "${QUANT_S:-540}" $PY benchmarks/quant_candidates.py --config "$CONFIG" \
+          --candidates "${QUANT_CANDIDATES:-bf16,fp8,gemlite-int4,fp8-wo-below-8,int4-wo,gemlite-int8}" \
+          --budget-s "$(( ${QUANT_S:-540} - 40 ))" --out "$OUT" >"$OUT/quant.log" 2>&1
+      say "quant: exit $?";;
+    switch)
+      say "switch: click to first token, cold and warm, Qwen2.5-7B shape"
+      timeout "${SWITCH_S:-540}" $PY benchmarks/switch_times.py --random-from-config "$CONFIG" \
+          --modes "${SWITCH_MODES:-bf16,nf4,int4-wo}" --cycles "${SWITCH_CYCLES:-3}" \
+          --out "$OUT/switch" >"$OUT/switch.log" 2>&1
+      say "switch: exit $?";;
+  esac
+done
+say "done"
