@@ -50,7 +50,7 @@ for step in $STEPS; do
     quant)
       say "quant: the candidates side by side, Qwen2.5-7B shape"
       timeout "${QUANT_S:-540}" $PY benchmarks/quant_candidates.py --config "$CONFIG" \
-          --candidates "${QUANT_CANDIDATES:-bf16,fp8,gemlite-int4,fp8-wo-below-8,int4-wo,gemlite-int8}" \
+          --candidates "${QUANT_CANDIDATES:-bf16,fp8,gemlite-int4,gemlite-fp8,fp8-wo-below-8,int4-wo}" \
           --budget-s "$(( ${QUANT_S:-540} - 40 ))" --out "$OUT" >"$OUT/quant.log" 2>&1
       say "quant: exit $?";;
     switch)

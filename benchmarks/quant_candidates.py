@@ -20,7 +20,9 @@ torch.profiler summary of one decode step (per kernel). Candidates:
 - int8-wo-aten: the app's int8-wo with PyTorch's own torch._weight_int8pack_mm kernel;
   int8-wo-hybrid: the same for two rows or more (batches, prefills), the compiled one-row step
   as in int8-wo; int4-wo-head8: int4-wo with lm_head in int8 weight-only as well;
-  fp8-wo-below-8: the app's fp8 with steps of fewer than 8 rows multiplied weight-only.
+  fp8-wo-below-8: the app's fp8 with steps of fewer than 8 rows multiplied weight-only;
+  gemlite-fp8 / gemlite-fp8-dynamic: gemlite's A16W8_FP8 (weight-only) / A8W8_fp8_dynamic on
+  the app's fp8 numbers.
 A candidate whose package is missing, or that fails, is recorded with the reason, and the run
 goes on. Candidates that would not finish within --budget-s are skipped (reported). JSON and
 markdown are written after every candidate, so a run cut short still leaves its results.
@@ -59,8 +61,9 @@ from model_utils.loading.placement import Placement
 from model_utils.memory import GB
 
 log = logging.getLogger("quant_candidates")
-DEFAULT = ("bf16,fp8,gemlite-int4,fp8-wo-below-8,int4-wo,int8-wo,gemlite-int8,int8-wo-hybrid,"
-           "int4-wo-head8,int8-wo-aten,torchao-int4,torchao-int8")
+DEFAULT = ("bf16,fp8,gemlite-int4,gemlite-fp8,fp8-wo-below-8,int4-wo,gemlite-fp8-dynamic,"
+           "int8-wo,gemlite-int8,int8-wo-hybrid,int4-wo-head8,int8-wo-aten,torchao-int4,"
+           "torchao-int8")
 CUDA = torch.cuda.is_available()
 
 

@@ -95,6 +95,38 @@ def int8_head(model):
             torch.cuda.empty_cache()
 
 
+def _fp8_layers(model):
+    """(parent, child name, layer) of every app fp8 layer."""
+    from model_utils.layers.fp8_weights import Fp8Linear
+
+    for name, module in list(model.named_modules()):
+        if isinstance(module, Fp8Linear):
+            parent, _, child = name.rpartition(".")
+            yield model.get_submodule(parent), child, module
+
+
+def gemlite_fp8(model, *, dynamic: bool = False):
+    """gemlite's kernels on the app's fp8 numbers (e4m3 weights, one scale per row): A16W8_FP8
+    multiplies bf16 inputs by the fp8 weights (weight-only), A8W8_fp8_dynamic scales the
+    inputs to fp8 per token as the app's _scaled_mm path does."""
+    from gemlite.helper import A16W8_FP8, A8W8_fp8_dynamic
+
+    device = model.get_input_embeddings().weight.device
+    for parent, child, layer in _fp8_layers(model):
+        if dynamic:  # quantizes again from the dequantized weights: the same rows and scales
+            linear = torch.nn.Linear(layer.in_features, layer.out_features, bias=False,
+                                     device=device, dtype=torch.bfloat16)
+            linear.weight.data = layer.dequantized(torch.bfloat16)
+            linear.bias = layer.bias
+            swapped = A8W8_fp8_dynamic(device=device, dtype=torch.bfloat16).from_linear(linear)
+        else:
+            swapped = A16W8_FP8(device=device, dtype=torch.bfloat16).from_weights(
+                layer.qweight, bias=layer.bias, scales=layer.scales.unsqueeze(1))
+        setattr(parent, child, swapped)
+        del layer
+    torch.cuda.empty_cache()
+
+
 def fp8_weight_only_below(rows: int):
     """The app's fp8 mode with inputs of fewer than `rows` rows multiplied unquantized (the
     weight-only product, compiled into a reduction over the fp8 weights) instead of through
@@ -122,7 +154,9 @@ SWAPS = {"torchao-int4": (torchao_int4, "torchao", True, "bf16"),
          "int8-wo-aten": (aten_int8, "torch", False, "int8-wo"),
          "int8-wo-hybrid": (lambda m: aten_int8(m, rows_from=2), "torch", False, "int8-wo"),
          "int4-wo-head8": (int8_head, "torch", False, "int4-wo"),
-         "fp8-wo-below-8": (fp8_weight_only_below(8), "torch", False, "fp8")}
+         "fp8-wo-below-8": (fp8_weight_only_below(8), "torch", False, "fp8"),
+         "gemlite-fp8": (gemlite_fp8, "gemlite", True, "fp8"),
+         "gemlite-fp8-dynamic": (lambda m: gemlite_fp8(m, dynamic=True), "gemlite", True, "fp8")}
 
 
 def missing(candidate: str) -> str | None:
