@@ -48,7 +48,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from quant_swaps import LIBRARY_INDUCTOR_OPTIONS, SWAPS, missing  # beside this script
+from quant_swaps import (  # beside this script
+    LIBRARY_INDUCTOR_OPTIONS,
+    SWAPS,
+    missing,
+    save_gemlite_configs,
+)
 
 from model_utils.bench import quality
 from model_utils.bench.inputs import build_random_model, random_prompts
@@ -332,6 +337,8 @@ def main(argv=None) -> int:
             begun = time.perf_counter()
             try:
                 results.append(measure(engine, str(folder), candidate, args, prompts, reference))
+                if candidate.startswith("gemlite"):  # what it tuned, kept as it goes
+                    save_gemlite_configs(out / "gemlite-configs.json")
             except Exception as error:  # noqa: BLE001 - recorded; the next candidate runs
                 log.exception("candidate %s failed", candidate)
                 results.append({"candidate": candidate,

@@ -37,10 +37,34 @@ def torchao_int8(model):
               filter_fn=lambda m, fqn: isinstance(m, torch.nn.Linear) and "lm_head" not in fqn)
 
 
+def _gemlite_configs() -> None:
+    """gemlite ships tuned kernel configs per GPU name and loads the one matching this GPU at
+    import; it has none for an H200, which would then autotune every shape at its first use
+    (minutes of a load). The H100's (the same Hopper chip with less memory bandwidth) is the
+    closest: loaded when no config of this GPU's name was."""
+    import os
+
+    import gemlite.core as core
+
+    if core.selected_tag is None:
+        h100 = os.path.join(os.path.dirname(core.__file__), "configs", "h100.json")
+        core.GemLiteLinear.load_config(h100)
+
+
+def save_gemlite_configs(path) -> None:
+    """The kernel configs gemlite tuned in this process, merged into `path` (JSON): the file
+    to ship for a GPU it has none for (gemlite.core.GemLiteLinear.load_config reads it)."""
+    import gemlite.core as core
+
+    core.GemLiteLinear.cache_config(str(path))
+
+
 def gemlite_int4(model):
     """gemlite's kernel on the app's own int4 numbers: gemlite dequantizes (q - zero) * scale
     with the zero point in q's units, the app (q - 8) * scale + zero."""
     from gemlite.helper import A16Wn
+
+    _gemlite_configs()
 
     device = model.get_input_embeddings().weight.device
     for parent, child, linear in _linears(model):
@@ -55,6 +79,8 @@ def gemlite_int4(model):
 
 def gemlite_int8(model):
     from gemlite.helper import A16W8_INT8
+
+    _gemlite_configs()
 
     device = model.get_input_embeddings().weight.device
     for parent, child, linear in _linears(model):
@@ -110,6 +136,8 @@ def gemlite_fp8(model, *, dynamic: bool = False):
     multiplies bf16 inputs by the fp8 weights (weight-only), A8W8_fp8_dynamic scales the
     inputs to fp8 per token as the app's _scaled_mm path does."""
     from gemlite.helper import A16W8_FP8, A8W8_fp8_dynamic
+
+    _gemlite_configs()
 
     device = model.get_input_embeddings().weight.device
     for parent, child, layer in _fp8_layers(model):
