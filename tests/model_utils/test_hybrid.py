@@ -227,7 +227,7 @@ def test_bitsandbytes_modes_keep_the_layers_its_cpu_kernel_cannot_pack(hybrid_fo
                                                                              "in_proj_b"]
 
 
-@pytest.mark.parametrize("mode", ["bf16", "nf4", "int8-wo"])
+@pytest.mark.parametrize("mode", ["bf16", "nf4", "int8-wo", "fp8"])
 def test_quantized_modes_load_and_chat(hybrid_folder, mode):
     engine = load(hybrid_folder, mode)
     try:
