@@ -9,8 +9,9 @@
 #            int4-wo and int8-wo, gemlite's int4 and int8 and the variants (QUANT_CANDIDATES),
 #            one stream and 32 streams, TTFT, KL against fp32
 #   switch   benchmarks/switch_times.py on the Qwen2.5-7B shape (SWITCH_MODES, SWITCH_CYCLES)
-# Run from the repository root on the GPU machine, the wheels the image lacks in .whl/ (and
-# .whl-quant/: torchao, gemlite; .whl-bnb/: bitsandbytes):
+# Run from the repository root on the GPU machine, the wheels the image lacks in folders named
+# .whl* (e.g. .whl/: transformers, tokenizers; .whl-quant/: torchao, gemlite; .whl-bnb/:
+# bitsandbytes; one version of each package across them):
 #   STEPS="kernels quant" OUT=$OUT benchmarks/gpu_modes.sh
 # Each step has its own time limit (KERNELS_S, TESTS_S, QUANT_S, SWITCH_S) and writes into
 # $OUT as it goes.
@@ -25,7 +26,7 @@ LOG="$OUT/run.log"
 START=$(date +%s)
 say() { echo "[$(( $(date +%s) - START )) s] $*" | tee -a "$LOG"; }
 export PYTHONUNBUFFERED=1
-wheels=$(ls .whl/*.whl .whl-quant/*.whl .whl-bnb/*.whl 2>/dev/null)
+wheels=$(ls .whl*/*.whl 2>/dev/null)
 if [ -n "$wheels" ]; then
   $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
       --target /tmp/site $wheels && export PYTHONPATH=/tmp/site:$PWD
