@@ -5,7 +5,8 @@
 #   tests   the CUDA tests of the paged cache, the graph paths and the hybrid layers
 #           (tests/gpu/test_paged_decode.py, test_graphs.py, test_hybrid.py)
 #   bench   python -m model_utils.bench.long_context on the Qwen2.5-7B shape (random weights):
-#           the prompt-length sweep, 1 and 8 streams, 7 short beside 1 long, the next turns
+#           the prompt-length sweep, 1 and 8 streams, 7 short beside 1 long, the next turns;
+#           CAPACITY="32,2,32000": 32 short chats and two 32k prompts at once
 #   peer    transformers' static cache + compile at the same lengths, in a process of its own
 #           (in the engine's process after it unloads, the peer's compile failed)
 #   hybrid  the same bench on the Qwen3.5-9B shape (hybrid linear attention), 128 and 4k
@@ -53,6 +54,7 @@ for step in $STEPS; do
           --random-from-config benchmarks/configs/qwen2.5-7b-instruct.config.json \
           --context-tokens 32768 --lengths "${LENGTHS:-128,4096,16384,30000}" \
           --streams "${STREAMS:-1,8}" --new-tokens "${NEW_TOKENS:-256}" --no-peer \
+          ${CAPACITY:+--capacity "$CAPACITY"} \
           --out "$OUT/long-context.json" >"$OUT/long-context.log" 2>&1
       say "bench: exit $?";;
     peer)

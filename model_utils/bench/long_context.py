@@ -137,6 +137,39 @@ def mixed_case(engine: Engine, short: int, count: int, long: int, new_tokens: in
             "ratio": round(mixed / solo, 3), "long_tok_s": round(beside[0].tok_s, 1)}
 
 
+def capacity_case(engine: Engine, short_count: int, long_count: int, long: int,
+                  new_tokens: int, vocab: int) -> dict:
+    """`short_count` 128-token chats and `long_count` prompts of `long` tokens submitted at
+    once: whether they all decode together in the cache's blocks (preemptions, the most blocks
+    in use at a time, each reply's full length)."""
+    scheduler = engine.serving.scheduler
+    prompts = random_prompts(short_count, 128, vocab, seed=11) + \
+        random_prompts(long_count, long, vocab, seed=12)
+    before = scheduler.kv_blocks() or {}
+    peak = {"used": 0, "rows": 0}
+    finished = threading.Event()
+
+    def watch():  # the scheduler's counters, read while the replies decode
+        while not finished.wait(0.02):
+            peak["used"] = max(peak["used"], (scheduler.kv_blocks() or {}).get("used", 0))
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        stats, wall = together(engine, prompts, [new_tokens] * len(prompts))
+    finally:
+        finished.set()
+        watcher.join()
+    after = scheduler.kv_blocks() or {}
+    return {"short_streams": short_count, "long_streams": long_count, "long_prompt_tokens": long,
+            "replies_whole": sum(s.new_tokens == new_tokens for s in stats),
+            "replies": len(prompts),
+            "preemptions": after.get("preemptions", 0) - before.get("preemptions", 0),
+            "peak_blocks_used": peak["used"], "blocks_total": after.get("total"),
+            "block_tokens": after.get("block_tokens"), "wall_s": round(wall, 2),
+            "aggregate_tok_s": round(len(prompts) * new_tokens / wall, 1)}
+
+
 def next_turns(engine: Engine, lengths: list[int], vocab: int, new_tokens: int) -> list[dict]:
     """The next turn of a conversation of each length: TTFT with its start cached."""
     rows = []
@@ -219,6 +252,13 @@ def markdown(result: dict) -> str:
                   f"{m['short_tok_s_alone']} tok/s each alone, {m['short_tok_s_beside_long']} "
                   f"beside one of {m['long_prompt_tokens']} ({m['ratio']:.2f}x); the long one "
                   f"{m['long_tok_s']} tok/s"]
+    if result.get("capacity"):
+        c = result["capacity"]
+        lines += ["", f"{c['short_streams']} chats of 128 prompt tokens and {c['long_streams']} of "
+                  f"{c['long_prompt_tokens']} at once: {c['replies_whole']} of {c['replies']} "
+                  f"replies whole, {c['preemptions']} preemptions, at most "
+                  f"{c['peak_blocks_used']} of {c['blocks_total']} blocks of "
+                  f"{c['block_tokens']} tokens in use, {c['aggregate_tok_s']} tok/s in all"]
     if result.get("next_turns"):
         lines += ["", "| conversation tokens | first turn TTFT ms | next turn tokens | cached | "
                   "next turn TTFT ms |", "|---|---|---|---|---|"]
@@ -241,7 +281,9 @@ def run(args) -> dict:
         return {"peer": peer_static(model_name, args.mode, lengths, args.new_tokens,
                                     vocab_of(model_name))}
     mixed_count = args.mixed_short
-    engine = build_engine(EngineConfig.from_args(args, max_batch=max(streams + [mixed_count + 1])))
+    capacity = [int(x) for x in args.capacity.split(",")] if args.capacity else []
+    rows = max(streams + [mixed_count + 1] + ([capacity[0] + capacity[1]] if capacity else []))
+    engine = build_engine(EngineConfig.from_args(args, max_batch=rows))
     if model_name != "demo":
         engine.registry.allow_root(model_name)
     placement = Placement(args.placement or ("cuda:0" if torch.cuda.is_available() else "cpu"))
@@ -264,6 +306,9 @@ def run(args) -> dict:
         result["mixed"] = mixed_case(engine, 128, mixed_count, args.mixed_long, args.new_tokens,
                                      vocab)
         print(f"mixed: {result['mixed']}", flush=True)
+    if capacity:
+        result["capacity"] = capacity_case(engine, *capacity, args.new_tokens, vocab)
+        print(f"capacity: {result['capacity']}", flush=True)
     result["next_turns"] = next_turns(engine, lengths, vocab, 32)
     status = engine.status()
     result["status"] = {k: status.get(k) for k in ("mode", "decode_path", "context_tokens",
@@ -290,6 +335,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="prompt tokens of the long reply in the mixed case (0: skip it)")
     parser.add_argument("--mixed-short", type=int, default=7,
                         help="short replies in the mixed case")
+    parser.add_argument("--capacity", default="",
+                        help="SHORT,LONG,TOKENS: SHORT 128-token chats and LONG prompts of "
+                             "TOKENS tokens at once, e.g. 32,2,32000 (default: skip)")
     parser.add_argument("--no-peer", action="store_true", help="skip the static-cache peer")
     parser.add_argument("--peer-only", action="store_true",
                         help="only the static-cache peer, in a process of its own")

@@ -12,16 +12,22 @@ TINY = ["--random-from-config", "benchmarks/configs/tiny-qwen2.config.json",
         "--context-tokens", "512", "--lengths", "32,300", "--new-tokens", "8"]
 
 
-def test_the_sweep_the_mixed_case_and_the_next_turns(tmp_path, capsys, caplog):
+def test_the_sweep_the_mixed_and_capacity_cases_and_the_next_turns(tmp_path, capsys, caplog):
     out = tmp_path / "long.json"
     caplog.set_level(logging.WARNING, "model_utils.loading.manager")
     assert long_context.main(TINY + ["--streams", "1,2", "--mixed-long", "300",
-                                     "--mixed-short", "2", "--out", str(out)]) == 0
+                                     "--mixed-short", "2", "--capacity", "3,1,300",
+                                     "--out", str(out)]) == 0
     result = json.loads(out.read_text())
     assert [(r["prompt_tokens"], r["streams"]) for r in result["engine"]] == [
         (32, 1), (32, 2), (300, 1), (300, 2)]
     assert all(r["tok_s"] > 0 for r in result["engine"])
     assert result["mixed"]["long_prompt_tokens"] == 300 and result["mixed"]["ratio"] > 0
+    capacity = result["capacity"]  # 3 short chats and one of 300 tokens together
+    assert capacity["replies_whole"] == capacity["replies"] == 4
+    assert capacity["preemptions"] == 0
+    # sampled every 20 ms: a measurement, which a short run on the CPU may catch at any point
+    assert 0 <= capacity["peak_blocks_used"] <= capacity["blocks_total"]
     turns = {t["prompt_tokens"]: t for t in result["next_turns"]}
     assert turns[300]["cached_tokens"] >= 256  # the conversation so far, found in the cache
     assert turns[32]["cached_tokens"] == 0  # under MIN_REUSE_TOKENS: computed again
