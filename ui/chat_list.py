@@ -5,9 +5,15 @@ system prompt, its preset and its Thinking switch.
 The conversation shown stays the chat panel's `conversation` (in the browser, as before);
 every change of it, of the system prompt, the preset or the switch is written into the chat
 shown, in the library of this page (server/chat_library.py: the browser's without logins,
-the store's for the logged-in user with them). Which chat is shown is held by the page
-itself (a hidden field, sent with each event), set only once the page load has put the
-chat back: a change the page load makes before that is never written over a chat.
+the store's for the logged-in user with them).
+
+Each write names the chat its values were read with, and is written there or nowhere:
+- Which chat is shown is held by the page itself (`chat_id`, a hidden field sent with each
+  event); `chat_view` names the chat the widgets hold, and follows `chat_id` only once every
+  widget of its view has landed. Gradio applies an event's outputs one by one, and the preset
+  picker (its choices, then its value) lands after the others: a change event fired in between
+  read the new chat's id with the chat before's preset, or with none after a reload. A write
+  is kept only where the two ids agree.
 """
 
 from __future__ import annotations
@@ -32,6 +38,8 @@ if TYPE_CHECKING:
 
 CHAT_STORAGE_KEYS = ("qwen-chat-library", "qwen-chat-current", "qwen-chat-presets")
 REFUSED = (ChatLimitError, ChatStoreError, ConversationError)
+# The writes of what the page shows: one at a time, in the order the page sent them.
+IN_ORDER = {"concurrency_id": "chat-write", "concurrency_limit": 1}
 log = logging.getLogger("ui")
 
 
@@ -56,6 +64,7 @@ def build_chat_list() -> dict:
     c["chat_presets"] = gr.BrowserState({}, storage_key=CHAT_STORAGE_KEYS[2])
     c["chat_remembered"] = gr.BrowserState("", storage_key=CHAT_STORAGE_KEYS[1])
     c["chat_id"] = gr.Textbox("", visible="hidden", elem_id="chat-id")
+    c["chat_view"] = gr.Textbox("", visible="hidden", elem_id="chat-view")
     c["chat_deleted"] = gr.State(None)  # the chat Undo delete puts back
     return c
 
@@ -158,25 +167,23 @@ def wire_chat_list(c: dict, engine: Engine, store: ChatStore | None, *, loaded,
                 notice = f"⚠ {error}"
         elif store is None and chosen == remembered:
             # Without logins the conversation in the browser is written first (also by a
-            # reply cut short by a reload): it is the newer copy of this chat.
+            # reply cut short by a reload): it is the newer copy of this chat (written into
+            # it once the view has landed).
             try:
                 chat = with_messages(chat, validate_history(conversation or []))
             except ConversationError:
                 pass
         return chats.show(library, chat, query, notice, changed=changed)
 
-    loaded.then(page_load, [*current, c["chat_library"], c["chat_presets"],
-                            c["chat_remembered"],
-                            c["chat_search"]], chats.view,
-                api_visibility="private", show_progress="hidden")
-
-    def keep_shown(chat_id, conversation, system_prompt, thinking, preset, kept, query,
+    def keep_shown(chat_id, view, conversation, system_prompt, thinking, preset, kept, query,
                    request: gr.Request):
         """Write what the page shows into the chat shown: on the page's state, never a
         broken copy (the chat panel refuses to send those, and so does this)."""
         nothing = (gr.skip(),) * 4
-        if not chat_id:
-            return nothing  # the page load has not put a chat back yet
+        if not chat_id or view != chat_id:
+            # No chat put back yet, or another chat's view still landing: these values may
+            # be partly the chat shown before.
+            return nothing
         library = chats.library(request, kept)
         try:
             before = library.get(chat_id)
@@ -196,13 +203,27 @@ def wire_chat_list(c: dict, engine: Engine, store: ChatStore | None, *, loaded,
         title = chat["title"] if chat["title"] != before["title"] else gr.skip()
         return chats.kept(library), chats.list_update(library, query, chat_id), title, ""
 
-    gr.on([x.change for x in current], keep_shown,
-          [c["chat_id"], *current, c["chat_library"], c["chat_search"]],
-          [c["chat_library"], c["chat_list"], c["chat_title"], c["chat_list_notice"]],
+    keep_inputs = [c["chat_id"], c["chat_view"], *current, c["chat_library"], c["chat_search"]]
+    keep_outputs = [c["chat_library"], c["chat_list"], c["chat_title"], c["chat_list_notice"]]
+    gr.on([x.change for x in current], keep_shown, keep_inputs, keep_outputs,
           # Every change is written, in order: "always_last" dropped a change still waiting
           # when the next one came, even one of the chat shown before a switch.
           api_visibility="private", show_progress="hidden", trigger_mode="multiple",
-          concurrency_id="chat-write", concurrency_limit=1)
+          **IN_ORDER)
+
+    def settle(event) -> None:
+        """After `event` showed a chat: the widgets hold that chat's view once all of its
+        outputs have landed, which is when gradio runs the step after it. Then what they
+        show is written once: a change made while the view landed was not (nor the page
+        load's newer conversation)."""
+        event.then(None, [c["chat_id"]], [c["chat_view"]], js="(id) => id",
+                   api_visibility="private", show_progress="hidden"
+                   ).then(keep_shown, keep_inputs, keep_outputs, api_visibility="private",
+                          show_progress="hidden", **IN_ORDER)
+
+    settle(loaded.then(page_load, [*current, c["chat_library"], c["chat_presets"],
+                                   c["chat_remembered"], c["chat_search"]],
+                       chats.view, api_visibility="private", show_progress="hidden"))
 
     def open_chat(chat_id, kept, presets, query, request: gr.Request):
         library = chats.library(request, kept, presets)
@@ -211,10 +232,10 @@ def wire_chat_list(c: dict, engine: Engine, store: ChatStore | None, *, loaded,
             raise user_error("that chat is gone (deleted in another tab?)")
         return chats.show(library, chat, query, changed=False)
 
-    c["chat_list"].input(open_chat, [c["chat_list"], c["chat_library"], c["chat_presets"],
-                                     c["chat_search"]],
-                         chats.view, cancels=cancels, api_visibility="private",
-                         show_progress="hidden")
+    settle(c["chat_list"].input(open_chat, [c["chat_list"], c["chat_library"],
+                                            c["chat_presets"], c["chat_search"]],
+                                chats.view, cancels=cancels, api_visibility="private",
+                                show_progress="hidden"))
 
     def start_new(chat_id, conversation, system_prompt, thinking, preset, kept, presets,
                   query, request: gr.Request):
@@ -228,9 +249,10 @@ def wire_chat_list(c: dict, engine: Engine, store: ChatStore | None, *, loaded,
         chats.put(library, chat)
         return chats.show(library, chat, query)
 
-    c["chat_new"].click(start_new, [c["chat_id"], *current, c["chat_library"],
-                                    c["chat_presets"], c["chat_search"]], chats.view, cancels=cancels,
-                        api_visibility="private", show_progress="hidden")
+    settle(c["chat_new"].click(start_new, [c["chat_id"], *current, c["chat_library"],
+                                           c["chat_presets"], c["chat_search"]], chats.view,
+                               cancels=cancels, api_visibility="private",
+                               show_progress="hidden"))
 
     def search(query, chat_id, kept, request: gr.Request):
         return chats.list_update(chats.library(request, kept), query, chat_id)
@@ -272,10 +294,10 @@ def wire_chat_list(c: dict, engine: Engine, store: ChatStore | None, *, loaded,
         return (*chats.show(library, following, query, notice=f"Deleted “{chat['title']}”."),
                 chat, gr.update(visible=True, value=f"Undo delete of “{chat['title']}”"))
 
-    c["chat_delete"].click(delete, [c["chat_id"], c["chat_library"], c["chat_presets"],
-                                    c["chat_search"]],
-                           [*chats.view, *undo_outputs], cancels=cancels,
-                           api_visibility="private", show_progress="hidden")
+    settle(c["chat_delete"].click(delete, [c["chat_id"], c["chat_library"], c["chat_presets"],
+                                           c["chat_search"]],
+                                  [*chats.view, *undo_outputs], cancels=cancels,
+                                  api_visibility="private", show_progress="hidden"))
 
     def undo_delete(deleted, kept, presets, query, request: gr.Request):
         if not deleted:
@@ -284,8 +306,8 @@ def wire_chat_list(c: dict, engine: Engine, store: ChatStore | None, *, loaded,
         chats.put(library, deleted)
         return (*chats.show(library, deleted, query), None, gr.update(visible=False))
 
-    c["chat_undo_delete"].click(undo_delete, [c["chat_deleted"], c["chat_library"],
-                                              c["chat_presets"], c["chat_search"]],
-                                [*chats.view, *undo_outputs], cancels=cancels,
-                                api_visibility="private", show_progress="hidden")
+    settle(c["chat_undo_delete"].click(undo_delete, [c["chat_deleted"], c["chat_library"],
+                                                     c["chat_presets"], c["chat_search"]],
+                                       [*chats.view, *undo_outputs], cancels=cancels,
+                                       api_visibility="private", show_progress="hidden"))
     return chats
