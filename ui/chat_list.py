@@ -14,6 +14,11 @@ Each write names the chat its values were read with, and is written there or now
   picker (its choices, then its value) lands after the others: a change event fired in between
   read the new chat's id with the chat before's preset, or with none after a reload. A write
   is kept only where the two ids agree.
+- Without logins the chats travel with each event as the browser's copy, read when the event
+  was sent: writes queued one after another each built on the copy from before the others
+  had run, and the last to land undid the rest. The newest copy this page was handed stays
+  on the server with the page's session (`chat_newest`, a gr.State, read when the handler
+  runs), and every handler that changes the chats runs on one queue, in order.
 """
 
 from __future__ import annotations
@@ -38,7 +43,8 @@ if TYPE_CHECKING:
 
 CHAT_STORAGE_KEYS = ("qwen-chat-library", "qwen-chat-current", "qwen-chat-presets")
 REFUSED = (ChatLimitError, ChatStoreError, ConversationError)
-# The writes of what the page shows: one at a time, in the order the page sent them.
+# The handlers that read or change the chats: one at a time, in the order the page sent them,
+# each on the newest copy the one before left (a switch of chat reads a write queued before it).
 IN_ORDER = {"concurrency_id": "chat-write", "concurrency_limit": 1}
 log = logging.getLogger("ui")
 
@@ -65,6 +71,7 @@ def build_chat_list() -> dict:
     c["chat_remembered"] = gr.BrowserState("", storage_key=CHAT_STORAGE_KEYS[1])
     c["chat_id"] = gr.Textbox("", visible="hidden", elem_id="chat-id")
     c["chat_view"] = gr.Textbox("", visible="hidden", elem_id="chat-view")
+    c["chat_newest"] = gr.State(None)  # the newest copy of the browser's chats, this page's
     c["chat_deleted"] = gr.State(None)  # the chat Undo delete puts back
     return c
 
@@ -81,11 +88,14 @@ class ChatList:
         self.view = [c["send"], c["stop"], c["regenerate"], c["chatbot"], c["conversation"], c["notice"], c["system_prompt"],
                      c["thinking"], c["preset"], *(c[n] for n in setting_names),
                      c["chat_list"], c["chat_title"], c["chat_id"], c["chat_remembered"],
-                     c["chat_library"], c["chat_list_notice"], c["message"]]
+                     c["chat_library"], c["chat_newest"], c["chat_list_notice"], c["message"]]
 
-    def library(self, request: gr.Request | None, value, presets=None):
+    def library(self, request: gr.Request | None, value, presets=None, newest=None):
+        """`value`: the browser's copy of its chats, as the event brought it; `newest`: the
+        copy this page was handed last (None before any), which the browser may not hold yet."""
         try:
-            return library_for(self.store, getattr(request, "username", None), value, presets)
+            return library_for(self.store, getattr(request, "username", None),
+                               value if newest is None else newest, presets)
         except ConversationError as error:
             raise user_error(str(error)) from None
 
@@ -99,9 +109,10 @@ class ChatList:
         value = shown if any(v == shown for _, v in choices) else None
         return gr.update(choices=choices, value=value)
 
-    def kept(self, library):
+    def kept(self, library) -> tuple:
+        """(the browser's copy, this page's newest copy): the chats from now on."""
         value = library.value()
-        return gr.skip() if value is None else value
+        return (gr.skip(),) * 2 if value is None else (value, value)
 
     def show(self, library, chat: dict, query: str | None, notice: str = "", *,
              changed: bool = True) -> list:
@@ -117,7 +128,7 @@ class ChatList:
                 gr.update(choices=preset_choices(presets), value=preset),
                 *prompt_and_settings[1:], self.list_update(library, query, chat["id"]),
                 chat["title"], chat["id"], chat["id"],
-                self.kept(library) if changed else gr.skip(), notice,
+                *(self.kept(library) if changed else (gr.skip(),) * 2), notice,
                 gr.update(interactive=True, placeholder=MESSAGE_PLACEHOLDER)]
 
     def put(self, library, chat: dict) -> None:
@@ -141,10 +152,11 @@ def wire_chat_list(c: dict, engine: Engine, store: ChatStore | None, *, loaded,
     parts (export and import use them too)."""
     chats = ChatList(c, engine, store, setting_names, idle)
     current = [c["conversation"], c["system_prompt"], c["thinking"], c["preset"]]
+    kept = [c["chat_library"], c["chat_newest"]]
 
-    def page_load(conversation, system_prompt, thinking, preset, kept, presets, remembered,
+    def page_load(conversation, system_prompt, thinking, preset, browser, presets, remembered,
                   query, request: gr.Request):
-        library = chats.library(request, kept, presets)
+        library = chats.library(request, browser, presets)
         summaries = library.summaries()
         ids = [s["id"] for s in summaries]
         chosen = remembered if remembered in ids else (ids[0] if ids else None)
@@ -175,16 +187,16 @@ def wire_chat_list(c: dict, engine: Engine, store: ChatStore | None, *, loaded,
                 pass
         return chats.show(library, chat, query, notice, changed=changed)
 
-    def keep_shown(chat_id, view, conversation, system_prompt, thinking, preset, kept, query,
-                   request: gr.Request):
+    def keep_shown(chat_id, view, conversation, system_prompt, thinking, preset, browser,
+                   newest, query, request: gr.Request):
         """Write what the page shows into the chat shown: on the page's state, never a
         broken copy (the chat panel refuses to send those, and so does this)."""
-        nothing = (gr.skip(),) * 4
+        nothing = (gr.skip(),) * 5
         if not chat_id or view != chat_id:
             # No chat put back yet, or another chat's view still landing: these values may
             # be partly the chat shown before.
             return nothing
-        library = chats.library(request, kept)
+        library = chats.library(request, browser, newest=newest)
         try:
             before = library.get(chat_id)
             messages = validate_history(conversation or [])
@@ -199,12 +211,12 @@ def wire_chat_list(c: dict, engine: Engine, store: ChatStore | None, *, loaded,
         try:
             library.put(chat)
         except REFUSED as error:
-            return gr.skip(), gr.skip(), gr.skip(), f"⚠ {error}"
+            return *(gr.skip(),) * 4, f"⚠ {error}"
         title = chat["title"] if chat["title"] != before["title"] else gr.skip()
-        return chats.kept(library), chats.list_update(library, query, chat_id), title, ""
+        return *chats.kept(library), chats.list_update(library, query, chat_id), title, ""
 
-    keep_inputs = [c["chat_id"], c["chat_view"], *current, c["chat_library"], c["chat_search"]]
-    keep_outputs = [c["chat_library"], c["chat_list"], c["chat_title"], c["chat_list_notice"]]
+    keep_inputs = [c["chat_id"], c["chat_view"], *current, *kept, c["chat_search"]]
+    keep_outputs = [*kept, c["chat_list"], c["chat_title"], c["chat_list_notice"]]
     gr.on([x.change for x in current], keep_shown, keep_inputs, keep_outputs,
           # Every change is written, in order: "always_last" dropped a change still waiting
           # when the next one came, even one of the chat shown before a switch.
@@ -223,23 +235,23 @@ def wire_chat_list(c: dict, engine: Engine, store: ChatStore | None, *, loaded,
 
     settle(loaded.then(page_load, [*current, c["chat_library"], c["chat_presets"],
                                    c["chat_remembered"], c["chat_search"]],
-                       chats.view, api_visibility="private", show_progress="hidden"))
+                       chats.view, api_visibility="private", show_progress="hidden",
+                       **IN_ORDER))
 
-    def open_chat(chat_id, kept, presets, query, request: gr.Request):
-        library = chats.library(request, kept, presets)
+    def open_chat(chat_id, browser, newest, presets, query, request: gr.Request):
+        library = chats.library(request, browser, presets, newest)
         chat = chats.get(library, chat_id) if chat_id else None
         if chat is None:
             raise user_error("that chat is gone (deleted in another tab?)")
         return chats.show(library, chat, query, changed=False)
 
-    settle(c["chat_list"].input(open_chat, [c["chat_list"], c["chat_library"],
-                                            c["chat_presets"], c["chat_search"]],
-                                chats.view, cancels=cancels, api_visibility="private",
-                                show_progress="hidden"))
+    settle(c["chat_list"].input(
+        open_chat, [c["chat_list"], *kept, c["chat_presets"], c["chat_search"]], chats.view,
+        cancels=cancels, api_visibility="private", show_progress="hidden", **IN_ORDER))
 
-    def start_new(chat_id, conversation, system_prompt, thinking, preset, kept, presets,
-                  query, request: gr.Request):
-        library = chats.library(request, kept, presets)
+    def start_new(chat_id, conversation, system_prompt, thinking, preset, browser, newest,
+                  presets, query, request: gr.Request):
+        library = chats.library(request, browser, presets, newest)
         shown = chats.get(library, chat_id) if chat_id else None
         if shown is not None and not shown["messages"] and not conversation:
             # The chat shown is a new one already.
@@ -249,38 +261,39 @@ def wire_chat_list(c: dict, engine: Engine, store: ChatStore | None, *, loaded,
         chats.put(library, chat)
         return chats.show(library, chat, query)
 
-    settle(c["chat_new"].click(start_new, [c["chat_id"], *current, c["chat_library"],
-                                           c["chat_presets"], c["chat_search"]], chats.view,
-                               cancels=cancels, api_visibility="private",
-                               show_progress="hidden"))
+    settle(c["chat_new"].click(
+        start_new, [c["chat_id"], *current, *kept, c["chat_presets"], c["chat_search"]],
+        chats.view, cancels=cancels, api_visibility="private", show_progress="hidden",
+        **IN_ORDER))
 
-    def search(query, chat_id, kept, request: gr.Request):
-        return chats.list_update(chats.library(request, kept), query, chat_id)
+    def search(query, chat_id, browser, newest, request: gr.Request):
+        return chats.list_update(chats.library(request, browser, newest=newest), query,
+                                 chat_id)
 
     # .change, not .input: the list follows whatever sets the box (a paste, an autofill).
     gr.on([c["chat_search"].change, c["chat_search"].submit], search,
-          [c["chat_search"], c["chat_id"], c["chat_library"]], c["chat_list"],
+          [c["chat_search"], c["chat_id"], *kept], c["chat_list"],
           api_visibility="private", show_progress="hidden", trigger_mode="always_last")
 
-    def rename(chat_id, title, kept, query, request: gr.Request):
-        library = chats.library(request, kept)
+    def rename(chat_id, title, browser, newest, query, request: gr.Request):
+        library = chats.library(request, browser, newest=newest)
         chat = chats.get(library, chat_id) if chat_id else None
         if chat is None:
             raise user_error("open a chat to rename first")
         chat = renamed(chat, title)
         chats.put(library, chat)
-        return (chats.kept(library), chats.list_update(library, query, chat_id),
+        return (*chats.kept(library), chats.list_update(library, query, chat_id),
                 chat["title"])
 
-    rename_outputs = [c["chat_library"], c["chat_list"], c["chat_title"]]
+    rename_outputs = [*kept, c["chat_list"], c["chat_title"]]
     for trigger in (c["chat_rename"].click, c["chat_title"].submit):
-        trigger(rename, [c["chat_id"], c["chat_title"], c["chat_library"], c["chat_search"]],
-                rename_outputs, api_visibility="private", show_progress="hidden")
+        trigger(rename, [c["chat_id"], c["chat_title"], *kept, c["chat_search"]],
+                rename_outputs, api_visibility="private", show_progress="hidden", **IN_ORDER)
 
     undo_outputs = [c["chat_deleted"], c["chat_undo_delete"]]
 
-    def delete(chat_id, kept, presets, query, request: gr.Request):
-        library = chats.library(request, kept, presets)
+    def delete(chat_id, browser, newest, presets, query, request: gr.Request):
+        library = chats.library(request, browser, presets, newest)
         chat = chats.get(library, chat_id) if chat_id else None
         if chat is None:
             raise user_error("open a chat to delete first")
@@ -294,20 +307,20 @@ def wire_chat_list(c: dict, engine: Engine, store: ChatStore | None, *, loaded,
         return (*chats.show(library, following, query, notice=f"Deleted “{chat['title']}”."),
                 chat, gr.update(visible=True, value=f"Undo delete of “{chat['title']}”"))
 
-    settle(c["chat_delete"].click(delete, [c["chat_id"], c["chat_library"], c["chat_presets"],
-                                           c["chat_search"]],
-                                  [*chats.view, *undo_outputs], cancels=cancels,
-                                  api_visibility="private", show_progress="hidden"))
+    settle(c["chat_delete"].click(
+        delete, [c["chat_id"], *kept, c["chat_presets"], c["chat_search"]],
+        [*chats.view, *undo_outputs], cancels=cancels, api_visibility="private",
+        show_progress="hidden", **IN_ORDER))
 
-    def undo_delete(deleted, kept, presets, query, request: gr.Request):
+    def undo_delete(deleted, browser, newest, presets, query, request: gr.Request):
         if not deleted:
             raise user_error("nothing to undo")
-        library = chats.library(request, kept, presets)
+        library = chats.library(request, browser, presets, newest)
         chats.put(library, deleted)
         return (*chats.show(library, deleted, query), None, gr.update(visible=False))
 
-    settle(c["chat_undo_delete"].click(undo_delete, [c["chat_deleted"], c["chat_library"],
-                                                     c["chat_presets"], c["chat_search"]],
-                                       [*chats.view, *undo_outputs], cancels=cancels,
-                                       api_visibility="private", show_progress="hidden"))
+    settle(c["chat_undo_delete"].click(
+        undo_delete, [c["chat_deleted"], *kept, c["chat_presets"], c["chat_search"]],
+        [*chats.view, *undo_outputs], cancels=cancels, api_visibility="private",
+        show_progress="hidden", **IN_ORDER))
     return chats

@@ -23,7 +23,7 @@ from server.conversation import (
 )
 from server.presets import checked_presets
 
-from .chat_list import REFUSED, ChatList
+from .chat_list import IN_ORDER, REFUSED, ChatList
 from .presets import preset_choices
 
 
@@ -48,8 +48,8 @@ def wire_transfer(c: dict, chats: ChatList, export_dir: Path) -> None:
     c["export"].click(export, [c["conversation"], c["system_prompt"]], [c["export_file"]],
                       api_visibility="private")
 
-    def export_all(kept, presets, request: gr.Request):
-        library = chats.library(request, kept, presets)
+    def export_all(browser, newest, presets, request: gr.Request):
+        library = chats.library(request, browser, presets, newest)
         everything = [chats.get(library, s["id"]) for s in library.summaries()]
         # The folder is served to every page: a name nobody else can guess keeps one user's
         # export from another.
@@ -58,10 +58,11 @@ def wire_transfer(c: dict, chats: ChatList, export_dir: Path) -> None:
                         encoding="utf-8")
         return gr.update(value=str(path), visible=True)
 
-    c["export_all"].click(export_all, [c["chat_library"], c["chat_presets"]], [c["export_file"]],
-                          api_visibility="private")
+    c["export_all"].click(export_all, [c["chat_library"], c["chat_newest"], c["chat_presets"]],
+                          [c["export_file"]], api_visibility="private")
 
-    def import_(path: str | None, kept, presets, query, shown: str, request: gr.Request):
+    def import_(path: str | None, browser, newest, presets, query, shown: str,
+                request: gr.Request):
         if not path:
             raise user_error("no file was uploaded")
         file = Path(path)
@@ -73,17 +74,16 @@ def wire_transfer(c: dict, chats: ChatList, export_dir: Path) -> None:
         except (UnicodeDecodeError, ValueError, RecursionError):
             data = None  # import_json says what is wrong with it
         if is_export_of_all(data):
-            return import_all(data, file.name, kept, presets, query, shown, request)
+            library = chats.library(request, browser, presets, newest)
+            return import_all(data, file.name, library, query, shown)
         try:
             turns, system_prompt = import_json(text)
         except (ConversationError, UnicodeDecodeError) as error:
             raise user_error(f"cannot import {file.name}: {error}") from error
         prompt = gr.skip() if system_prompt is None else system_prompt
-        return chatbot_messages(turns), turns, prompt, *(gr.skip(),) * 5
+        return chatbot_messages(turns), turns, prompt, *(gr.skip(),) * 6
 
-    def import_all(data: dict, name: str, kept, presets, query, shown: str,
-                   request: gr.Request):
-        library = chats.library(request, kept, presets)
+    def import_all(data: dict, name: str, library, query, shown: str):
         imported, added = [], 0
         try:
             imported = chats_of_export(data)
@@ -99,15 +99,15 @@ def wire_transfer(c: dict, chats: ChatList, export_dir: Path) -> None:
             raise user_error(f"cannot import {name}: {error} ({kept_now} of "
                              f"{len(imported)} chats were added)") from None
         presets_now = library.presets_value()
-        return (gr.skip(), gr.skip(), gr.skip(), chats.kept(library),
+        return (gr.skip(), gr.skip(), gr.skip(), *chats.kept(library),
                 gr.skip() if presets_now is None else presets_now,
                 gr.update(choices=preset_choices(library.presets())),
                 chats.list_update(library, query, shown),
                 f"Imported {len(imported)} chats from {name}.")
 
-    c["import"].upload(import_, [c["import"], c["chat_library"], c["chat_presets"],
-                                 c["chat_search"], c["chat_id"]],
+    c["import"].upload(import_, [c["import"], c["chat_library"], c["chat_newest"],
+                                 c["chat_presets"], c["chat_search"], c["chat_id"]],
                        [c["chatbot"], c["conversation"], c["system_prompt"],
-                        c["chat_library"], c["chat_presets"], c["preset"], c["chat_list"],
-                        c["chat_list_notice"]],
-                       api_visibility="private")
+                        c["chat_library"], c["chat_newest"], c["chat_presets"], c["preset"],
+                        c["chat_list"], c["chat_list_notice"]],
+                       api_visibility="private", **IN_ORDER)
