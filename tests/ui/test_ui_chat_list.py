@@ -1,6 +1,7 @@
 """The chat list in a real browser against the real app, without logins (the chats kept in the
 browser): two chats kept apart across a reload, a preset applied to a chat and remembered with
-its Thinking switch, search, and delete with undo.
+its Thinking switch, chats switched while their changes are still being written, search, and
+delete with undo.
 
 The tests run in order on one page, each going on from the chats the one before left."""
 
@@ -13,6 +14,7 @@ from .browser import SETTLED, open_browser, set_number, wait_titles, wait_until_
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
 FIRST, SECOND = "What are the modes?", "How do I share it?"
+MODEL_PRESET = "Model's recommended"
 
 
 @pytest.fixture(scope="module")
@@ -44,6 +46,15 @@ def send(page, text: str, replies: int) -> None:
 def open_chat(page, title: str) -> None:
     page.locator("#chat-list label", has_text=title).click()
     page.locator('#chatbot [data-testid="user"]', has_text=title).wait_for()
+
+
+def preset_shown(page, name: str) -> None:
+    page.wait_for_function("(name) => document.querySelector('#preset input').value === name",
+                           arg=name)
+
+
+def thinking_shown(page) -> bool:
+    return page.locator("#thinking input").is_checked()
 
 
 def slider(page, label: str) -> float:
@@ -88,7 +99,6 @@ def test_a_preset_is_applied_to_a_chat_and_remembered_with_its_thinking_switch(p
     page.wait_for_function("""() => Number(document.querySelector(
         'input[aria-label^="number input for top_k"]').value) !== 7""")
     page.locator("#thinking input").uncheck()
-    page.wait_for_timeout(1500)  # the chat keeps them once the change events ran
 
     open_chat(page, FIRST)
     page.wait_for_function("() => document.querySelector('#preset input').value === 'precise'")
@@ -103,13 +113,41 @@ def test_a_preset_is_applied_to_a_chat_and_remembered_with_its_thinking_switch(p
                            "\"Model's recommended\"")
     assert not page.locator("#thinking input").is_checked()
     assert page.locator("#system-prompt textarea").input_value() == ""
-    page.wait_for_timeout(1500)  # the writes the switch of chat queued have run
     page.reload()  # the chat shown keeps its preset and switch across a reload
     wait_until_ready(page)
     page.locator('#chatbot [data-testid="user"]', has_text=SECOND).wait_for()
     page.wait_for_function("() => document.querySelector('#preset input').value === "
                            "\"Model's recommended\"")
     assert not page.locator("#thinking input").is_checked()
+
+
+def test_chats_switched_while_their_changes_are_written_keep_their_own(page):
+    """The Thinking switch flipped and another chat opened at once, its view landing while
+    the write of the switch is still queued; then a reload right after the last switch. Each
+    chat keeps its own preset and switch: none is written with the other's (FIRST "precise"
+    and SECOND the model's preset, from the test before)."""
+    for second_thinks in (True, False) * 2:  # flipped and flipped back, twice
+        open_chat(page, SECOND)
+        page.locator("#thinking input").set_checked(second_thinks)
+        open_chat(page, FIRST)
+        page.locator("#thinking input").set_checked(not second_thinks)
+        open_chat(page, SECOND)
+        preset_shown(page, MODEL_PRESET)
+        assert thinking_shown(page) == second_thinks
+        page.reload()
+        wait_until_ready(page)
+        page.locator('#chatbot [data-testid="user"]', has_text=SECOND).wait_for()
+        preset_shown(page, MODEL_PRESET)
+        assert thinking_shown(page) == second_thinks
+        open_chat(page, FIRST)
+        preset_shown(page, "precise")
+        assert thinking_shown(page) == (not second_thinks)
+        page.reload()
+        wait_until_ready(page)
+        page.locator('#chatbot [data-testid="user"]', has_text=FIRST).wait_for()
+        preset_shown(page, "precise")
+        assert thinking_shown(page) == (not second_thinks)
+        assert page.locator("#system-prompt textarea").input_value() == "Answer in one line."
 
 
 def test_search_lists_the_chats_holding_the_words(page):
