@@ -77,7 +77,7 @@ def wire_branch_controls(c: dict, *, demo: gr.Blocks, cancels: list, controls: l
             conversation = []
         return pager(conversation, selected, seen)
 
-    gr.on([demo.load, c["conversation"].change], redraw,
+    gr.on([demo.load, c["conversation_changed"].change], redraw,
           [c["conversation"], c["branch_point"], c["branch_seen"]], pager_outputs,
           api_visibility="private", show_progress="hidden", trigger_mode="always_last",
           concurrency_limit=None)

@@ -217,7 +217,9 @@ def wire_chat_list(c: dict, engine: Engine, store: ChatStore | None, *, loaded,
 
     keep_inputs = [c["chat_id"], c["chat_view"], *current, *kept, c["chat_search"]]
     keep_outputs = [*kept, c["chat_list"], c["chat_title"], c["chat_list_notice"]]
-    gr.on([x.change for x in current], keep_shown, keep_inputs, keep_outputs,
+    # The conversation's content, not its object: see ui/content_change.py.
+    changes = [c["conversation_changed"].change, *(x.change for x in current[1:])]
+    gr.on(changes, keep_shown, keep_inputs, keep_outputs,
           # Every change is written, in order: "always_last" dropped a change still waiting
           # when the next one came, even one of the chat shown before a switch.
           api_visibility="private", show_progress="hidden", trigger_mode="multiple",

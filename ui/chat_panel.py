@@ -42,6 +42,7 @@ from .chat_settings import (
     setting_controls,
 )
 from .chat_transfer import build_transfer, wire_transfer
+from .content_change import content_change
 from .context_budget import build_budget_line, wire_context_budget
 from .presets import build_presets, wire_presets
 
@@ -107,6 +108,8 @@ def build_chat_panel(engine: Engine, *, demo: gr.Blocks, status: gr.State,
                 c.update(build_transfer())
     # The conversation and the settings, in the browser's localStorage: they survive a reload.
     c["conversation"] = gr.BrowserState([], storage_key=STORAGE_KEYS[0])
+    # Listen to this one's change, not the conversation's (which also fires unchanged).
+    c["conversation_changed"] = content_change(c["conversation"], "conversation-changed")
     c["saved_settings"] = gr.BrowserState({}, storage_key=STORAGE_KEYS[1])
     # Whose they are: with logins, the next user of the same browser must not get (and send
     # the model) the previous user's conversation and system prompt.

@@ -63,7 +63,7 @@ def wire_context_budget(c: dict, engine: Engine, *, demo: gr.Blocks, status: gr.
     for box in (c["message"], c["system_prompt"]):
         box.input(None, None, None, js=_AFTER_TYPING)
     bounded = [c[name] for name in setting_names if name == "max_new_tokens"]
-    gr.on([c["budget_count"].click, c["conversation"].change, c["thinking"].change,
+    gr.on([c["budget_count"].click, c["conversation_changed"].change, c["thinking"].change,
            status.change, demo.load, *[x.change for x in bounded]],
           measure, [c["message"], c["conversation"], *settings_inputs], c["budget"],
           api_visibility="private", show_progress="hidden", trigger_mode="always_last",

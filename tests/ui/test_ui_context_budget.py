@@ -77,11 +77,33 @@ def trigger_id(page) -> int:
                          "c => c.props.elem_id === 'context-budget-count').id")
 
 
-def test_counted_once_typing_stops_and_the_count_is_what_is_sent(page, app):
+def counting_event(page, button: int) -> int:
+    """The id of the event that counts: the one the hidden button's click triggers."""
+    return page.evaluate("(button) => window.gradio_config.dependencies.find(d => d.targets"
+                         ".some(([id, event]) => id === button && event === 'click')).id",
+                         button)
+
+
+def record_counts(page) -> tuple[list[dict], list[dict]]:
+    """Lists that fill with the counts this page asks for from now on: (those of the hidden
+    button, typing's; those of any other trigger)."""
     button = trigger_id(page)
-    counts = []
-    page.on("request", lambda r: counts.append(r) if r.method == "POST" and "queue/join" in
-            r.url and json.loads(r.post_data or "{}").get("trigger_id") == button else None)
+    event = counting_event(page, button)
+    typing, others = [], []
+
+    def seen(request) -> None:
+        if request.method != "POST" or "queue/join" not in request.url:
+            return
+        body = json.loads(request.post_data or "{}")
+        if body.get("fn_index") == event:
+            (typing if body.get("trigger_id") == button else others).append(body)
+
+    page.on("request", seen)
+    return typing, others
+
+
+def test_counted_once_typing_stops_and_the_count_is_what_is_sent(page, app):
+    counts, others = record_counts(page)
     before = line(page)
     assert f"/ {CONTEXT:,} tokens".replace(",", " ") in before
     page.locator("#message textarea").press_sequentially("How do I share it?", delay=40)
@@ -91,7 +113,10 @@ def test_counted_once_typing_stops_and_the_count_is_what_is_sent(page, app):
     assert typed > tokens(before)
     # 18 keys, one count: the count waits for the typing to stop (a stall of the loaded
     # machine between two keys may let one more through).
-    assert 1 <= len(counts) <= 2, [r.post_data for r in counts]
+    assert 1 <= len(counts) <= 2, counts
+    # Nothing else counted meanwhile: an idle page's conversation does not "change" (a count
+    # then would read the message half typed).
+    assert not others, others
     assert "⚠" not in line(page)
     # The endpoint counts the same; bad input is a plain message.
     client = Client(app.url, verbose=False)
