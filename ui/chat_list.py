@@ -85,10 +85,15 @@ class ChatList:
         # Send, Stop and Regenerate as after a reply: opening another chat stops the one
         # streaming, and its last update (which would have said so) never comes.
         self.idle = idle or (lambda: (gr.skip(),) * 3)
-        self.view = [c["send"], c["stop"], c["regenerate"], c["chatbot"], c["conversation"], c["notice"], c["system_prompt"],
-                     c["thinking"], c["preset"], *(c[n] for n in setting_names),
-                     c["chat_list"], c["chat_title"], c["chat_id"], c["chat_remembered"],
-                     c["chat_library"], c["chat_newest"], c["chat_list_notice"], c["message"]]
+        # What a chat keeps of the page, and the chats' two copies (the browser's, this
+        # page's newest): the inputs and outputs of most handlers.
+        self.current = [c["conversation"], c["system_prompt"], c["thinking"], c["preset"]]
+        self.copies = [c["chat_library"], c["chat_newest"]]
+        self.view = [c["send"], c["stop"], c["regenerate"], c["chatbot"], c["conversation"],
+                     c["notice"], c["system_prompt"], c["thinking"], c["preset"],
+                     *(c[n] for n in setting_names), c["chat_list"], c["chat_title"],
+                     c["chat_id"], c["chat_remembered"], *self.copies, c["chat_list_notice"],
+                     c["message"]]
 
     def library(self, request: gr.Request | None, value, presets=None, newest=None):
         """`value`: the browser's copy of its chats, as the event brought it; `newest`: the
@@ -151,41 +156,17 @@ def wire_chat_list(c: dict, engine: Engine, store: ChatStore | None, *, loaded,
     `idle()` the (Send, Stop, Regenerate) updates after it. Returns the handlers' shared
     parts (export and import use them too)."""
     chats = ChatList(c, engine, store, setting_names, idle)
-    current = [c["conversation"], c["system_prompt"], c["thinking"], c["preset"]]
-    kept = [c["chat_library"], c["chat_newest"]]
+    settle = _wire_writes(c, chats)
+    _wire_page_load(c, chats, loaded, settle)
+    _wire_switches(c, chats, cancels, settle)
+    _wire_delete(c, chats, cancels, settle)
+    _wire_rename_and_search(c, chats)
+    return chats
 
-    def page_load(conversation, system_prompt, thinking, preset, browser, presets, remembered,
-                  query, request: gr.Request):
-        library = chats.library(request, browser, presets)
-        summaries = library.summaries()
-        ids = [s["id"] for s in summaries]
-        chosen = remembered if remembered in ids else (ids[0] if ids else None)
-        notice, changed = "", False
-        try:
-            chat = library.get(chosen) if chosen else None
-        except ChatStoreError as error:  # kept as it is; a new chat is shown instead
-            chat, notice = None, f"⚠ {error}"
-        if chat is None:  # the first visit: the conversation the page had becomes a chat
-            try:
-                messages = validate_history(conversation or [])
-            except ConversationError:
-                messages = []
-            chat = with_messages(new_chat(preset=preset or "", thinking=bool(thinking),
-                                          system_prompt=system_prompt or ""), messages)
-            try:  # refused (a limit): shown all the same, so that the page opens
-                library.put(chat)
-                changed = True
-            except REFUSED as error:
-                notice = f"⚠ {error}"
-        elif store is None and chosen == remembered:
-            # Without logins the conversation in the browser is written first (also by a
-            # reply cut short by a reload): it is the newer copy of this chat (written into
-            # it once the view has landed).
-            try:
-                chat = with_messages(chat, validate_history(conversation or []))
-            except ConversationError:
-                pass
-        return chats.show(library, chat, query, notice, changed=changed)
+
+def _wire_writes(c: dict, chats: ChatList):
+    """Every change of what the page shows is written into the chat shown. Returns
+    settle(event), for each event that shows a chat."""
 
     def keep_shown(chat_id, view, conversation, system_prompt, thinking, preset, browser,
                    newest, query, request: gr.Request):
@@ -215,13 +196,13 @@ def wire_chat_list(c: dict, engine: Engine, store: ChatStore | None, *, loaded,
         title = chat["title"] if chat["title"] != before["title"] else gr.skip()
         return *chats.kept(library), chats.list_update(library, query, chat_id), title, ""
 
-    keep_inputs = [c["chat_id"], c["chat_view"], *current, *kept, c["chat_search"]]
-    keep_outputs = [*kept, c["chat_list"], c["chat_title"], c["chat_list_notice"]]
+    inputs = [c["chat_id"], c["chat_view"], *chats.current, *chats.copies, c["chat_search"]]
+    outputs = [*chats.copies, c["chat_list"], c["chat_title"], c["chat_list_notice"]]
     # The conversation's content, not its object: see ui/content_change.py.
-    changes = [c["conversation_changed"].change, *(x.change for x in current[1:])]
-    gr.on(changes, keep_shown, keep_inputs, keep_outputs,
-          # Every change is written, in order: "always_last" dropped a change still waiting
-          # when the next one came, even one of the chat shown before a switch.
+    changes = [c["conversation_changed"].change, *(x.change for x in chats.current[1:])]
+    gr.on(changes, keep_shown, inputs, outputs,
+          # Every change is written, in order: with "always_last" a change still waiting
+          # when the next one came was dropped, even one of the chat shown before a switch.
           api_visibility="private", show_progress="hidden", trigger_mode="multiple",
           **IN_ORDER)
 
@@ -232,13 +213,59 @@ def wire_chat_list(c: dict, engine: Engine, store: ChatStore | None, *, loaded,
         load's newer conversation)."""
         event.then(None, [c["chat_id"]], [c["chat_view"]], js="(id) => id",
                    api_visibility="private", show_progress="hidden"
-                   ).then(keep_shown, keep_inputs, keep_outputs, api_visibility="private",
+                   ).then(keep_shown, inputs, outputs, api_visibility="private",
                           show_progress="hidden", **IN_ORDER)
 
-    settle(loaded.then(page_load, [*current, c["chat_library"], c["chat_presets"],
+    return settle
+
+
+def _remembered(library, remembered: str) -> tuple[dict | None, str]:
+    """(the chat a page load puts back: the one shown last, else the newest; a notice)."""
+    ids = [s["id"] for s in library.summaries()]
+    chosen = remembered if remembered in ids else (ids[0] if ids else None)
+    try:
+        return (library.get(chosen) if chosen else None), ""
+    except ChatStoreError as error:  # kept as it is; a new chat is shown instead
+        return None, f"⚠ {error}"
+
+
+def _wire_page_load(c: dict, chats: ChatList, loaded, settle) -> None:
+    def page_load(conversation, system_prompt, thinking, preset, browser, presets, remembered,
+                  query, request: gr.Request):
+        library = chats.library(request, browser, presets)
+        chat, notice = _remembered(library, remembered)
+        changed = False
+        if chat is None:  # the first visit: the conversation the page had becomes a chat
+            try:
+                messages = validate_history(conversation or [])
+            except ConversationError:
+                messages = []
+            chat = with_messages(new_chat(preset=preset or "", thinking=bool(thinking),
+                                          system_prompt=system_prompt or ""), messages)
+            try:  # refused (a limit): shown all the same, so that the page opens
+                library.put(chat)
+                changed = True
+            except REFUSED as error:
+                notice = f"⚠ {error}"
+        elif chats.store is None and chat["id"] == remembered:
+            # Without logins the conversation in the browser is written first (also by a
+            # reply cut short by a reload): it is the newer copy of this chat (written into
+            # it once the view has landed).
+            try:
+                chat = with_messages(chat, validate_history(conversation or []))
+            except ConversationError:
+                pass
+        return chats.show(library, chat, query, notice, changed=changed)
+
+    # The browser's copy only: this page has handed none back yet.
+    settle(loaded.then(page_load, [*chats.current, c["chat_library"], c["chat_presets"],
                                    c["chat_remembered"], c["chat_search"]],
                        chats.view, api_visibility="private", show_progress="hidden",
                        **IN_ORDER))
+
+
+def _wire_switches(c: dict, chats: ChatList, cancels: list, settle) -> None:
+    """A click on a chat of the list opens it; New chat starts one."""
 
     def open_chat(chat_id, browser, newest, presets, query, request: gr.Request):
         library = chats.library(request, browser, presets, newest)
@@ -248,8 +275,9 @@ def wire_chat_list(c: dict, engine: Engine, store: ChatStore | None, *, loaded,
         return chats.show(library, chat, query, changed=False)
 
     settle(c["chat_list"].input(
-        open_chat, [c["chat_list"], *kept, c["chat_presets"], c["chat_search"]], chats.view,
-        cancels=cancels, api_visibility="private", show_progress="hidden", **IN_ORDER))
+        open_chat, [c["chat_list"], *chats.copies, c["chat_presets"], c["chat_search"]],
+        chats.view, cancels=cancels, api_visibility="private", show_progress="hidden",
+        **IN_ORDER))
 
     def start_new(chat_id, conversation, system_prompt, thinking, preset, browser, newest,
                   presets, query, request: gr.Request):
@@ -264,34 +292,14 @@ def wire_chat_list(c: dict, engine: Engine, store: ChatStore | None, *, loaded,
         return chats.show(library, chat, query)
 
     settle(c["chat_new"].click(
-        start_new, [c["chat_id"], *current, *kept, c["chat_presets"], c["chat_search"]],
+        start_new, [c["chat_id"], *chats.current, *chats.copies, c["chat_presets"],
+                    c["chat_search"]],
         chats.view, cancels=cancels, api_visibility="private", show_progress="hidden",
         **IN_ORDER))
 
-    def search(query, chat_id, browser, newest, request: gr.Request):
-        return chats.list_update(chats.library(request, browser, newest=newest), query,
-                                 chat_id)
 
-    # .change, not .input: the list follows whatever sets the box (a paste, an autofill).
-    gr.on([c["chat_search"].change, c["chat_search"].submit], search,
-          [c["chat_search"], c["chat_id"], *kept], c["chat_list"],
-          api_visibility="private", show_progress="hidden", trigger_mode="always_last")
-
-    def rename(chat_id, title, browser, newest, query, request: gr.Request):
-        library = chats.library(request, browser, newest=newest)
-        chat = chats.get(library, chat_id) if chat_id else None
-        if chat is None:
-            raise user_error("open a chat to rename first")
-        chat = renamed(chat, title)
-        chats.put(library, chat)
-        return (*chats.kept(library), chats.list_update(library, query, chat_id),
-                chat["title"])
-
-    rename_outputs = [*kept, c["chat_list"], c["chat_title"]]
-    for trigger in (c["chat_rename"].click, c["chat_title"].submit):
-        trigger(rename, [c["chat_id"], c["chat_title"], *kept, c["chat_search"]],
-                rename_outputs, api_visibility="private", show_progress="hidden", **IN_ORDER)
-
+def _wire_delete(c: dict, chats: ChatList, cancels: list, settle) -> None:
+    """Delete shows the next chat (a new one after the last); Undo delete puts it back."""
     undo_outputs = [c["chat_deleted"], c["chat_undo_delete"]]
 
     def delete(chat_id, browser, newest, presets, query, request: gr.Request):
@@ -310,7 +318,7 @@ def wire_chat_list(c: dict, engine: Engine, store: ChatStore | None, *, loaded,
                 chat, gr.update(visible=True, value=f"Undo delete of “{chat['title']}”"))
 
     settle(c["chat_delete"].click(
-        delete, [c["chat_id"], *kept, c["chat_presets"], c["chat_search"]],
+        delete, [c["chat_id"], *chats.copies, c["chat_presets"], c["chat_search"]],
         [*chats.view, *undo_outputs], cancels=cancels, api_visibility="private",
         show_progress="hidden", **IN_ORDER))
 
@@ -322,7 +330,32 @@ def wire_chat_list(c: dict, engine: Engine, store: ChatStore | None, *, loaded,
         return (*chats.show(library, deleted, query), None, gr.update(visible=False))
 
     settle(c["chat_undo_delete"].click(
-        undo_delete, [c["chat_deleted"], *kept, c["chat_presets"], c["chat_search"]],
+        undo_delete, [c["chat_deleted"], *chats.copies, c["chat_presets"], c["chat_search"]],
         [*chats.view, *undo_outputs], cancels=cancels, api_visibility="private",
         show_progress="hidden", **IN_ORDER))
-    return chats
+
+
+def _wire_rename_and_search(c: dict, chats: ChatList) -> None:
+    def search(query, chat_id, browser, newest, request: gr.Request):
+        return chats.list_update(chats.library(request, browser, newest=newest), query,
+                                 chat_id)
+
+    # .change, not .input: the list follows whatever sets the box (a paste, an autofill).
+    gr.on([c["chat_search"].change, c["chat_search"].submit], search,
+          [c["chat_search"], c["chat_id"], *chats.copies], c["chat_list"],
+          api_visibility="private", show_progress="hidden", trigger_mode="always_last")
+
+    def rename(chat_id, title, browser, newest, query, request: gr.Request):
+        library = chats.library(request, browser, newest=newest)
+        chat = chats.get(library, chat_id) if chat_id else None
+        if chat is None:
+            raise user_error("open a chat to rename first")
+        chat = renamed(chat, title)
+        chats.put(library, chat)
+        return (*chats.kept(library), chats.list_update(library, query, chat_id),
+                chat["title"])
+
+    outputs = [*chats.copies, c["chat_list"], c["chat_title"]]
+    for trigger in (c["chat_rename"].click, c["chat_title"].submit):
+        trigger(rename, [c["chat_id"], c["chat_title"], *chats.copies, c["chat_search"]],
+                outputs, api_visibility="private", show_progress="hidden", **IN_ORDER)

@@ -58,8 +58,9 @@ def wire_transfer(c: dict, chats: ChatList, export_dir: Path) -> None:
                         encoding="utf-8")
         return gr.update(value=str(path), visible=True)
 
-    c["export_all"].click(export_all, [c["chat_library"], c["chat_newest"], c["chat_presets"]],
-                          [c["export_file"]], api_visibility="private")
+    # In order: a change made just before the click is written, and exported, first.
+    c["export_all"].click(export_all, [*chats.copies, c["chat_presets"]], [c["export_file"]],
+                          api_visibility="private", **IN_ORDER)
 
     def import_(path: str | None, browser, newest, presets, query, shown: str,
                 request: gr.Request):
@@ -105,9 +106,8 @@ def wire_transfer(c: dict, chats: ChatList, export_dir: Path) -> None:
                 chats.list_update(library, query, shown),
                 f"Imported {len(imported)} chats from {name}.")
 
-    c["import"].upload(import_, [c["import"], c["chat_library"], c["chat_newest"],
-                                 c["chat_presets"], c["chat_search"], c["chat_id"]],
-                       [c["chatbot"], c["conversation"], c["system_prompt"],
-                        c["chat_library"], c["chat_newest"], c["chat_presets"], c["preset"],
-                        c["chat_list"], c["chat_list_notice"]],
+    c["import"].upload(import_, [c["import"], *chats.copies, c["chat_presets"],
+                                 c["chat_search"], c["chat_id"]],
+                       [c["chatbot"], c["conversation"], c["system_prompt"], *chats.copies,
+                        c["chat_presets"], c["preset"], c["chat_list"], c["chat_list_notice"]],
                        api_visibility="private", **IN_ORDER)
