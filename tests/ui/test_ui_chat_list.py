@@ -8,6 +8,7 @@ The tests run in order on one page, each going on from the chats the one before 
 from __future__ import annotations
 
 import pytest
+from playwright.sync_api import expect
 
 from .browser import SETTLED, open_browser, set_number, wait_titles, wait_until_ready
 
@@ -53,8 +54,8 @@ def preset_shown(page, name: str) -> None:
                            arg=name)
 
 
-def thinking_shown(page) -> bool:
-    return page.locator("#thinking input").is_checked()
+def thinking_shown(page, checked: bool) -> None:
+    expect(page.locator("#thinking input")).to_be_checked(checked=checked)
 
 
 def slider(page, label: str) -> float:
@@ -90,35 +91,33 @@ def test_a_preset_is_applied_to_a_chat_and_remembered_with_its_thinking_switch(p
     page.locator("#preset-name input, #preset-name textarea").first.fill("precise")
     page.locator("#preset-save").click()
     page.locator("#preset input").first.wait_for()
-    page.wait_for_function("() => document.querySelector('#preset input').value === 'precise'")
+    preset_shown(page, "precise")
 
     # The other chat: the model's own settings, and Thinking off.
     open_chat(page, SECOND)
     page.locator("#preset input").first.click()
-    page.get_by_role("option", name="Model's recommended").click()
+    page.get_by_role("option", name=MODEL_PRESET).click()
     page.wait_for_function("""() => Number(document.querySelector(
         'input[aria-label^="number input for top_k"]').value) !== 7""")
     page.locator("#thinking input").uncheck()
 
     open_chat(page, FIRST)
-    page.wait_for_function("() => document.querySelector('#preset input').value === 'precise'")
+    preset_shown(page, "precise")
     page.wait_for_function("""() => Number(document.querySelector(
         'input[aria-label^="number input for top_k"]').value) === 7""")
     assert slider(page, "temperature") == 0
     assert page.locator("#system-prompt textarea").input_value() == "Answer in one line."
-    assert page.locator("#thinking input").is_checked()
+    thinking_shown(page, True)
 
     open_chat(page, SECOND)
-    page.wait_for_function("() => document.querySelector('#preset input').value === "
-                           "\"Model's recommended\"")
-    assert not page.locator("#thinking input").is_checked()
+    preset_shown(page, MODEL_PRESET)
+    thinking_shown(page, False)
     assert page.locator("#system-prompt textarea").input_value() == ""
     page.reload()  # the chat shown keeps its preset and switch across a reload
     wait_until_ready(page)
     page.locator('#chatbot [data-testid="user"]', has_text=SECOND).wait_for()
-    page.wait_for_function("() => document.querySelector('#preset input').value === "
-                           "\"Model's recommended\"")
-    assert not page.locator("#thinking input").is_checked()
+    preset_shown(page, MODEL_PRESET)
+    thinking_shown(page, False)
 
 
 def test_chats_switched_while_their_changes_are_written_keep_their_own(page):
@@ -133,20 +132,20 @@ def test_chats_switched_while_their_changes_are_written_keep_their_own(page):
         page.locator("#thinking input").set_checked(not second_thinks)
         open_chat(page, SECOND)
         preset_shown(page, MODEL_PRESET)
-        assert thinking_shown(page) == second_thinks
+        thinking_shown(page, second_thinks)
         page.reload()
         wait_until_ready(page)
         page.locator('#chatbot [data-testid="user"]', has_text=SECOND).wait_for()
         preset_shown(page, MODEL_PRESET)
-        assert thinking_shown(page) == second_thinks
+        thinking_shown(page, second_thinks)
         open_chat(page, FIRST)
         preset_shown(page, "precise")
-        assert thinking_shown(page) == (not second_thinks)
+        thinking_shown(page, not second_thinks)
         page.reload()
         wait_until_ready(page)
         page.locator('#chatbot [data-testid="user"]', has_text=FIRST).wait_for()
         preset_shown(page, "precise")
-        assert thinking_shown(page) == (not second_thinks)
+        thinking_shown(page, not second_thinks)
         assert page.locator("#system-prompt textarea").input_value() == "Answer in one line."
 
 
