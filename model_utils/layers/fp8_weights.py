@@ -41,7 +41,8 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """An input [M, K] as e4m3 with one fp32 scale per row ([M, 1]), for torch._scaled_mm."""
     x = x.float()
     scales = (x.abs().amax(-1, keepdim=True) / FP8_MAX).clamp(min=torch.finfo(torch.float32).tiny)
-    return (x / scales).clamp(-FP8_MAX, FP8_MAX).to(FP8), scales
+    # _scaled_mm's first matrix must be row-major; a reshaped input need not be.
+    return (x / scales).clamp(-FP8_MAX, FP8_MAX).to(FP8).contiguous(), scales
 
 
 def fits(linear: nn.Linear) -> bool:
