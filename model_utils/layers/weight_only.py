@@ -228,7 +228,8 @@ def load_quantized(path, bits: int, group: int | None, *, device_map: dict, dtyp
     from transformers import AutoModelForCausalLM
 
     if not isinstance(device_map, dict) or set(device_map) != {""}:
-        raise ValueError(f"int{bits} weight-only runs on one device: pick the CPU or one GPU "
+        name = "fp8" if fmt == "fp8" else f"int{bits} weight-only"
+        raise ValueError(f"{name} runs on one device: pick the CPU or one GPU "
                          "(splitting and offloading are for the other modes)")
     target = device_map[""]
     device = torch.device(f"cuda:{target}" if isinstance(target, int) else target)

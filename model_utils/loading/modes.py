@@ -78,6 +78,8 @@ class Mode:
         device = device or default_device()
         cost = f"{self.bytes_per_param:.2f} B/param"
         if device == "cpu":  # every mode decodes eagerly there: dropdown_info says it once
+            if self.weight_format == "fp8":  # torch runs _scaled_mm on the CPU too
+                return cost + "; the same fp8 arithmetic as on a GPU"
             return cost + ("; weights dequantized in every forward" if self.is_weight_only
                            else "")
         note = f"; {self.speed_note}" if self.speed_note else ""

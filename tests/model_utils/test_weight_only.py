@@ -192,6 +192,7 @@ def test_the_dropdown_lists_the_modes_by_section_with_their_cost_on_the_device()
     assert all("slow on this GPU" not in gpu[m] for m in ("bf16", "int4-wo", "int8-wo", "nf4"))
     cpu = {name: label for label, name in dropdown_choices("cpu")}
     assert "weights dequantized in every forward" in cpu["int4-wo"]
+    assert "the same fp8 arithmetic as on a GPU" in cpu["fp8"]
     # Each thing said once, the mode first: the closed box shows what is chosen.
     assert cpu["bf16"] == "bf16 · 2.00 B/param · Full precision"
     assert all(label.count("B/param") == 1 for label in {**cpu, **gpu}.values())
