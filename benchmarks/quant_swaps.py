@@ -14,10 +14,10 @@ from model_utils.loading.modes import MODES
 CUDA = torch.cuda.is_available()
 
 
-def _linears(model):
-    """(parent, child name, layer) of every Linear but lm_head."""
+def _linears(model, kind: type = torch.nn.Linear):
+    """(parent, child name, layer) of every layer of exactly this class but lm_head."""
     for name, module in list(model.named_modules()):
-        if type(module) is torch.nn.Linear and not name.endswith("lm_head"):
+        if type(module) is kind and not name.endswith("lm_head"):
             parent, _, child = name.rpartition(".")
             yield model.get_submodule(parent), child, module
 
@@ -121,26 +121,18 @@ def int8_head(model):
             torch.cuda.empty_cache()
 
 
-def _fp8_layers(model):
-    """(parent, child name, layer) of every app fp8 layer."""
-    from model_utils.layers.fp8_weights import Fp8Linear
-
-    for name, module in list(model.named_modules()):
-        if isinstance(module, Fp8Linear):
-            parent, _, child = name.rpartition(".")
-            yield model.get_submodule(parent), child, module
-
-
 def gemlite_fp8(model, *, dynamic: bool = False):
     """gemlite's kernels on the app's fp8 numbers (e4m3 weights, one scale per row): A16W8_FP8
     multiplies bf16 inputs by the fp8 weights (weight-only), A8W8_fp8_dynamic scales the
     inputs to fp8 per token as the app's _scaled_mm path does."""
     from gemlite.helper import A16W8_FP8, A8W8_fp8_dynamic
 
+    from model_utils.layers.fp8_weights import Fp8Linear
+
     _gemlite_configs()
 
     device = model.get_input_embeddings().weight.device
-    for parent, child, layer in _fp8_layers(model):
+    for parent, child, layer in _linears(model, Fp8Linear):
         if dynamic:  # quantizes again from the dequantized weights: the same rows and scales
             linear = torch.nn.Linear(layer.in_features, layer.out_features, bias=False,
                                      device=device, dtype=torch.bfloat16)
