@@ -40,15 +40,21 @@ def torchao_int8(model):
 def _gemlite_configs() -> None:
     """gemlite ships tuned kernel configs per GPU name and loads the one matching this GPU at
     import; it has none for an H200, which would then autotune every shape at its first use
-    (minutes of a load). The H100's (the same Hopper chip with less memory bandwidth) is the
-    closest: loaded when no config of this GPU's name was."""
+    (minutes of a load). benchmarks/configs/gemlite-h200.json is the set an H200 tuned (the
+    H100's and what it added, saved by save_gemlite_configs); on another GPU without configs of
+    its own, the H100's (the same Hopper chip with less memory bandwidth) is the closest."""
     import os
 
     import gemlite.core as core
 
-    if core.selected_tag is None:
-        h100 = os.path.join(os.path.dirname(core.__file__), "configs", "h100.json")
-        core.GemLiteLinear.load_config(h100)
+    if core.selected_tag is not None:
+        return
+    h200 = os.path.join(os.path.dirname(__file__), "configs", "gemlite-h200.json")
+    if "H200" in torch.cuda.get_device_name() and os.path.exists(h200):
+        core.GemLiteLinear.load_config(h200)
+    else:
+        core.GemLiteLinear.load_config(
+            os.path.join(os.path.dirname(core.__file__), "configs", "h100.json"))
 
 
 def save_gemlite_configs(path) -> None:
