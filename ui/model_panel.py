@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 import gradio as gr
 
 from model_utils.loading.demo_model import DEMO_LABEL
+from model_utils.loading.mode_figures import modes_compared_markdown
 from model_utils.loading.modes import dropdown_choices, dropdown_info
 from model_utils.loading.placement import STRATEGIES, available_placements
 from server import model_actions as actions
@@ -62,6 +63,8 @@ def build_model_panel(engine: Engine, *, demo: gr.Blocks, status: gr.State,
                                                  placeholder="empty = the model's own (or the "
                                                              "most that fits)",
                                                  elem_id="context-tokens")
+            with gr.Accordion("Modes compared", open=False):
+                gr.Markdown(modes_compared_markdown(), elem_id="modes-compared")
         with gr.Column(scale=1):
             c["estimate"] = gr.Markdown(elem_id="estimate")
             with gr.Row():

@@ -7,6 +7,8 @@ import json
 
 import pytest
 
+from model_utils.loading.modes import MODES
+
 from .browser import open_browser, set_number, wait_until_ready
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
@@ -169,6 +171,13 @@ def test_switch_mode_updates_status_and_memory(page, artifacts):
     page.locator("#model-message").get_by_text("outside the allowed").wait_for()
     assert "bf16" in page.locator("#model-status").inner_text()
     page.locator("#model-path input, #model-path textarea").fill("")
+
+    # What each mode costs, beside the dropdown: drawn as a table, one row per mode.
+    page.get_by_text("Modes compared").click()
+    compared = page.locator("#modes-compared")
+    compared.get_by_text("not a full-size checkpoint").wait_for()
+    assert compared.locator("tr").count() == len(MODES) + 1
+    assert "|---" not in compared.inner_text()
 
     page.locator("#mode input").click()
     page.get_by_role("option", name="nf4 4-bit ·").click()
