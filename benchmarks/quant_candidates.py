@@ -37,7 +37,9 @@ import argparse
 import gc
 import json
 import logging
+import os
 import platform
+import signal
 import statistics
 import sys
 import tempfile
@@ -286,6 +288,21 @@ def targets(r: dict, bf16: dict, streams: int) -> list[str]:
     return out
 
 
+def keep_tuning_on_timeout(path: Path) -> None:
+    """On SIGTERM (the `timeout` a GPU call runs under), write what gemlite tuned so far
+    before exiting: its autotune of a shape takes tens of seconds, and a run cut while a
+    candidate captures its row counts would otherwise lose all of it."""
+    def on_term(signum, frame):
+        if "gemlite.core" in sys.modules:
+            save_gemlite_configs(path)
+            print(f"stopped: gemlite's tuned configs written to {path}", flush=True)
+        # The results are written after every candidate; an orderly exit would wait on the
+        # engine's worker thread, mid-step.
+        os._exit(128 + signum)
+
+    signal.signal(signal.SIGTERM, on_term)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -315,6 +332,7 @@ def main(argv=None) -> int:
             meta[package] = __import__(package).__version__
         except Exception:  # noqa: BLE001 - not installed
             meta[package] = None
+    keep_tuning_on_timeout(out / "gemlite-configs.json")
     folder = Path(tempfile.mkdtemp(prefix="quant-candidates-"))
     build_random_model(Path(args.config), folder, "cuda" if CUDA else "cpu")
     engine = Engine(max_batch=max(args.streams, 1), max_queue=64)
