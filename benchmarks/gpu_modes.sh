@@ -2,9 +2,10 @@
 # The modes on one GPU, in steps that fit one call of the GPU machine (10 minutes):
 #   kernels  tests/gpu/test_weight_kernels.py: tinygemm int4, int8-wo and fp8 against their
 #            dequantized weights at 1-1024 rows, eager and compiled
-#   tests    the CUDA tests of every mode and the packed attention (needs bitsandbytes and
-#            torchao: tests/gpu/test_batches_and_modes.py, test_packed_attention.py), and the
-#            switching memory over 20 cycles (tests/gpu/test_switch_memory.py)
+#   tests    the CUDA tests of every mode and the packed attention (needs bitsandbytes:
+#            tests/gpu/test_batches_and_modes.py, test_packed_attention.py)
+#   memory   the switching memory over 20 cycles (tests/gpu/test_switch_memory.py; it prints
+#            each switch's seconds and counters as it goes; QWEN_SWITCH_CYCLES runs fewer)
 #   quant    benchmarks/quant_candidates.py on the Qwen2.5-7B shape: bf16, the app's fp8,
 #            int4-wo and int8-wo, gemlite's int4 and int8 and the variants (QUANT_CANDIDATES),
 #            one stream and 32 streams, TTFT, KL against fp32
@@ -42,12 +43,17 @@ for step in $STEPS; do
           -p no:cacheprovider >"$OUT/gpu-tests-kernels.log" 2>&1
       say "kernels: exit $? ($(tail -1 "$OUT/gpu-tests-kernels.log"))";;
     tests)
-      say "tests: every mode, the packed attention, switching memory"
+      say "tests: every mode, the packed attention"
       timeout "${TESTS_S:-400}" $PY -m pytest -m gpu tests/gpu/test_batches_and_modes.py \
-          tests/gpu/test_packed_attention.py tests/gpu/test_switch_memory.py -q \
+          tests/gpu/test_packed_attention.py -q \
           -p no:cacheprovider --junitxml="$OUT/gpu-tests-modes.xml" \
           >"$OUT/gpu-tests-modes.log" 2>&1
       say "tests: exit $? ($(tail -1 "$OUT/gpu-tests-modes.log"))";;
+    memory)
+      say "memory: switching cycles, memory after every unload"
+      timeout "${MEMORY_S:-540}" $PY -m pytest -m gpu tests/gpu/test_switch_memory.py -q -s \
+          -p no:cacheprovider >"$OUT/gpu-tests-switch-memory.log" 2>&1
+      say "memory: exit $? ($(tail -1 "$OUT/gpu-tests-switch-memory.log"))";;
     quant)
       say "quant: the candidates side by side, Qwen2.5-7B shape"
       timeout "${QUANT_S:-540}" $PY benchmarks/quant_candidates.py --config "$CONFIG" \

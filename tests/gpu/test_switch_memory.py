@@ -11,6 +11,7 @@ one model left alive is over the allocated bound on its own: the peaked model of
 from __future__ import annotations
 
 import json
+import os
 import time
 import weakref
 
@@ -30,7 +31,8 @@ from .conftest import gpu_marks
 pytestmark = gpu_marks()
 
 MB = 1024**2
-CYCLES = 20
+# QWEN_SWITCH_CYCLES runs fewer, to time a cycle on a new machine before a full run.
+CYCLES = int(os.environ.get("QWEN_SWITCH_CYCLES", "20"))
 # int8-wo is the mode whose unload once left its whole model referenced on the card.
 MODES = ("bf16", "int8-wo")
 BOUNDS_MB = {"allocated": 64, "nvml": 128, "rss": 256}
@@ -67,6 +69,15 @@ def test_twenty_switch_cycles_give_the_memory_back(mid_model):
     greedy = GenerationSettings.greedy(max_new_tokens=8)
     before = counters()
     rows, previous = [], None
+
+    def keep(row: dict) -> None:
+        # Printed as it comes (run with -s), so that a run cut by its time limit still says
+        # how far it got, how long a switch takes and where the memory stood.
+        rows.append(row)
+        print(json.dumps({key: round(value, 1) if isinstance(value, float) else value
+                          for key, value in row.items()}), flush=True)
+
+    print(json.dumps({"before_mb": before}), flush=True)
     for cycle in range(CYCLES):
         for mode in MODES:
             start = time.perf_counter()
@@ -79,16 +90,16 @@ def test_twenty_switch_cycles_give_the_memory_back(mid_model):
                 # unload, inside the switch, before the new mode loaded (the unload report)
                 assert previous() is None, engine.manager.last_unload.model_kept_by
                 after = engine.manager.last_unload.after
-                rows.append({"cycle": cycle, "mode": mode, "switch_s": switch_s,
-                             "allocated": after["cuda:0_allocated_gb"] * 1024,
-                             "rss": after["rss_gb"] * 1024})
+                keep({"cycle": cycle, "mode": mode, "switch_s": switch_s,
+                      "allocated": after["cuda:0_allocated_gb"] * 1024,
+                      "rss": after["rss_gb"] * 1024})
             previous = weakref.ref(engine.manager.loaded.model)
         # Once a cycle, an unload with nothing loaded after it: NVML too (the unload report
         # has torch's and the process's counters only).
         engine.unload()
         assert previous() is None, engine.manager.last_unload.model_kept_by
         previous = None
-        rows.append({"cycle": cycle, "mode": "(unloaded)", **counters()})
+        keep({"cycle": cycle, "mode": "(unloaded)", **counters()})
 
     over = {key: [round(row[key] - before[key], 1) for row in rows if key in row]
             for key in BOUNDS_MB}
