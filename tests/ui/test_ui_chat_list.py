@@ -1,7 +1,7 @@
 """The chat list in a real browser against the real app, without logins (the chats kept in the
 browser): two chats kept apart across a reload, a preset applied to a chat and remembered with
-its Thinking switch, chats switched while their changes are still being written, search, and
-delete with undo.
+its Thinking switch, chats switched while their changes are still being written, search,
+delete with undo, and a preset saved with a switch of chat right behind it.
 
 The tests run in order on one page, each going on from the chats the one before left."""
 
@@ -52,6 +52,12 @@ def open_chat(page, title: str) -> None:
 def preset_shown(page, name: str) -> None:
     page.wait_for_function("(name) => document.querySelector('#preset input').value === name",
                            arg=name)
+
+
+def preset_offered(page, name: str) -> None:
+    page.locator("#preset input").first.click()
+    expect(page.get_by_role("option", name=name)).to_be_visible()
+    page.keyboard.press("Escape")
 
 
 def thinking_shown(page, checked: bool) -> None:
@@ -179,3 +185,33 @@ def test_rename_then_delete_with_undo(page):
     page.reload()
     wait_until_ready(page)
     wait_titles(page, [SECOND, "Modes talk"])
+
+
+def test_a_preset_saved_just_before_a_switch_stays_with_the_chat_it_was_saved_in(page):
+    """Save preset, and the other chat opened at once, before the save is back: after a
+    reload the preset is among the presets, the chat it was saved in remembers it, and the
+    chat opened does not."""
+    page.locator("#chat-list label", has_text="Modes talk").click()
+    page.locator('#chatbot [data-testid="user"]', has_text=FIRST).wait_for()
+    page.locator("#system-prompt textarea").fill("Be brisk.")
+    set_number(page, "top_k", 5)
+    page.locator("#preset-name input, #preset-name textarea").first.fill("brisk")
+    # Both clicks in one task: between two clicks of Playwright's the save is already back.
+    page.evaluate("""(title) => {
+        document.querySelector('#preset-save').click();
+        [...document.querySelectorAll('#chat-list label')]
+            .find((label) => label.innerText.trim() === title).click();
+    }""", SECOND)
+    page.locator('#chatbot [data-testid="user"]', has_text=SECOND).wait_for()
+    preset_offered(page, "brisk")
+
+    page.reload()
+    wait_until_ready(page)
+    page.locator('#chatbot [data-testid="user"]', has_text=SECOND).wait_for()
+    preset_shown(page, MODEL_PRESET)
+    expect(page.locator("#system-prompt textarea")).to_have_value("")
+    preset_offered(page, "brisk")
+    page.locator("#chat-list label", has_text="Modes talk").click()
+    page.locator('#chatbot [data-testid="user"]', has_text=FIRST).wait_for()
+    preset_shown(page, "brisk")
+    expect(page.locator("#system-prompt textarea")).to_have_value("Be brisk.")
