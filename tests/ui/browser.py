@@ -64,3 +64,28 @@ def wait_titles(page, expected: list[str]) -> None:
     page.wait_for_function(
         """(expected) => JSON.stringify([...document.querySelectorAll('#chat-list label')]
             .map(l => l.innerText.trim())) === JSON.stringify(expected)""", arg=expected)
+
+
+def preset_shown(page, name: str) -> None:
+    page.wait_for_function("(name) => document.querySelector('#preset input').value === name",
+                           arg=name)
+
+
+def preset_offered(page, name: str) -> None:
+    """The preset picker lists `name` (opened, then closed again)."""
+    from playwright.sync_api import expect
+
+    page.locator("#preset input").first.click()
+    expect(page.get_by_role("option", name=name)).to_be_visible()
+    page.keyboard.press("Escape")
+
+
+def save_preset_then_open(page, name: str, title: str) -> None:
+    """Save the settings shown as preset `name` and open the chat titled `title` right after,
+    both clicks in one task: between two of Playwright's clicks the save is already back."""
+    page.locator("#preset-name input, #preset-name textarea").first.fill(name)
+    page.evaluate("""(title) => {
+        document.querySelector('#preset-save').click();
+        [...document.querySelectorAll('#chat-list label')]
+            .find((label) => label.innerText.trim() === title).click();
+    }""", title)

@@ -10,7 +10,16 @@ from __future__ import annotations
 import pytest
 from playwright.sync_api import expect
 
-from .browser import SETTLED, open_browser, set_number, wait_titles, wait_until_ready
+from .browser import (
+    SETTLED,
+    open_browser,
+    preset_offered,
+    preset_shown,
+    save_preset_then_open,
+    set_number,
+    wait_titles,
+    wait_until_ready,
+)
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
@@ -47,17 +56,6 @@ def send(page, text: str, replies: int) -> None:
 def open_chat(page, title: str) -> None:
     page.locator("#chat-list label", has_text=title).click()
     page.locator('#chatbot [data-testid="user"]', has_text=title).wait_for()
-
-
-def preset_shown(page, name: str) -> None:
-    page.wait_for_function("(name) => document.querySelector('#preset input').value === name",
-                           arg=name)
-
-
-def preset_offered(page, name: str) -> None:
-    page.locator("#preset input").first.click()
-    expect(page.get_by_role("option", name=name)).to_be_visible()
-    page.keyboard.press("Escape")
 
 
 def thinking_shown(page, checked: bool) -> None:
@@ -195,13 +193,7 @@ def test_a_preset_saved_just_before_a_switch_stays_with_the_chat_it_was_saved_in
     page.locator('#chatbot [data-testid="user"]', has_text=FIRST).wait_for()
     page.locator("#system-prompt textarea").fill("Be brisk.")
     set_number(page, "top_k", 5)
-    page.locator("#preset-name input, #preset-name textarea").first.fill("brisk")
-    # Both clicks in one task: between two clicks of Playwright's the save is already back.
-    page.evaluate("""(title) => {
-        document.querySelector('#preset-save').click();
-        [...document.querySelectorAll('#chat-list label')]
-            .find((label) => label.innerText.trim() === title).click();
-    }""", SECOND)
+    save_preset_then_open(page, "brisk", SECOND)
     page.locator('#chatbot [data-testid="user"]', has_text=SECOND).wait_for()
     preset_offered(page, "brisk")
 
@@ -215,3 +207,4 @@ def test_a_preset_saved_just_before_a_switch_stays_with_the_chat_it_was_saved_in
     page.locator('#chatbot [data-testid="user"]', has_text=FIRST).wait_for()
     preset_shown(page, "brisk")
     expect(page.locator("#system-prompt textarea")).to_have_value("Be brisk.")
+    expect(page.locator('input[aria-label^="number input for top_k"]')).to_have_value("5")
