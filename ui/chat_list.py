@@ -369,9 +369,12 @@ def _wire_rename_and_search(c: dict, chats: ChatList) -> None:
                                  chat_id)
 
     # .change, not .input: the list follows whatever sets the box (a paste, an autofill).
+    # In order: a write queued before the search lists the chats for the words it was sent
+    # with, and landing after the search it would put the whole list back.
     gr.on([c["chat_search"].change, c["chat_search"].submit], search,
           [c["chat_search"], c["chat_id"], *chats.copies], c["chat_list"],
-          api_visibility="private", show_progress="hidden", trigger_mode="always_last")
+          api_visibility="private", show_progress="hidden", trigger_mode="always_last",
+          **IN_ORDER)
 
     def rename(chat_id, title, browser, newest, query, request: gr.Request):
         library = chats.library(request, browser, newest=newest)
