@@ -214,12 +214,17 @@ def _wire_writes(c: dict, chats: ChatList):
                 "preset": preset or "", "thinking": bool(thinking)}
         if chat == before:
             return nothing
+        listed = chats.choices(library, query)
         try:
             library.put(chat)
         except REFUSED as error:
             return *(gr.skip(),) * 4, f"⚠ {error}"
         title = chat["title"] if chat["title"] != before["title"] else gr.skip()
-        return *chats.kept(library), chats.list_update(library, query, chat_id), title, ""
+        # The list is redrawn only when its titles or order changed: a redraw picks the chat
+        # shown again, and undid a click on another chat made while it landed.
+        update = chats.list_update(library, query, chat_id)
+        return (*chats.kept(library), gr.skip() if update["choices"] == listed else update,
+                title, "")
 
     inputs = [c["chat_id"], c["chat_view"], *chats.current, *chats.copies, c["chat_search"]]
     outputs = [*chats.copies, c["chat_list"], c["chat_title"], c["chat_list_notice"]]
