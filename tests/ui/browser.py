@@ -66,6 +66,16 @@ def wait_titles(page, expected: list[str]) -> None:
             .map(l => l.innerText.trim())) === JSON.stringify(expected)""", arg=expected)
 
 
+def view_landed(page) -> None:
+    """The chat shown has its whole view in the widgets: the page names it as the chat they
+    hold (#chat-view), which it does once every output of the switch has landed. Wait for the
+    new chat's messages first: until its id lands this holds for the chat before."""
+    page.wait_for_function("""() => {
+        const value = (id) => document.querySelector(`#${id} textarea, #${id} input`).value;
+        return value('chat-id') !== '' && value('chat-id') === value('chat-view');
+    }""")
+
+
 def preset_shown(page, name: str) -> None:
     page.wait_for_function("(name) => document.querySelector('#preset input').value === name",
                            arg=name)

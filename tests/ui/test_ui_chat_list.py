@@ -17,6 +17,7 @@ from .browser import (
     preset_shown,
     save_preset_then_open,
     set_number,
+    view_landed,
     wait_titles,
     wait_until_ready,
 )
@@ -191,6 +192,7 @@ def test_a_preset_saved_just_before_a_switch_stays_with_the_chat_it_was_saved_in
     chat opened does not."""
     page.locator("#chat-list label", has_text="Modes talk").click()
     page.locator('#chatbot [data-testid="user"]', has_text=FIRST).wait_for()
+    view_landed(page)
     page.locator("#system-prompt textarea").fill("Be brisk.")
     set_number(page, "top_k", 5)
     save_preset_then_open(page, "brisk", SECOND)

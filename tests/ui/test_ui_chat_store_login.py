@@ -18,6 +18,7 @@ from .browser import (
     preset_shown,
     save_preset_then_open,
     set_number,
+    view_landed,
     wait_titles,
     wait_until_ready,
 )
@@ -113,6 +114,7 @@ def test_a_preset_saved_just_before_a_switch_stays_with_the_chat_it_was_saved_in
     keeps it across a reload."""
     bob = log_in(browser, app.url, BOB)
     bob.locator('#chatbot [data-testid="user"]', has_text=BOBS).wait_for()
+    view_landed(bob)  # else the page load's own preset could land over the pick
     bob.locator("#preset input").first.click()
     bob.get_by_role("option", name=MODEL_PRESET).click()
     preset_shown(bob, MODEL_PRESET)
