@@ -18,7 +18,8 @@ Each write names the chat its values were read with, and is written there or now
   was sent: writes queued one after another each built on the copy from before the others
   had run, and the last to land undid the rest. The newest copy this page was handed stays
   on the server with the page's session (`chat_newest`, a gr.State, read when the handler
-  runs), and every handler that changes the chats runs on one queue, in order.
+  runs), and every handler that changes the chats runs on one queue, in order. So do the
+  presets (`presets_newest`), and the preset handlers (ui/presets.py) run on the same queue.
 """
 
 from __future__ import annotations
@@ -43,8 +44,9 @@ if TYPE_CHECKING:
 
 CHAT_STORAGE_KEYS = ("qwen-chat-library", "qwen-chat-current", "qwen-chat-presets")
 REFUSED = (ChatLimitError, ChatStoreError, ConversationError)
-# The handlers that read or change the chats: one at a time, in the order the page sent them,
-# each on the newest copy the one before left (a switch of chat reads a write queued before it).
+# The handlers that read or change the chats or presets: one at a time, in the order the page
+# sent them, each on the newest copy the one before left (a switch of chat reads a write queued
+# before it).
 IN_ORDER = {"concurrency_id": "chat-write", "concurrency_limit": 1}
 log = logging.getLogger("ui")
 
@@ -72,12 +74,15 @@ def build_chat_list() -> dict:
     c["chat_id"] = gr.Textbox("", visible="hidden", elem_id="chat-id")
     c["chat_view"] = gr.Textbox("", visible="hidden", elem_id="chat-view")
     c["chat_newest"] = gr.State(None)  # the newest copy of the browser's chats, this page's
+    c["presets_newest"] = gr.State(None)  # and of its presets
     c["chat_deleted"] = gr.State(None)  # the chat Undo delete puts back
     return c
 
 
 class ChatList:
     """The handlers' shared parts: which library, and the view of a chat."""
+
+    in_order = IN_ORDER  # the queue of every handler that reads or changes chats or presets
 
     def __init__(self, c: dict, engine: Engine, store: ChatStore | None,
                  setting_names: list[str], idle=None):
@@ -89,18 +94,22 @@ class ChatList:
         # page's newest): the inputs and outputs of most handlers.
         self.current = [c["conversation"], c["system_prompt"], c["thinking"], c["preset"]]
         self.copies = [c["chat_library"], c["chat_newest"]]
+        self.preset_copies = [c["chat_presets"], c["presets_newest"]]
         self.view = [c["send"], c["stop"], c["regenerate"], c["chatbot"], c["conversation"],
                      c["notice"], c["system_prompt"], c["thinking"], c["preset"],
                      *(c[n] for n in setting_names), c["chat_list"], c["chat_title"],
                      c["chat_id"], c["chat_remembered"], *self.copies, c["chat_list_notice"],
                      c["message"]]
 
-    def library(self, request: gr.Request | None, value, presets=None, newest=None):
-        """`value`: the browser's copy of its chats, as the event brought it; `newest`: the
-        copy this page was handed last (None before any), which the browser may not hold yet."""
+    def library(self, request: gr.Request | None, value, presets=None, newest=None,
+                newest_presets=None):
+        """`value`, `presets`: the browser's copies of its chats and presets, as the event
+        brought them; `newest`, `newest_presets`: the copies this page was handed last (None
+        before any), which the browser may not hold yet."""
         try:
             return library_for(self.store, getattr(request, "username", None),
-                               value if newest is None else newest, presets)
+                               value if newest is None else newest,
+                               presets if newest_presets is None else newest_presets)
         except ConversationError as error:
             raise user_error(str(error)) from None
 
@@ -117,6 +126,11 @@ class ChatList:
     def kept(self, library) -> tuple:
         """(the browser's copy, this page's newest copy): the chats from now on."""
         value = library.value()
+        return (gr.skip(),) * 2 if value is None else (value, value)
+
+    def kept_presets(self, library) -> tuple:
+        """(the browser's presets, this page's newest copy of them): the presets from now on."""
+        value = library.presets_value()
         return (gr.skip(),) * 2 if value is None else (value, value)
 
     def show(self, library, chat: dict, query: str | None, notice: str = "", *,
@@ -147,6 +161,17 @@ class ChatList:
             return library.get(chat_id)
         except ChatStoreError as error:
             raise user_error(str(error)) from None
+
+    def record(self, library, chat_id: str, view: str, **fields) -> bool:
+        """Set `fields` on the chat shown, where the widgets hold its whole view (as for every
+        write of what the page shows). Whether the chat changed."""
+        if not chat_id or view != chat_id:
+            return False
+        chat = self.get(library, chat_id)
+        if chat is None or {**chat, **fields} == chat:
+            return False
+        self.put(library, {**chat, **fields})
+        return True
 
 
 def wire_chat_list(c: dict, engine: Engine, store: ChatStore | None, *, loaded,
@@ -189,12 +214,17 @@ def _wire_writes(c: dict, chats: ChatList):
                 "preset": preset or "", "thinking": bool(thinking)}
         if chat == before:
             return nothing
+        listed = chats.choices(library, query)
         try:
             library.put(chat)
         except REFUSED as error:
             return *(gr.skip(),) * 4, f"⚠ {error}"
         title = chat["title"] if chat["title"] != before["title"] else gr.skip()
-        return *chats.kept(library), chats.list_update(library, query, chat_id), title, ""
+        # The list is redrawn only when its titles or order changed: a redraw picks the chat
+        # shown again, and undid a click on another chat made while it landed.
+        update = chats.list_update(library, query, chat_id)
+        return (*chats.kept(library), gr.skip() if update["choices"] == listed else update,
+                title, "")
 
     inputs = [c["chat_id"], c["chat_view"], *chats.current, *chats.copies, c["chat_search"]]
     outputs = [*chats.copies, c["chat_list"], c["chat_title"], c["chat_list_notice"]]
@@ -267,21 +297,22 @@ def _wire_page_load(c: dict, chats: ChatList, loaded, settle) -> None:
 def _wire_switches(c: dict, chats: ChatList, cancels: list, settle) -> None:
     """A click on a chat of the list opens it; New chat starts one."""
 
-    def open_chat(chat_id, browser, newest, presets, query, request: gr.Request):
-        library = chats.library(request, browser, presets, newest)
+    def open_chat(chat_id, browser, newest, presets, newest_presets, query,
+                  request: gr.Request):
+        library = chats.library(request, browser, presets, newest, newest_presets)
         chat = chats.get(library, chat_id) if chat_id else None
         if chat is None:
             raise user_error("that chat is gone (deleted in another tab?)")
         return chats.show(library, chat, query, changed=False)
 
     settle(c["chat_list"].input(
-        open_chat, [c["chat_list"], *chats.copies, c["chat_presets"], c["chat_search"]],
+        open_chat, [c["chat_list"], *chats.copies, *chats.preset_copies, c["chat_search"]],
         chats.view, cancels=cancels, api_visibility="private", show_progress="hidden",
         **IN_ORDER))
 
     def start_new(chat_id, conversation, system_prompt, thinking, preset, browser, newest,
-                  presets, query, request: gr.Request):
-        library = chats.library(request, browser, presets, newest)
+                  presets, newest_presets, query, request: gr.Request):
+        library = chats.library(request, browser, presets, newest, newest_presets)
         shown = chats.get(library, chat_id) if chat_id else None
         if shown is not None and not shown["messages"] and not conversation:
             # The chat shown is a new one already.
@@ -292,7 +323,7 @@ def _wire_switches(c: dict, chats: ChatList, cancels: list, settle) -> None:
         return chats.show(library, chat, query)
 
     settle(c["chat_new"].click(
-        start_new, [c["chat_id"], *chats.current, *chats.copies, c["chat_presets"],
+        start_new, [c["chat_id"], *chats.current, *chats.copies, *chats.preset_copies,
                     c["chat_search"]],
         chats.view, cancels=cancels, api_visibility="private", show_progress="hidden",
         **IN_ORDER))
@@ -302,8 +333,9 @@ def _wire_delete(c: dict, chats: ChatList, cancels: list, settle) -> None:
     """Delete shows the next chat (a new one after the last); Undo delete puts it back."""
     undo_outputs = [c["chat_deleted"], c["chat_undo_delete"]]
 
-    def delete(chat_id, browser, newest, presets, query, request: gr.Request):
-        library = chats.library(request, browser, presets, newest)
+    def delete(chat_id, browser, newest, presets, newest_presets, query,
+               request: gr.Request):
+        library = chats.library(request, browser, presets, newest, newest_presets)
         chat = chats.get(library, chat_id) if chat_id else None
         if chat is None:
             raise user_error("open a chat to delete first")
@@ -318,19 +350,20 @@ def _wire_delete(c: dict, chats: ChatList, cancels: list, settle) -> None:
                 chat, gr.update(visible=True, value=f"Undo delete of “{chat['title']}”"))
 
     settle(c["chat_delete"].click(
-        delete, [c["chat_id"], *chats.copies, c["chat_presets"], c["chat_search"]],
+        delete, [c["chat_id"], *chats.copies, *chats.preset_copies, c["chat_search"]],
         [*chats.view, *undo_outputs], cancels=cancels, api_visibility="private",
         show_progress="hidden", **IN_ORDER))
 
-    def undo_delete(deleted, browser, newest, presets, query, request: gr.Request):
+    def undo_delete(deleted, browser, newest, presets, newest_presets, query,
+                    request: gr.Request):
         if not deleted:
             raise user_error("nothing to undo")
-        library = chats.library(request, browser, presets, newest)
+        library = chats.library(request, browser, presets, newest, newest_presets)
         chats.put(library, deleted)
         return (*chats.show(library, deleted, query), None, gr.update(visible=False))
 
     settle(c["chat_undo_delete"].click(
-        undo_delete, [c["chat_deleted"], *chats.copies, c["chat_presets"], c["chat_search"]],
+        undo_delete, [c["chat_deleted"], *chats.copies, *chats.preset_copies, c["chat_search"]],
         [*chats.view, *undo_outputs], cancels=cancels, api_visibility="private",
         show_progress="hidden", **IN_ORDER))
 
@@ -341,9 +374,12 @@ def _wire_rename_and_search(c: dict, chats: ChatList) -> None:
                                  chat_id)
 
     # .change, not .input: the list follows whatever sets the box (a paste, an autofill).
+    # In order: a write queued before the search lists the chats for the words it was sent
+    # with, and landing after the search it would put the whole list back.
     gr.on([c["chat_search"].change, c["chat_search"].submit], search,
           [c["chat_search"], c["chat_id"], *chats.copies], c["chat_list"],
-          api_visibility="private", show_progress="hidden", trigger_mode="always_last")
+          api_visibility="private", show_progress="hidden", trigger_mode="always_last",
+          **IN_ORDER)
 
     def rename(chat_id, title, browser, newest, query, request: gr.Request):
         library = chats.library(request, browser, newest=newest)

@@ -301,7 +301,7 @@ def _wire(c: dict, engine: Engine, signals: StopSignals, export_dir: Path, demo:
                            default_context=DEFAULT_CONTEXT)
     chats = wire_chat_list(c, engine, chat_store, loaded=loaded, cancels=reply_events,
                            setting_names=setting_names, idle=lambda: buttons(generating=False))
-    wire_presets(c, engine, chat_store, setting_names=setting_names)
+    wire_presets(c, chats)
     wire_transfer(c, chats, export_dir)
     wire_context_budget(c, engine, demo=demo, status=status, settings_inputs=settings_inputs,
                         setting_names=setting_names)

@@ -48,8 +48,8 @@ def wire_transfer(c: dict, chats: ChatList, export_dir: Path) -> None:
     c["export"].click(export, [c["conversation"], c["system_prompt"]], [c["export_file"]],
                       api_visibility="private")
 
-    def export_all(browser, newest, presets, request: gr.Request):
-        library = chats.library(request, browser, presets, newest)
+    def export_all(browser, newest, presets, newest_presets, request: gr.Request):
+        library = chats.library(request, browser, presets, newest, newest_presets)
         everything = [chats.get(library, s["id"]) for s in library.summaries()]
         # The folder is served to every page: a name nobody else can guess keeps one user's
         # export from another.
@@ -59,10 +59,10 @@ def wire_transfer(c: dict, chats: ChatList, export_dir: Path) -> None:
         return gr.update(value=str(path), visible=True)
 
     # In order: a change made just before the click is written, and exported, first.
-    c["export_all"].click(export_all, [*chats.copies, c["chat_presets"]], [c["export_file"]],
-                          api_visibility="private", **IN_ORDER)
+    c["export_all"].click(export_all, [*chats.copies, *chats.preset_copies],
+                          [c["export_file"]], api_visibility="private", **IN_ORDER)
 
-    def import_(path: str | None, browser, newest, presets, query, shown: str,
+    def import_(path: str | None, browser, newest, presets, newest_presets, query, shown: str,
                 request: gr.Request):
         if not path:
             raise user_error("no file was uploaded")
@@ -75,14 +75,14 @@ def wire_transfer(c: dict, chats: ChatList, export_dir: Path) -> None:
         except (UnicodeDecodeError, ValueError, RecursionError):
             data = None  # import_json says what is wrong with it
         if is_export_of_all(data):
-            library = chats.library(request, browser, presets, newest)
+            library = chats.library(request, browser, presets, newest, newest_presets)
             return import_all(data, file.name, library, query, shown)
         try:
             turns, system_prompt = import_json(text)
         except (ConversationError, UnicodeDecodeError) as error:
             raise user_error(f"cannot import {file.name}: {error}") from error
         prompt = gr.skip() if system_prompt is None else system_prompt
-        return chatbot_messages(turns), turns, prompt, *(gr.skip(),) * 6
+        return chatbot_messages(turns), turns, prompt, *(gr.skip(),) * 7
 
     def import_all(data: dict, name: str, library, query, shown: str):
         imported, added = [], 0
@@ -99,15 +99,15 @@ def wire_transfer(c: dict, chats: ChatList, export_dir: Path) -> None:
             kept_now = added if library.value() is None else 0
             raise user_error(f"cannot import {name}: {error} ({kept_now} of "
                              f"{len(imported)} chats were added)") from None
-        presets_now = library.presets_value()
         return (gr.skip(), gr.skip(), gr.skip(), *chats.kept(library),
-                gr.skip() if presets_now is None else presets_now,
+                *chats.kept_presets(library),
                 gr.update(choices=preset_choices(library.presets())),
                 chats.list_update(library, query, shown),
                 f"Imported {len(imported)} chats from {name}.")
 
-    c["import"].upload(import_, [c["import"], *chats.copies, c["chat_presets"],
+    c["import"].upload(import_, [c["import"], *chats.copies, *chats.preset_copies,
                                  c["chat_search"], c["chat_id"]],
                        [c["chatbot"], c["conversation"], c["system_prompt"], *chats.copies,
-                        c["chat_presets"], c["preset"], c["chat_list"], c["chat_list_notice"]],
+                        *chats.preset_copies, c["preset"], c["chat_list"],
+                        c["chat_list_notice"]],
                        api_visibility="private", **IN_ORDER)

@@ -8,7 +8,6 @@ from typing import TYPE_CHECKING
 
 import gradio as gr
 
-from server.chat_library import library_for
 from server.chats import ChatLimitError
 from server.common import user_error
 from server.conversation import ConversationError
@@ -18,7 +17,8 @@ from .chat_settings import context_bounded
 
 if TYPE_CHECKING:
     from model_utils.engine import Engine
-    from server.chat_store import ChatStore
+
+    from .chat_list import ChatList
 
 DEFAULT_CONTEXT = 8192
 
@@ -62,54 +62,60 @@ def preset_updates(engine: Engine, presets: dict[str, dict], name: str | None,
     return updates
 
 
-def wire_presets(c: dict, engine: Engine, store: ChatStore | None, *,
-                 setting_names: list[str]) -> None:
+def wire_presets(c: dict, chats: ChatList) -> None:
+    """Pick, Save and Delete run on the chat list's queue, on the newest copies of the chats
+    and presets (ui/chat_list.py), and each writes its pick into the chat it was made in: the
+    picker's change, which writes it too, may fire only after a switch of chat has landed,
+    and then be written nowhere."""
+    engine, setting_names = chats.engine, chats.setting_names
     widgets = [c[name] for name in setting_names]
+    shown = [c["chat_id"], c["chat_view"], *chats.copies, *chats.preset_copies]
+    quiet = {"api_visibility": "private", "show_progress": "hidden", **chats.in_order}
 
-    def library(request: gr.Request, presets):
-        try:
-            return library_for(store, getattr(request, "username", None), None, presets)
-        except ConversationError as error:
-            raise user_error(str(error)) from None
+    def written(library, chat_id: str, view: str, **fields) -> tuple:
+        """(the browser's chats, this page's newest copy) after `fields` set on the chat."""
+        if chats.record(library, chat_id, view, **fields):
+            return chats.kept(library)
+        return (gr.skip(),) * 2
 
-    def picked(name: str | None, kept, request: gr.Request):
-        return preset_updates(engine, library(request, kept).presets(), name, setting_names)
+    def picked(name: str | None, chat_id, view, browser, newest, presets, newest_presets,
+               request: gr.Request):
+        library = chats.library(request, browser, presets, newest, newest_presets)
+        updates = preset_updates(engine, library.presets(), name, setting_names)
+        fields = {"preset": name or ""}
+        if isinstance(updates[0], str):
+            fields["system_prompt"] = updates[0]
+        return *written(library, chat_id, view, **fields), *updates
 
-    c["preset"].input(picked, [c["preset"], c["chat_presets"]],
-                      [c["system_prompt"], *widgets], api_visibility="private",
-                      show_progress="hidden")
+    c["preset"].input(picked, [c["preset"], *shown],
+                      [*chats.copies, c["system_prompt"], *widgets], **quiet)
 
-    def save(name: str, system_prompt: str, kept, request: gr.Request, *values):
-        chats = library(request, kept)
+    def save(name: str, system_prompt: str, chat_id, view, browser, newest, presets,
+             newest_presets, request: gr.Request, *values):
+        library = chats.library(request, browser, presets, newest, newest_presets)
         try:
             name = checked_name(name)
             preset = checked_preset({"system_prompt": system_prompt or "", "settings": dict(
                 zip(setting_names, values, strict=True))})
-            chats.put_preset(name, preset)
+            library.put_preset(name, preset)
         except (ConversationError, ChatLimitError) as error:
             raise user_error(str(error)) from None
-        value = chats.presets_value()
-        return (gr.skip() if value is None else value,
-                gr.update(choices=preset_choices(chats.presets()), value=name), "")
+        return (*chats.kept_presets(library), *written(library, chat_id, view, preset=name),
+                gr.update(choices=preset_choices(library.presets()), value=name), "")
 
-    c["preset_save"].click(save, [c["preset_name"], c["system_prompt"], c["chat_presets"],
-                                  *widgets],
-                           [c["chat_presets"], c["preset"], c["preset_name"]],
-                           api_visibility="private", show_progress="hidden")
-    c["preset_name"].submit(save, [c["preset_name"], c["system_prompt"], c["chat_presets"],
-                                   *widgets],
-                            [c["chat_presets"], c["preset"], c["preset_name"]],
-                            api_visibility="private", show_progress="hidden")
+    save_outputs = [*chats.preset_copies, *chats.copies, c["preset"], c["preset_name"]]
+    for trigger in (c["preset_save"].click, c["preset_name"].submit):
+        trigger(save, [c["preset_name"], c["system_prompt"], *shown, *widgets], save_outputs,
+                **quiet)
 
-    def delete(name: str | None, kept, request: gr.Request):
+    def delete(name: str | None, chat_id, view, browser, newest, presets, newest_presets,
+               request: gr.Request):
         if not name or name == MODEL_PRESET:
             raise user_error("pick one of your presets to delete (the model's own stays)")
-        chats = library(request, kept)
-        chats.delete_preset(name)
-        value = chats.presets_value()
-        return (gr.skip() if value is None else value,
-                gr.update(choices=preset_choices(chats.presets()), value=None))
+        library = chats.library(request, browser, presets, newest, newest_presets)
+        library.delete_preset(name)
+        return (*chats.kept_presets(library), *written(library, chat_id, view, preset=""),
+                gr.update(choices=preset_choices(library.presets()), value=None))
 
-    c["preset_delete"].click(delete, [c["preset"], c["chat_presets"]],
-                             [c["chat_presets"], c["preset"]], api_visibility="private",
-                             show_progress="hidden")
+    c["preset_delete"].click(delete, [c["preset"], *shown],
+                             [*chats.preset_copies, *chats.copies, c["preset"]], **quiet)

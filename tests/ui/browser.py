@@ -64,3 +64,38 @@ def wait_titles(page, expected: list[str]) -> None:
     page.wait_for_function(
         """(expected) => JSON.stringify([...document.querySelectorAll('#chat-list label')]
             .map(l => l.innerText.trim())) === JSON.stringify(expected)""", arg=expected)
+
+
+def view_landed(page) -> None:
+    """The chat shown has its whole view in the widgets: the page names it as the chat they
+    hold (#chat-view), which it does once every output of the switch has landed. Wait for the
+    new chat's messages first: until its id lands this holds for the chat before."""
+    page.wait_for_function("""() => {
+        const value = (id) => document.querySelector(`#${id} textarea, #${id} input`).value;
+        return value('chat-id') !== '' && value('chat-id') === value('chat-view');
+    }""")
+
+
+def preset_shown(page, name: str) -> None:
+    page.wait_for_function("(name) => document.querySelector('#preset input').value === name",
+                           arg=name)
+
+
+def preset_offered(page, name: str) -> None:
+    """The preset picker lists `name` (opened, then closed again)."""
+    from playwright.sync_api import expect
+
+    page.locator("#preset input").first.click()
+    expect(page.get_by_role("option", name=name)).to_be_visible()
+    page.keyboard.press("Escape")
+
+
+def save_preset_then_open(page, name: str, title: str) -> None:
+    """Save the settings shown as preset `name` and open the chat titled `title` right after,
+    both clicks in one task: between two of Playwright's clicks the save is already back."""
+    page.locator("#preset-name input, #preset-name textarea").first.fill(name)
+    page.evaluate("""(title) => {
+        document.querySelector('#preset-save').click();
+        [...document.querySelectorAll('#chat-list label')]
+            .find((label) => label.innerText.trim() === title).click();
+    }""", title)

@@ -1,7 +1,7 @@
 """The chat list in a real browser against the real app, without logins (the chats kept in the
 browser): two chats kept apart across a reload, a preset applied to a chat and remembered with
-its Thinking switch, chats switched while their changes are still being written, search, and
-delete with undo.
+its Thinking switch, chats switched while their changes are still being written, search,
+delete with undo, and a preset saved with a switch of chat right behind it.
 
 The tests run in order on one page, each going on from the chats the one before left."""
 
@@ -10,7 +10,17 @@ from __future__ import annotations
 import pytest
 from playwright.sync_api import expect
 
-from .browser import SETTLED, open_browser, set_number, wait_titles, wait_until_ready
+from .browser import (
+    SETTLED,
+    open_browser,
+    preset_offered,
+    preset_shown,
+    save_preset_then_open,
+    set_number,
+    view_landed,
+    wait_titles,
+    wait_until_ready,
+)
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
@@ -47,11 +57,6 @@ def send(page, text: str, replies: int) -> None:
 def open_chat(page, title: str) -> None:
     page.locator("#chat-list label", has_text=title).click()
     page.locator('#chatbot [data-testid="user"]', has_text=title).wait_for()
-
-
-def preset_shown(page, name: str) -> None:
-    page.wait_for_function("(name) => document.querySelector('#preset input').value === name",
-                           arg=name)
 
 
 def thinking_shown(page, checked: bool) -> None:
@@ -179,3 +184,29 @@ def test_rename_then_delete_with_undo(page):
     page.reload()
     wait_until_ready(page)
     wait_titles(page, [SECOND, "Modes talk"])
+
+
+def test_a_preset_saved_just_before_a_switch_stays_with_the_chat_it_was_saved_in(page):
+    """Save preset, and the other chat opened at once, before the save is back: after a
+    reload the preset is among the presets, the chat it was saved in remembers it, and the
+    chat opened does not."""
+    page.locator("#chat-list label", has_text="Modes talk").click()
+    page.locator('#chatbot [data-testid="user"]', has_text=FIRST).wait_for()
+    view_landed(page)
+    page.locator("#system-prompt textarea").fill("Be brisk.")
+    set_number(page, "top_k", 5)
+    save_preset_then_open(page, "brisk", SECOND)
+    page.locator('#chatbot [data-testid="user"]', has_text=SECOND).wait_for()
+    preset_offered(page, "brisk")
+
+    page.reload()
+    wait_until_ready(page)
+    page.locator('#chatbot [data-testid="user"]', has_text=SECOND).wait_for()
+    preset_shown(page, MODEL_PRESET)
+    expect(page.locator("#system-prompt textarea")).to_have_value("")
+    preset_offered(page, "brisk")
+    page.locator("#chat-list label", has_text="Modes talk").click()
+    page.locator('#chatbot [data-testid="user"]', has_text=FIRST).wait_for()
+    preset_shown(page, "brisk")
+    expect(page.locator("#system-prompt textarea")).to_have_value("Be brisk.")
+    expect(page.locator('input[aria-label^="number input for top_k"]')).to_have_value("5")

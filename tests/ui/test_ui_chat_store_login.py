@@ -1,6 +1,7 @@
 """Chats of logged-in users, in real browsers against the real app with --chat-store: each user
 finds their chats from another browser (and after a restart), and never sees another user's,
-the admin included; a store file that cannot be read stops the start with a plain message."""
+the admin included; a preset saved with a switch of chat right behind it stays with its chat;
+a store file that cannot be read stops the start with a plain message."""
 
 from __future__ import annotations
 
@@ -8,14 +9,26 @@ import subprocess
 import sys
 
 import pytest
+from playwright.sync_api import expect
 
-from .browser import SETTLED, open_browser, set_number, wait_titles, wait_until_ready
+from .browser import (
+    SETTLED,
+    open_browser,
+    preset_offered,
+    preset_shown,
+    save_preset_then_open,
+    set_number,
+    view_landed,
+    wait_titles,
+    wait_until_ready,
+)
 from .conftest import ROOT
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
 ANN, BOB = ("ann", "pw-ann"), ("bob", "pw-bob")
 ANNS, BOBS = "What are the modes?", "How do I share it?"
+MODEL_PRESET = "Model's recommended"
 
 
 @pytest.fixture(scope="module")
@@ -92,6 +105,41 @@ def test_each_user_finds_their_own_chats_from_another_browser_and_never_anothers
     wait_titles(ann, [BOBS])
     assert ANNS not in ann.locator("#chatbot").inner_text()
     ann.context.close()
+
+
+def test_a_preset_saved_just_before_a_switch_stays_with_the_chat_it_was_saved_in(browser,
+                                                                               app):
+    """As without logins (test_ui_chat_list), with the chats and presets in the store: the
+    chat opened right behind the save does not get the preset, and the chat it was saved in
+    keeps it across a reload."""
+    bob = log_in(browser, app.url, BOB)
+    bob.locator('#chatbot [data-testid="user"]', has_text=BOBS).wait_for()
+    view_landed(bob)  # else the page load's own preset could land over the pick
+    bob.locator("#preset input").first.click()
+    bob.get_by_role("option", name=MODEL_PRESET).click()
+    preset_shown(bob, MODEL_PRESET)
+    bob.locator("#chat-new").click()  # a second chat, with the same preset
+    bob.wait_for_function("() => !document.querySelector('#chatbot [data-testid=user]')")
+    send(bob, ANNS)
+    wait_titles(bob, [ANNS, BOBS])
+    bob.locator("#system-prompt textarea").fill("Be terse.")
+    set_number(bob, "top_k", 5)
+    save_preset_then_open(bob, "terse", BOBS)
+    bob.locator('#chatbot [data-testid="user"]', has_text=BOBS).wait_for()
+    preset_offered(bob, "terse")
+
+    bob.reload()
+    wait_until_ready(bob)
+    bob.locator('#chatbot [data-testid="user"]', has_text=BOBS).wait_for()
+    preset_shown(bob, MODEL_PRESET)
+    expect(bob.locator("#system-prompt textarea")).to_have_value("")
+    preset_offered(bob, "terse")
+    bob.locator("#chat-list label", has_text=ANNS).click()
+    bob.locator('#chatbot [data-testid="user"]', has_text=ANNS).wait_for()
+    preset_shown(bob, "terse")
+    expect(bob.locator("#system-prompt textarea")).to_have_value("Be terse.")
+    expect(bob.locator('input[aria-label^="number input for top_k"]')).to_have_value("5")
+    bob.context.close()
 
 
 def test_the_chats_survive_a_restart(browser, app, start_app, store_path):
