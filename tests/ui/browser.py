@@ -99,3 +99,24 @@ def save_preset_then_open(page, name: str, title: str) -> None:
         [...document.querySelectorAll('#chat-list label')]
             .find((label) => label.innerText.trim() === title).click();
     }""", title)
+
+
+def preset_kept_after_reload(page, *, opened: str, opened_preset: str, saved_in: str,
+                             saved_in_title: str, saved: str, prompt: str) -> None:
+    """After a reload, with the chat whose message is `opened` shown: it kept `opened_preset`
+    and no system prompt, the presets still offer `saved`, and the chat of message `saved_in`
+    (opened from the list by its title) shows `saved` with its system prompt `prompt` and
+    top_k 5."""
+    from playwright.sync_api import expect
+
+    page.reload()
+    wait_until_ready(page)
+    page.locator('#chatbot [data-testid="user"]', has_text=opened).wait_for()
+    preset_shown(page, opened_preset)
+    expect(page.locator("#system-prompt textarea")).to_have_value("")
+    preset_offered(page, saved)
+    page.locator("#chat-list label", has_text=saved_in_title).click()
+    page.locator('#chatbot [data-testid="user"]', has_text=saved_in).wait_for()
+    preset_shown(page, saved)
+    expect(page.locator("#system-prompt textarea")).to_have_value(prompt)
+    expect(page.locator('input[aria-label^="number input for top_k"]')).to_have_value("5")

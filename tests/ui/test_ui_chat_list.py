@@ -13,6 +13,7 @@ from playwright.sync_api import expect
 from .browser import (
     SETTLED,
     open_browser,
+    preset_kept_after_reload,
     preset_offered,
     preset_shown,
     save_preset_then_open,
@@ -199,14 +200,5 @@ def test_a_preset_saved_just_before_a_switch_stays_with_the_chat_it_was_saved_in
     page.locator('#chatbot [data-testid="user"]', has_text=SECOND).wait_for()
     preset_offered(page, "brisk")
 
-    page.reload()
-    wait_until_ready(page)
-    page.locator('#chatbot [data-testid="user"]', has_text=SECOND).wait_for()
-    preset_shown(page, MODEL_PRESET)
-    expect(page.locator("#system-prompt textarea")).to_have_value("")
-    preset_offered(page, "brisk")
-    page.locator("#chat-list label", has_text="Modes talk").click()
-    page.locator('#chatbot [data-testid="user"]', has_text=FIRST).wait_for()
-    preset_shown(page, "brisk")
-    expect(page.locator("#system-prompt textarea")).to_have_value("Be brisk.")
-    expect(page.locator('input[aria-label^="number input for top_k"]')).to_have_value("5")
+    preset_kept_after_reload(page, opened=SECOND, opened_preset=MODEL_PRESET, saved_in=FIRST,
+                             saved_in_title="Modes talk", saved="brisk", prompt="Be brisk.")

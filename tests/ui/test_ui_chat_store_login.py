@@ -9,11 +9,11 @@ import subprocess
 import sys
 
 import pytest
-from playwright.sync_api import expect
 
 from .browser import (
     SETTLED,
     open_browser,
+    preset_kept_after_reload,
     preset_offered,
     preset_shown,
     save_preset_then_open,
@@ -128,17 +128,8 @@ def test_a_preset_saved_just_before_a_switch_stays_with_the_chat_it_was_saved_in
     bob.locator('#chatbot [data-testid="user"]', has_text=BOBS).wait_for()
     preset_offered(bob, "terse")
 
-    bob.reload()
-    wait_until_ready(bob)
-    bob.locator('#chatbot [data-testid="user"]', has_text=BOBS).wait_for()
-    preset_shown(bob, MODEL_PRESET)
-    expect(bob.locator("#system-prompt textarea")).to_have_value("")
-    preset_offered(bob, "terse")
-    bob.locator("#chat-list label", has_text=ANNS).click()
-    bob.locator('#chatbot [data-testid="user"]', has_text=ANNS).wait_for()
-    preset_shown(bob, "terse")
-    expect(bob.locator("#system-prompt textarea")).to_have_value("Be terse.")
-    expect(bob.locator('input[aria-label^="number input for top_k"]')).to_have_value("5")
+    preset_kept_after_reload(bob, opened=BOBS, opened_preset=MODEL_PRESET, saved_in=ANNS,
+                             saved_in_title=ANNS, saved="terse", prompt="Be terse.")
     bob.context.close()
 
 
