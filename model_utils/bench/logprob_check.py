@@ -23,6 +23,10 @@ from dataclasses import asdict, dataclass
 import torch
 
 TOP_K = 5
+# Alternatives recorded per step, more than the TOP_K the rule tests: where one side's token is
+# outside the other's top 5, its rank and log-probability there say whether the miss is a
+# near-tie just past the cut (a 248k vocabulary's dense top) or a different distribution.
+RECORDED_K = 20
 # Largest difference (nats) between the two sides' log-probabilities of the same token where
 # their greedy tokens part, by compute dtype. fp32: both sides compute the same sums in
 # another order (differences ~1e-6). 16-bit: a bf16 logit carries 8 bits of mantissa, so a
@@ -60,6 +64,13 @@ class Parting:
     margin_a: float | None = None  # side A's top-1 minus top-2 log-probability there
     margin_b: float | None = None
     logprob_diff: float | None = None  # the larger of the two tokens' |lp_a - lp_b|
+    # Each side's rank (0 = top-1) of the other side's token among its recorded alternatives;
+    # None: not among them.
+    rank_in_a: int | None = None
+    rank_in_b: int | None = None
+    # The fp32 copy's view of the same step (the two replies share every token before it):
+    # its log-probability of each side's token, their ranks, and each side's error on them.
+    reference: dict | None = None
 
 
 def steps_from_topk(tokens: list[int], topk: list) -> Steps:
@@ -69,14 +80,17 @@ def steps_from_topk(tokens: list[int], topk: list) -> Steps:
     return Steps(list(tokens), values, ids)
 
 
-def steps_from_logits(tokens: list[int], logits: list[torch.Tensor], k: int = TOP_K) -> Steps:
+def steps_from_logits(tokens: list[int], logits: list[torch.Tensor],
+                      k: int = RECORDED_K) -> Steps:
     """Steps from a token list and per-step raw logits [V] (plain generate's output_logits)."""
     topk = [torch.log_softmax(step.float(), -1).topk(k) for step in logits]
     return steps_from_topk(tokens, topk)
 
 
-def compare_greedy(a: Steps, b: Steps, *, tolerance: float) -> Parting:
-    """vLLM's check_logprobs_close for one prompt, with a tolerance on the logprobs."""
+def compare_greedy(a: Steps, b: Steps, *, tolerance: float, top_k: int = TOP_K) -> Parting:
+    """vLLM's check_logprobs_close for one prompt, with a tolerance on the logprobs: at the
+    first differing token each side's token must be in the other's top `top_k`, and both sides'
+    log-probabilities of both tokens within `tolerance`."""
     for i, (x, y) in enumerate(zip(a.tokens, b.tokens)):
         if x == y:
             continue
@@ -84,12 +98,18 @@ def compare_greedy(a: Steps, b: Steps, *, tolerance: float) -> Parting:
         lp_a, lp_b = dict(zip(ids_a, a.top_logprobs[i])), dict(zip(ids_b, b.top_logprobs[i]))
         margin_a = lp_a[ids_a[0]] - lp_a[ids_a[1]] if len(ids_a) > 1 else None
         margin_b = lp_b[ids_b[0]] - lp_b[ids_b[1]] if len(ids_b) > 1 else None
-        found = Parting(i, False, "", margin_a, margin_b)
-        if x not in lp_b or y not in lp_a:
-            found.reason = (f"token {i}: {x} (side A) is {'' if x in lp_b else 'not '}in side "
-                            f"B's top {len(ids_b)}, {y} (B) {'' if y in lp_a else 'not '}in A's")
+        found = Parting(i, False, "", margin_a, margin_b,
+                        rank_in_a=ids_a.index(y) if y in ids_a else None,
+                        rank_in_b=ids_b.index(x) if x in ids_b else None)
+        if x in lp_b and y in lp_a:
+            found.logprob_diff = max(abs(lp_a[x] - lp_b[x]), abs(lp_a[y] - lp_b[y]))
+        within_top = (found.rank_in_b is not None and found.rank_in_b < top_k
+                      and found.rank_in_a is not None and found.rank_in_a < top_k)
+        if not within_top:
+            found.reason = (f"token {i}: {x} (side A) is {_rank(found.rank_in_b, len(ids_b))} "
+                            f"of side B, {y} (B) {_rank(found.rank_in_a, len(ids_a))} of A "
+                            f"(both must be in the other's top {top_k})")
             return found
-        found.logprob_diff = max(abs(lp_a[x] - lp_b[x]), abs(lp_a[y] - lp_b[y]))
         found.close = found.logprob_diff <= tolerance
         found.reason = (f"token {i}: {x} vs {y}, log-probabilities differ by at most "
                         f"{found.logprob_diff:.4f} (tolerance {tolerance}); top-two margins "
@@ -99,6 +119,30 @@ def compare_greedy(a: Steps, b: Steps, *, tolerance: float) -> Parting:
         n = min(len(a.tokens), len(b.tokens))
         return Parting(n, False, f"one reply ends at token {n}, the other goes on")
     return Parting(None, True, "equal tokens")
+
+
+def _rank(rank: int | None, recorded: int) -> str:
+    return f"rank {rank + 1}" if rank is not None else f"not in the top {recorded}"
+
+
+def reference_at(parting: dict, a: Steps, b: Steps, reference: torch.Tensor) -> dict:
+    """The fp32 reference's view of a parting: `reference` [positions, V] log-probabilities
+    along side A's reply (equal to B's before the parting, so its row at the parting is the
+    distribution both sides chose from)."""
+    i = parting["index"]
+    x, y = a.tokens[i], b.tokens[i]
+    row = reference[i].float()
+    order = row.argsort(descending=True)
+    rank = {int(t): int((order == t).nonzero()) for t in (x, y)}
+    lp_a, lp_b = dict(zip(a.top_ids[i], a.top_logprobs[i])), dict(zip(b.top_ids[i],
+                                                                       b.top_logprobs[i]))
+    out = {"lp_a_token": row[x].item(), "lp_b_token": row[y].item(),
+           "rank_a_token": rank[x], "rank_b_token": rank[y], "top1": int(order[0]),
+           "gap": row[x].item() - row[y].item()}
+    # Each side's error against fp32 on the tokens it recorded (its own always).
+    out["error_a"] = max(abs(lp_a[t] - row[t].item()) for t in (x, y) if t in lp_a)
+    out["error_b"] = max(abs(lp_b[t] - row[t].item()) for t in (x, y) if t in lp_b)
+    return out
 
 
 def check_logprobs_close(a: list[Steps], b: list[Steps], *, tolerance: float) -> dict:

@@ -22,7 +22,7 @@ from model_utils.runtime.kv_cache import bucket
 from model_utils.runtime.reply_stats import ReplyStats
 
 from .gate import Yielded, stopping_when
-from .logprob_check import Steps, steps_from_logits, steps_from_topk
+from .logprob_check import RECORDED_K, Steps, steps_from_logits, steps_from_topk
 
 
 def greedy_settings(new_tokens: int) -> GenerationSettings:
@@ -45,7 +45,8 @@ def engine_greedy(engine: Engine, prompts: list[list[int]], new_tokens: int,
         group = prompts[start:start + size]
         records = [[] for _ in group]
         streams = [scheduler.submit(p, greedy_settings(new_tokens), eos_ids=eos,
-                                    stop=threading.Event(), stats=ReplyStats(), logprobs=r)
+                                    stop=threading.Event(), stats=ReplyStats(), logprobs=r,
+                                    logprob_k=RECORDED_K)
                    for p, r in zip(group, records)]
         tokens = [list(s) for s in streams]
         found += [steps_from_topk(t, r) for t, r in zip(tokens, records)]

@@ -68,7 +68,7 @@ def compare(model, found: dict, run_peer: PeerRunner = run_here) -> dict[int, di
     reference, why_not = fp32_reference(model)
     results = {}
     for b, entries in found.items():
-        engine_steps, plain_steps, kls = [], [], []
+        engine_steps, plain_steps, kls, at_partings = [], [], [], []
         for indices, steps, sequences, forced in entries:
             prompts = [s[:len(s) - len(x.tokens)] for s, x in zip(sequences, steps)]
             new_tokens = len(steps[0].tokens)
@@ -83,11 +83,14 @@ def compare(model, found: dict, run_peer: PeerRunner = run_here) -> dict[int, di
                                   check.teacher_forced_plain(model, s, n, incremental=True))
                 one_pass = run_peer(lambda y, s=sequences, n=prompt_len:
                                     check.teacher_forced_plain(model, s, n))
+                at_partings += _reference_at_partings(steps, plain, ref, tolerance)
                 mine = forced.to(ref.device)
                 kls.append((check.kl_stats(ref, mine), check.kl_stats(ref, theirs),
                             check.kl_stats(ref, one_pass)))
                 del ref, mine, theirs, one_pass
         result = check.check_logprobs_close(engine_steps, plain_steps, tolerance=tolerance)
+        for parting, seen in zip(result["partings"], at_partings):
+            parting["reference"] = seen
         if kls:
             result["teacher_forced"] = check.error_ratio(
                 _mean(k[0] for k in kls), _mean(k[1] for k in kls), _mean(k[2] for k in kls))
@@ -96,6 +99,19 @@ def compare(model, found: dict, run_peer: PeerRunner = run_here) -> dict[int, di
         results[b] = result
     del reference
     return results
+
+
+def _reference_at_partings(steps, plain, reference, tolerance: float) -> list[dict | None]:
+    """Per row, the fp32 reference's view of where the engine's and plain's replies part."""
+    seen = []
+    for row, (mine, theirs) in enumerate(zip(steps, plain)):
+        parting = check.compare_greedy(mine, theirs, tolerance=tolerance)
+        if parting.index is None or parting.index >= min(len(mine.tokens), len(theirs.tokens)):
+            seen.append(None)
+        else:
+            seen.append(check.reference_at({"index": parting.index}, mine, theirs,
+                                           reference[row]))
+    return seen
 
 
 def _mean(stats) -> dict:

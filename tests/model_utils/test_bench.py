@@ -36,6 +36,10 @@ def test_bench_writes_table_json_and_chart(tmp_path):
         assert row["logprobs_close"] is True, row["logprobs"]
         assert row["logit_error_ratio"] <= 1.1, row["logprobs"]
         assert len(row["logprobs"]["partings"]) == 2  # 2 prompts alone, or a batch of 2
+        for parting in row["logprobs"]["partings"]:  # fp32's view of where the replies part
+            assert (parting["reference"] is None) == (parting["index"] is None), parting
+            if parting["reference"]:
+                assert parting["reference"]["rank_a_token"] >= 0, parting
         if row["mode"] == "fp32":
             assert row["first_mismatch"] == [None, None]
         assert len(row["peer_static_first_mismatch"]) == 2  # a reference, measured

@@ -112,6 +112,30 @@ def test_compare_greedy_stops_at_the_first_difference():
     assert check.compare_greedy(a, a, tolerance=0).close
 
 
+def test_a_token_recorded_past_the_top_k_is_named_with_its_rank():
+    """Alternatives are recorded past the top k the rule tests: a token at rank 6 of the other
+    side still fails the rule, and the reason says where it was."""
+    tops = [[2] + [10 + j for j in range(4)] + [5], [5, 2] + [20 + j for j in range(4)]]
+    a, b = steps([1, 2], [[1], tops[0]]), steps([1, 5], [[1], tops[1]])
+    parting = check.compare_greedy(a, b, tolerance=100)
+    assert not parting.close and parting.rank_in_a == 5 and parting.rank_in_b == 1
+    assert "rank 6 of A" in parting.reason, parting.reason
+    assert parting.logprob_diff == pytest.approx(5.0)  # 5: -5.1 (A) against -0.1 (B)
+    assert check.compare_greedy(a, b, tolerance=100, top_k=6).close
+
+
+def test_the_reference_view_of_a_parting():
+    a = steps([1, 2], [[1, 3], [2, 5]])
+    b = steps([1, 5], [[1, 3], [5, 2]])
+    reference = torch.full((2, 8), -20.0)
+    reference[1, 2], reference[1, 5], reference[1, 7] = -1.0, -1.3, -0.5
+    seen = check.reference_at({"index": 1}, a, b, reference)
+    assert seen["top1"] == 7 and seen["rank_a_token"] == 1 and seen["rank_b_token"] == 2
+    assert seen["gap"] == pytest.approx(0.3)
+    # A: 2 at -0.1 against -1.0, 5 at -1.1 against -1.3; B: 5 at -0.1 against -1.3
+    assert seen["error_a"] == pytest.approx(0.9) and seen["error_b"] == pytest.approx(1.2)
+
+
 def test_a_request_records_the_top_logprobs_of_each_token(load_demo):
     engine = load_demo("fp32")
     loaded = engine.manager.loaded
@@ -119,7 +143,7 @@ def test_a_request_records_the_top_logprobs_of_each_token(load_demo):
     (recorded,) = engine_greedy(engine, [prompt], 6)
     assert len(recorded.tokens) == 6 and len(recorded.top_ids) == 6
     assert [ids[0] for ids in recorded.top_ids] == recorded.tokens  # greedy: the top-1
-    assert all(len(ids) == check.TOP_K for ids in recorded.top_ids)
+    assert all(len(ids) == check.RECORDED_K for ids in recorded.top_ids)
     assert all(lp[0] >= lp[-1] for lp in recorded.top_logprobs)
 
 
