@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import functools
+import logging
 import types
 
 import pytest
@@ -70,9 +71,37 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.unit)
 
 
-def pytest_runtest_setup(item: pytest.Item) -> None:
+def _without_capture_on_torch_trace() -> None:
+    """pytest attaches its log capture to every logger that does not propagate, torch's
+    structured-trace logger among them, which is always at DEBUG: torch.compile then builds
+    every trace event (stacks included) and the capture keeps them for the whole test, about
+    800 records per model load on a GPU (tests/gpu/test_switch_memory.py saw RSS grow by them).
+    The app attaches nothing there; the tests do as the app does."""
+    trace = logging.getLogger("torch.__trace")
+    for handler in list(trace.handlers):
+        if type(handler).__module__.startswith("_pytest"):
+            trace.removeHandler(handler)
+
+
+# Innermost (trylast), so that pytest's logging wrapper has attached its handlers already.
+@pytest.hookimpl(wrapper=True, trylast=True)
+def pytest_runtest_setup(item: pytest.Item):
+    _without_capture_on_torch_trace()
     if item.get_closest_marker("gpu") and (reason := _gpu_missing()):
         pytest.skip(reason)
+    return (yield)
+
+
+@pytest.hookimpl(wrapper=True, trylast=True)
+def pytest_runtest_call(item: pytest.Item):
+    _without_capture_on_torch_trace()
+    return (yield)
+
+
+@pytest.hookimpl(wrapper=True, trylast=True)
+def pytest_runtest_teardown(item: pytest.Item):
+    _without_capture_on_torch_trace()
+    return (yield)
 
 
 @pytest.fixture(scope="session", autouse=True)
