@@ -7,10 +7,12 @@ the token's own largest value), and multiplies in fp8 with torch._scaled_mm, whi
 scales to the fp32 accumulator: the scheme vLLM and torchao call fp8 rowwise. Every row count
 (decode, batches, prefill) reads the one fp8 copy; no bf16 copy of a weight is ever made.
 
-Rows below `scaled_mm_from_rows` take the weight-only product instead: linear(x, q.to(dtype)) *
-scale, with x unquantized (what inductor compiles into one reduction over the fp8 weights for a
-one-row step). It is 1 by default, so every row count goes through _scaled_mm; the benchmark's
-candidates compare the two for few rows (benchmarks/quant_swaps.py).
+Rows below `scaled_mm_from_rows` (64: every decode batch) take the weight-only product
+instead: x stays in bf16 and is multiplied by the fp8 weights, then by the row scales. On a GPU
+with gemlite installed that is gemlite's fp8 GEMV / split-K kernel on the same weight tensor
+(gemlite_8bit); elsewhere linear(x, q.to(dtype)) * scale (what inductor compiles into one
+reduction over the fp8 weights). Weight-only decode rows also lose less: rounding every input
+token to e4m3 was most of this mode's error against fp32 (BENCHMARKS.md, "CPU figures").
 
 torch._scaled_mm also runs on the CPU (torch 2.13), so the CPU computes the same numbers.
 """
@@ -21,10 +23,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import gemlite_8bit
+
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448
 # torch._scaled_mm wants both matrix sizes of the weight in multiples of 16.
 SCALED_MM_MULTIPLE = 16
+# Inputs of fewer rows take the weight-only product (module doc); the gemlite kernels' limit.
+SCALED_MM_FROM_ROWS = gemlite_8bit.GEMLITE_BELOW_ROWS
 # Compute capability of the first GPUs with fp8 tensor cores (Ada).
 MIN_CAPABILITY = (8, 9)
 
@@ -65,7 +71,9 @@ def unavailable_reason(device: str) -> str | None:
 class Fp8Linear(nn.Module):
     """A Linear whose weight is e4m3 with one scale per output row (see module doc)."""
 
-    def __init__(self, linear: nn.Linear, *, scaled_mm_from_rows: int = 1):
+    gemlite_meta = None  # set by gemlite_8bit.attach on a GPU with gemlite
+
+    def __init__(self, linear: nn.Linear, *, scaled_mm_from_rows: int = SCALED_MM_FROM_ROWS):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         q, scales = quantize_fp8(linear.weight)
@@ -76,7 +84,9 @@ class Fp8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)
-        if x2.shape[0] < self.scaled_mm_from_rows:  # a static shape: decided at capture
+        if gemlite_8bit.takes(self, x2.shape[0]):
+            y = gemlite_8bit.product(self, x2)
+        elif x2.shape[0] < self.scaled_mm_from_rows:  # a static shape: decided at capture
             y = F.linear(x2, self.qweight.to(x.dtype)) * self.scales.to(x.dtype)
         else:
             xq, x_scales = quantize_rows(x2)

@@ -14,7 +14,8 @@ torchao's defaults slower than bf16, BENCHMARKS.md). Here:
   numbers, which is what the tests compare.
 - int8: symmetric, one bf16 scale per output row: w = q * scale, q in -127..127. The forward is
   linear(x, q.to(x.dtype)) * scale; compiled for one row, inductor turns that into one reduction
-  that reads the int8 weights once (with coordinate-descent tuning, see inductor_options).
+  that reads the int8 weights once (with coordinate-descent tuning, see inductor_options). On a
+  GPU with gemlite installed, decode rows go through gemlite's kernels instead (gemlite_8bit).
 
 Loading never holds two copies of the model on the GPU: the bf16 checkpoint is read into CPU
 memory and each Linear is moved to the device, quantized there and its bf16 weight dropped, one
@@ -30,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import fp8_weights
+from . import fp8_weights, gemlite_8bit
 from .decode_fusions import fuse_for_decoding
 from .fp8_weights import Fp8Linear
 
@@ -137,7 +138,13 @@ class Int8WeightOnlyLinear(nn.Module):
         self.register_buffer("scales", scales)
         self.bias = linear.bias
 
+    gemlite_meta = None  # set by gemlite_8bit.attach on a GPU with gemlite
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, self.in_features)
+        if gemlite_8bit.takes(self, x2.shape[0]):
+            y = gemlite_8bit.product(self, x2).reshape(*x.shape[:-1], self.out_features)
+            return y if self.bias is None else y + self.bias
         if x.dtype == torch.float16:
             # x @ q (|q| up to 127) can pass fp16's largest value before the scale brings it
             # back: scale the weight first (one more pass over it when not compiled).
@@ -188,6 +195,8 @@ def quantize_model(model: nn.Module, bits: int, group: int | None, device: torch
     compute = model.get_input_embeddings().weight.dtype
     tinygemm = bits == 4 and uses_tinygemm(device, compute)
     label = "fp8" if fmt == "fp8" else f"int{bits}"
+    # gemlite's kernels for the decode rows of 8-bit layers (gemlite_8bit): None when they run.
+    gemlite = gemlite_8bit.unavailable_reason(device, compute) if bits == 8 else "4-bit"
     # Names only: a list of the modules would keep every bf16 weight alive to the end.
     targets = [name for name, module in model.named_modules() if type(module) is nn.Linear]
     kept = []
@@ -206,6 +215,8 @@ def quantize_model(model: nn.Module, bits: int, group: int | None, device: torch
                 layer = Int4WeightOnlyLinear(linear, group, tinygemm=tinygemm)
             else:
                 layer = Int8WeightOnlyLinear(linear)
+            if gemlite is None and isinstance(layer, (Fp8Linear, Int8WeightOnlyLinear)):
+                gemlite_8bit.attach(layer)
             setattr(parent, child, layer)
             del linear  # the parent held the only other reference: its weight is freed
             if progress and i % 32 == 0:
@@ -213,8 +224,11 @@ def quantize_model(model: nn.Module, bits: int, group: int | None, device: torch
                          f"quantizing to {label}: layer {i + 1} of {len(targets)}")
         model.to(device)
     kernel = "tinygemm" if tinygemm else ("dequantize" if bits == 4 else "int8 matmul")
-    model.weight_only = {"bits": bits, "group": group, "format": fmt,
-                         "kernel": "fp8 scaled_mm" if fmt == "fp8" else kernel}
+    if fmt == "fp8":
+        kernel = "fp8 scaled_mm"
+    if gemlite is None:
+        kernel = f"gemlite below {gemlite_8bit.GEMLITE_BELOW_ROWS} rows, {kernel} above"
+    model.weight_only = {"bits": bits, "group": group, "format": fmt, "kernel": kernel}
     seconds = time.perf_counter() - start
     log.info("quantized %d Linear layers to %s (%s) in %.1f s; kept %s", len(targets) -
              len(kept), label, model.weight_only["kernel"], seconds, kept or "none")

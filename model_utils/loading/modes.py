@@ -85,6 +85,10 @@ class Mode:
         note = f"; {self.speed_note}" if self.speed_note else ""
         if not self.compiles:
             return f"{cost}; slow on this GPU: eager path{note}"
+        if self.weight_only_bits == 8 and _gemlite_runs():
+            prompts = "fp8 matmul" if self.weight_format == "fp8" else "int8 matmul"
+            return (f"{cost}; compiled CUDA-graph path, gemlite's 8-bit kernels for replies, "
+                    f"{prompts} for prompts{note}")
         if self.weight_format == "fp8":
             return f"{cost}; compiled CUDA-graph path, fp8 matmul{note}"
         kernel = {4: ", tinygemm int4 kernel", 8: ", dequantization fused into the matmul"}
@@ -93,6 +97,15 @@ class Mode:
     @property
     def dtype(self) -> torch.dtype:
         return torch_dtype(self.weight_dtype)
+
+
+def _gemlite_runs() -> bool:
+    """gemlite's kernels serve the 8-bit modes' replies on this GPU (model_utils.layers.gemlite_8bit)."""
+    import torch
+
+    from model_utils.layers.gemlite_8bit import unavailable_reason
+
+    return unavailable_reason(torch.device("cuda"), torch.bfloat16) is None
 
 
 # bitsandbytes 4-bit on the compiled path: one reply as fast as bf16, many at once about half.
@@ -112,7 +125,8 @@ MODES: dict[str, Mode] = {
         Mode("int8-wo", "int8 weight-only, per-row scales", "bf16", group=FAST,
              weight_only_bits=8, bytes_per_param=1.0, bytes_per_row=2.0,
              speed_note="bf16's speed for one reply; slow for many at once"),
-        # + one fp32 scale per output row; inputs are scaled per token as they come
+        # + one fp32 scale per output row; a prompt's inputs (64 rows and more) are scaled to
+        # e4m3 per token, a reply's stay bf16 (weight-only)
         Mode("fp8", "fp8 (e4m3) weights, per-row scales", "bf16", group=FAST,
              weight_only_bits=8, weight_format="fp8", bytes_per_param=1.0, bytes_per_row=4.0,
              speed_note="a little below bf16's speed, in about 60 % of its memory"),

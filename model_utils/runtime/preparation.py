@@ -17,6 +17,7 @@ import torch
 
 from model_utils.layers.decode_fusions import fuse_for_decoding
 from model_utils.layers.gated_delta import fuse_gated_delta
+from model_utils.layers.gemlite_8bit import save_tuned as keep_gemlite_tuning
 from model_utils.loading.load_stages import Progress
 from model_utils.loading.loaded_model import LoadedModel
 from model_utils.memory import torch_cuda_gb
@@ -115,6 +116,7 @@ class DecodePreparation:
             serving.decode_path_reason += note
         self._record_memory(serving, "prefill graphs")
         serving.compiled_graphs = compile_cache.since(cached_before)
+        keep_gemlite_tuning()  # what the captures tuned, for the next load (8-bit modes)
         log.info("batched step ready for %s in %.1f s (compiled graphs: %d from the cache, %d "
                  "compiled afresh)", serving.loaded.display_name, time.perf_counter() - start,
                  serving.compiled_graphs["hits"], serving.compiled_graphs["misses"])

@@ -1,6 +1,7 @@
 """The fast quantized layers' GPU kernels against the weights they hold, dequantized to fp32:
-tinygemm int4, int8 weight-only and fp8 (_scaled_mm), at decode row counts and prefill lengths,
-eager and compiled (the decode step's graphs replay the compiled form)."""
+tinygemm int4, int8 weight-only and fp8 (weight-only below 64 rows, _scaled_mm above), with and
+without gemlite's kernels for the decode rows, at decode row counts and prefill lengths, eager
+and compiled (the decode step's graphs replay the compiled form)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import torch
 from torch import nn
 
 from model_utils.bench.logprob_check import dequantized_weight
+from model_utils.layers import gemlite_8bit
 from model_utils.layers.fp8_weights import Fp8Linear
 from model_utils.layers.weight_only import Int4WeightOnlyLinear, Int8WeightOnlyLinear
 
@@ -18,8 +20,8 @@ pytestmark = gpu_marks()
 
 ROWS = [1, 2, 7, 31, 64, 512, 1024]
 # Relative error of the product against fp32 over the stored weights: bf16 arithmetic for the
-# weight-only layers; fp8 also rounds each input to e4m3 (three mantissa bits).
-BOUND = {"int4": 0.01, "int8": 0.01, "fp8": 0.06}
+# weight-only layers; fp8 from 64 rows also rounds each input to e4m3 (three mantissa bits).
+BOUND = {"int4": 0.01, "int8": 0.01, "fp8": 0.06, "int8-gemlite": 0.01, "fp8-gemlite": 0.06}
 
 
 def layer(kind: str) -> nn.Module:
@@ -27,7 +29,12 @@ def layer(kind: str) -> nn.Module:
     linear = nn.Linear(3584, 1024, bias=False, dtype=torch.bfloat16, device="cuda")
     if kind == "int4":
         return Int4WeightOnlyLinear(linear, 128, tinygemm=True)
-    return Int8WeightOnlyLinear(linear) if kind == "int8" else Fp8Linear(linear)
+    module = Int8WeightOnlyLinear(linear) if kind.startswith("int8") else Fp8Linear(linear)
+    if kind.endswith("gemlite"):
+        if reason := gemlite_8bit.unavailable_reason(torch.device("cuda"), torch.bfloat16):
+            pytest.skip(reason)
+        gemlite_8bit.attach(module)
+    return module
 
 
 @pytest.mark.parametrize("kind", list(BOUND))

@@ -1,6 +1,7 @@
 """fp8 (e4m3) weights with per-row scales (model_utils/layers/fp8_weights.py) on the CPU, whose
 torch runs the same _scaled_mm arithmetic as a GPU: the numbers stored, the product against its
-definition, the weight-only product for few rows, and the layers kept at other shapes."""
+definition for prompt rows, the weight-only product for decode rows, and the layers kept at
+other shapes."""
 
 from __future__ import annotations
 
@@ -37,8 +38,8 @@ def test_each_row_is_stored_to_e4m3s_precision_with_its_own_scale():
     assert (err <= weight.float().abs() / 16 + scales[:, None] * 2 ** -9).all()
 
 
-@pytest.mark.parametrize("rows", [1, 5, 33])
-def test_the_product_is_the_scaled_fp8_product(rows):
+@pytest.mark.parametrize("rows", [64, 97])
+def test_prompt_rows_take_the_scaled_fp8_product(rows):
     layer = linear(bias=True)
     fp8 = Fp8Linear(layer)
     x = torch.randn(rows, 256, dtype=torch.bfloat16)
@@ -50,6 +51,22 @@ def test_the_product_is_the_scaled_fp8_product(rows):
     # and near the bf16 layer it came from: the error of 8-bit inputs and weights
     full = layer(x).float()
     assert (got.float() - full).norm() / full.norm() < 0.06
+
+
+@pytest.mark.parametrize("rows", [1, 5, 33, 63])
+def test_decode_rows_take_the_weight_only_product(rows):
+    """Below 64 rows (every decode batch) the input stays bf16: only the weights' rounding."""
+    layer = linear(bias=True)
+    fp8 = Fp8Linear(layer)
+    x = torch.randn(rows, 256, dtype=torch.bfloat16)
+    expected = x.float() @ fp8.dequantized(torch.float32).T + layer.bias.float()
+    got = fp8(x)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), expected, rtol=1e-2, atol=1e-2)
+    full = layer(x).float()
+    xq, x_scales = quantize_rows(x)  # what _scaled_mm would have multiplied
+    both = (xq.float() * x_scales) @ fp8.dequantized(torch.float32).T + layer.bias.float()
+    assert (got.float() - full).norm() < (both - full).norm()
 
 
 def test_few_rows_can_take_the_weight_only_product_and_shapes_are_kept():

@@ -1,0 +1,134 @@
+"""gemlite's Triton kernels for the app's 8-bit weights (int8-wo and fp8) on a GPU.
+
+A decode step multiplies a few rows by every weight: the time goes to reading the weights, and
+an 8-bit weight read at the memory's speed halves bf16's step. Neither of the app's own paths
+does that: inductor's reduction over int8 reached bf16's speed, no better, and fp8's
+torch._scaled_mm runs a 128x128 tile for a one-row input (BENCHMARKS.md, "Modes and
+quantization"). gemlite (PyPI; pure Python and Triton) ships a weight-only GEMV for 1-2 rows, a
+split-K GEMM up to 64 and a GEMM beyond, as one custom op that torch.compile and CUDA graphs take.
+
+Its 8-bit layout is the app's own: the [N, K] int8 or e4m3 weight read through its transpose
+(a view), one scale per output row. So a layer keeps its one weight tensor and gains a few
+small ones (the scales as gemlite reads them, its metadata); no copy of the weights is made.
+
+Only decode rows take it (fewer than GEMLITE_BELOW_ROWS): prompts keep each layer's own
+path, whose speed reading weights matters less. gemlite tunes each matrix shape and row count at
+its first use (tens of seconds each) unless a tuned config is known: the H200's for the shapes
+measured are shipped (gemlite_configs/h200.json), gemlite's own cover the GPUs it names, and
+what a load tunes is kept beside torch.compile's cache (save_tuned), so it is tuned once.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from pathlib import Path
+
+import torch
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+CONFIGS = Path(__file__).with_name("gemlite_configs")
+# Rows below this multiply through gemlite (its GEMV for 1-2 rows, split-K GEMM above): every
+# decode batch the engine captures (up to 32 rows, plus a next turn's tail rows).
+GEMLITE_BELOW_ROWS = 64
+
+
+def unavailable_reason(device: torch.device, compute_dtype: torch.dtype) -> str | None:
+    """Why gemlite's kernels cannot serve 8-bit layers here, or None when they can."""
+    if device.type != "cuda":
+        return "gemlite's kernels are for CUDA GPUs"
+    if compute_dtype != torch.bfloat16:  # fp16 inputs times int8 may overflow before scaling
+        return f"gemlite is used with bf16 inputs, not {compute_dtype}"
+    return _import_problem()
+
+
+@functools.cache
+def _import_problem() -> str | None:
+    # Imported here, never at module import: gemlite asks the GPU when imported.
+    try:
+        import gemlite.core  # noqa: F401
+        import gemlite.helper  # noqa: F401
+    except Exception as error:  # noqa: BLE001 - not installed, or Triton finding no GPU
+        return f"gemlite is not available ({type(error).__name__}: {error})"
+    _load_configs()
+    return None
+
+
+def _tuned_file() -> Path | None:
+    """Where this GPU's tuned configs are kept: beside torch.compile's cache, None without one."""
+    import os
+
+    folder = os.environ.get("TORCHINDUCTOR_CACHE_DIR")  # the app points it at its own folder
+    if not folder:
+        return None
+    gpu = "".join(c if c.isalnum() else "-" for c in torch.cuda.get_device_name())
+    return Path(folder) / f"gemlite-{gpu}.json"
+
+
+def _load_configs() -> None:
+    """The tuned configs of this GPU: the shipped ones, then what earlier loads tuned."""
+    import gemlite.core as core
+
+    name = torch.cuda.get_device_name()
+    sources = []
+    if core.selected_tag is not None:  # gemlite loaded its own for this GPU at import
+        sources.append(f"gemlite's ({core.selected_tag})")
+    shipped = CONFIGS / "h200.json"
+    if "H200" in name and shipped.exists():
+        core.GemLiteLinear.load_config(str(shipped))
+        sources.append(str(shipped))
+    kept = _tuned_file()
+    if kept is not None and kept.exists():
+        core.GemLiteLinear.load_config(str(kept), print_error=False)
+        sources.append(str(kept))
+    log.info("gemlite on %s: tuned configs from %s", name, ", ".join(sources) or "none")
+
+
+def save_tuned() -> None:
+    """Keep what gemlite tuned in this process (with what the file had) for later loads."""
+    import sys
+
+    if "gemlite.core" not in sys.modules:
+        return
+    kept = _tuned_file()
+    if kept is None:
+        return
+    try:
+        kept.parent.mkdir(parents=True, exist_ok=True)
+        sys.modules["gemlite.core"].GemLiteLinear.cache_config(str(kept))
+    except OSError as error:  # a read-only cache folder costs tuning again, nothing more
+        log.warning("gemlite's tuned configs not kept in %s: %s", kept, error)
+
+
+def attach(layer: nn.Module) -> None:
+    """Give an 8-bit layer (`qweight` [N, K] int8 or e4m3, `scales` [N]) gemlite's view of it:
+    the scales as a [1, N] row, the empty zero points and the metadata gemlite's op takes.
+    Sets layer.gemlite_meta (None until then: the layer's own path runs)."""
+    from gemlite.helper import A16W8_FP8, A16W8_INT8
+
+    dtype = torch.bfloat16 if layer.scales.dtype == torch.float32 else layer.scales.dtype
+    kind = A16W8_FP8 if layer.qweight.dtype == torch.float8_e4m3fn else A16W8_INT8
+    packed = kind(device=layer.qweight.device, dtype=dtype).from_weights(
+        layer.qweight, scales=layer.scales.unsqueeze(1))
+    # gemlite reads the weight through its transpose, the same storage: check, not assume.
+    if packed.W_q.data_ptr() != layer.qweight.data_ptr():
+        raise RuntimeError("gemlite made a copy of an 8-bit weight")
+    layer.register_buffer("gemlite_scales", packed.scales.detach(), persistent=False)
+    layer.register_buffer("gemlite_zeros", packed.zeros.detach(), persistent=False)
+    layer.register_buffer("gemlite_meta_scale", packed.meta_scale.detach(), persistent=False)
+    layer.gemlite_meta = [int(v) for v in packed.get_meta_args()]
+
+
+def takes(layer: nn.Module, rows: int) -> bool:
+    """Whether gemlite multiplies `rows` input rows for this layer (a static shape: decided
+    when torch.compile traces or a graph is captured)."""
+    return getattr(layer, "gemlite_meta", None) is not None and rows < GEMLITE_BELOW_ROWS
+
+
+def product(layer: nn.Module, x2: torch.Tensor) -> torch.Tensor:
+    """x2 [M, K] @ layer's weight.T * its row scales, by gemlite's kernel for M rows."""
+    return torch.ops.gemlite.forward_functional(
+        x2, None, [layer.qweight.t(), layer.gemlite_scales, layer.gemlite_zeros,
+                   layer.gemlite_meta_scale], layer.gemlite_meta, -1)
