@@ -28,14 +28,21 @@ if [ ! -x "$VENV/bin/python" ]; then
     "$PYTHON" -m venv "$VENV"
 fi
 
-want="$(sha256sum requirements.txt | cut -d' ' -f1) $("$VENV/bin/python" -V 2>&1)"
+# On a machine with an NVIDIA GPU, its kernels' packages too (requirements-gpu.txt).
+REQUIREMENTS=(requirements.txt)
+if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+    REQUIREMENTS+=(requirements-gpu.txt)
+fi
+want="$(cat "${REQUIREMENTS[@]}" | sha256sum | cut -d' ' -f1) $("$VENV/bin/python" -V 2>&1)"
 if [ "$(cat "$STAMP" 2>/dev/null)" != "$want" ]; then
-    echo "start.sh: installing requirements.txt into $VENV (first run or requirements changed)"
+    echo "start.sh: installing ${REQUIREMENTS[*]} into $VENV (first run or requirements changed)"
     if [ -n "${TORCH_INDEX_URL:-}" ]; then
         "$VENV/bin/python" -m pip install "$(grep -E '^torch==' requirements.txt)" \
             --index-url "$TORCH_INDEX_URL"
     fi
-    "$VENV/bin/python" -m pip install -r requirements.txt
+    for file in "${REQUIREMENTS[@]}"; do
+        "$VENV/bin/python" -m pip install -r "$file"
+    done
     echo "$want" > "$STAMP"  # written only after a complete install
 fi
 
