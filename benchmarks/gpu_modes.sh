@@ -6,12 +6,13 @@
 #            tests/gpu/test_batches_and_modes.py, test_packed_attention.py)
 #   memory   the switching memory over 20 cycles (tests/gpu/test_switch_memory.py; it prints
 #            each switch's seconds and counters as it goes; QWEN_SWITCH_CYCLES runs fewer)
-#   quant    benchmarks/quant_candidates.py on the Qwen2.5-7B shape: bf16, the app's fp8,
-#            int4-wo and int8-wo, gemlite's int4 and int8 and the variants (QUANT_CANDIDATES),
-#            one stream and 32 streams, TTFT, KL against fp32
+#   quant    benchmarks/quant_candidates.py on the Qwen2.5-7B shape: by default bf16, the app's
+#            int8-wo (gemlite's kernels for decode rows when gemlite is installed), the same with
+#            lm_head in int8 too, and fp8; any other mode or variant by QUANT_CANDIDATES; one
+#            stream and 32 streams, TTFT, KL against fp32
 #   switch   benchmarks/switch_times.py on the Qwen2.5-7B shape (SWITCH_MODES, SWITCH_CYCLES)
 # Run from the repository root on the GPU machine, the wheels the image lacks in folders named
-# .whl* (e.g. .whl/: transformers, tokenizers; .whl-quant/: torchao, gemlite; .whl-bnb/:
+# .whl* (e.g. .whl/: transformers, tokenizers; .whl-gemlite/: gemlite; .whl-bnb/:
 # bitsandbytes; one version of each package across them):
 #   STEPS="kernels quant" OUT=$OUT benchmarks/gpu_modes.sh
 # Each step has its own time limit (KERNELS_S, TESTS_S, QUANT_S, SWITCH_S) and writes into
@@ -57,7 +58,7 @@ for step in $STEPS; do
     quant)
       say "quant: the candidates side by side, Qwen2.5-7B shape"
       timeout "${QUANT_S:-540}" $PY benchmarks/quant_candidates.py --config "$CONFIG" \
-          --candidates "${QUANT_CANDIDATES:-bf16,fp8,gemlite-int4,gemlite-fp8,fp8-wo-below-8,int4-wo}" \
+          --candidates "${QUANT_CANDIDATES:-bf16,int8-wo,int8-wo-head8,fp8}" \
           --budget-s "$(( ${QUANT_S:-540} - 40 ))" --out "$OUT" >"$OUT/quant.log" 2>&1
       say "quant: exit $?";;
     switch)

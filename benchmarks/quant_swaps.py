@@ -38,23 +38,12 @@ def torchao_int8(model):
 
 
 def _gemlite_configs() -> None:
-    """gemlite ships tuned kernel configs per GPU name and loads the one matching this GPU at
-    import; it has none for an H200, which would then autotune every shape at its first use
-    (minutes of a load). benchmarks/configs/gemlite-h200.json is the set an H200 tuned (the
-    H100's and what it added, saved by save_gemlite_configs); on another GPU without configs of
-    its own, the H100's (the same Hopper chip with less memory bandwidth) is the closest."""
-    import os
+    """The tuned kernel configs the app's own 8-bit layers load (gemlite_8bit: the H200's
+    shipped, gemlite's for the GPUs it names, what earlier loads tuned)."""
+    from model_utils.layers import gemlite_8bit
 
-    import gemlite.core as core
-
-    if core.selected_tag is not None:
-        return
-    h200 = os.path.join(os.path.dirname(__file__), "configs", "gemlite-h200.json")
-    if "H200" in torch.cuda.get_device_name() and os.path.exists(h200):
-        core.GemLiteLinear.load_config(h200)
-    else:
-        core.GemLiteLinear.load_config(
-            os.path.join(os.path.dirname(core.__file__), "configs", "h100.json"))
+    if reason := gemlite_8bit.unavailable_reason(torch.device("cuda"), torch.bfloat16):
+        raise RuntimeError(reason)
 
 
 def save_gemlite_configs(path) -> None:
@@ -170,6 +159,19 @@ def gemlite_fp8_head(model):
         torch.cuda.empty_cache()
 
 
+def int8_head_gemlite(model):
+    """lm_head in the app's int8 weight-only, through gemlite's kernels for decode rows as the
+    app's int8-wo layers are: with the int8-wo mode, every weight a token reads in 8 bits."""
+    from model_utils.layers import gemlite_8bit
+    from model_utils.layers.weight_only import Int8WeightOnlyLinear
+
+    int8_head(model)
+    head = model.get_output_embeddings()
+    if isinstance(head, Int8WeightOnlyLinear):
+        _gemlite_configs()
+        gemlite_8bit.attach(head)
+
+
 def gemlite_int4_head8(model):
     """gemlite's int4 kernels on the decoder layers, lm_head in the app's int8 weight-only."""
     gemlite_int4(model)
@@ -203,6 +205,7 @@ SWAPS = {"torchao-int4": (torchao_int4, "torchao", True, "bf16"),
          "int8-wo-aten": (aten_int8, "torch", False, "int8-wo"),
          "int8-wo-hybrid": (lambda m: aten_int8(m, rows_from=2), "torch", False, "int8-wo"),
          "int4-wo-head8": (int8_head, "torch", False, "int4-wo"),
+         "int8-wo-head8": (int8_head_gemlite, "gemlite", True, "int8-wo"),
          "fp8-wo-below-8": (fp8_weight_only_below(8), "torch", False, "fp8"),
          "gemlite-fp8": (gemlite_fp8, "gemlite", True, "fp8"),
          "gemlite-fp8-head": (gemlite_fp8_head, "gemlite", True, "fp8"),
