@@ -58,7 +58,7 @@ for step in $STEPS; do
     quant)
       say "quant: the candidates side by side, Qwen2.5-7B shape"
       timeout "${QUANT_S:-540}" $PY benchmarks/quant_candidates.py --config "$CONFIG" \
-          --candidates "${QUANT_CANDIDATES:-bf16,int8-wo,int8-wo-head8,fp8}" \
+          --candidates "${QUANT_CANDIDATES:-bf16,int8-wo,int8-wo-head8,int8-wo-gemlite-prompts,fp8}" \
           --budget-s "$(( ${QUANT_S:-540} - 40 ))" --out "$OUT" >"$OUT/quant.log" 2>&1
       say "quant: exit $?";;
     switch)

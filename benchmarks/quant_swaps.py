@@ -172,6 +172,20 @@ def int8_head_gemlite(model):
         gemlite_8bit.attach(head)
 
 
+def gemlite_for_prompts_too(model):
+    """The app's 8-bit layers with gemlite's kernels at every row count (its GEMM from 64 rows)
+    instead of the layer's own path for prompts: int8-wo's converts each weight to bf16 before
+    cuBLAS, fp8's scales the inputs to e4m3 for _scaled_mm."""
+    from model_utils.layers.fp8_weights import Fp8Linear
+    from model_utils.layers.weight_only import Int8WeightOnlyLinear
+
+    for module in model.modules():
+        if isinstance(module, (Int8WeightOnlyLinear, Fp8Linear)):
+            if module.gemlite_meta is None:
+                raise RuntimeError("the app's 8-bit layers run without gemlite here")
+            module.gemlite_below_rows = 1 << 30
+
+
 def gemlite_int4_head8(model):
     """gemlite's int4 kernels on the decoder layers, lm_head in the app's int8 weight-only."""
     gemlite_int4(model)
@@ -206,6 +220,7 @@ SWAPS = {"torchao-int4": (torchao_int4, "torchao", True, "bf16"),
          "int8-wo-hybrid": (lambda m: aten_int8(m, rows_from=2), "torch", False, "int8-wo"),
          "int4-wo-head8": (int8_head, "torch", False, "int4-wo"),
          "int8-wo-head8": (int8_head_gemlite, "gemlite", True, "int8-wo"),
+         "int8-wo-gemlite-prompts": (gemlite_for_prompts_too, "gemlite", True, "int8-wo"),
          "fp8-wo-below-8": (fp8_weight_only_below(8), "torch", False, "fp8"),
          "gemlite-fp8": (gemlite_fp8, "gemlite", True, "fp8"),
          "gemlite-fp8-head": (gemlite_fp8_head, "gemlite", True, "fp8"),

@@ -123,8 +123,11 @@ def attach(layer: nn.Module) -> None:
 
 def takes(layer: nn.Module, rows: int) -> bool:
     """Whether gemlite multiplies `rows` input rows for this layer (a static shape: decided
-    when torch.compile traces or a graph is captured)."""
-    return getattr(layer, "gemlite_meta", None) is not None and rows < GEMLITE_BELOW_ROWS
+    when torch.compile traces or a graph is captured). `layer.gemlite_below_rows`, where set,
+    moves the limit (the benchmark's candidates try gemlite's GEMM for prompts too)."""
+    if getattr(layer, "gemlite_meta", None) is None:
+        return False
+    return rows < getattr(layer, "gemlite_below_rows", GEMLITE_BELOW_ROWS)
 
 
 def product(layer: nn.Module, x2: torch.Tensor) -> torch.Tensor:
