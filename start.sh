@@ -5,9 +5,10 @@
 #   ./start.sh --model /models/Qwen2.5-7B-Instruct --mode nf4
 #   ./start.sh --setup-only         # only create/update .venv (test.sh uses this)
 #
-# Set-up is skipped while requirements.txt is unchanged: its hash (and the Python version) is
-# kept in .venv/.requirements.stamp, so a second run starts at once. Edit requirements.txt, or
-# delete the stamp, and the next run installs again.
+# Set-up is skipped while the requirements are unchanged: their hash (and the Python version)
+# is kept in .venv/.requirements.stamp, so a second run starts at once. Edit requirements.txt
+# (or requirements-gpu.txt, installed too where nvidia-smi finds a GPU), or delete the stamp,
+# and the next run installs again.
 #
 # Environment: PYTHON picks the interpreter for a new venv (default python3);
 # TORCH_INDEX_URL installs torch from another index first, e.g. the CPU-only wheels:
@@ -40,9 +41,12 @@ if [ "$(cat "$STAMP" 2>/dev/null)" != "$want" ]; then
         "$VENV/bin/python" -m pip install "$(grep -E '^torch==' requirements.txt)" \
             --index-url "$TORCH_INDEX_URL"
     fi
-    for file in "${REQUIREMENTS[@]}"; do
-        "$VENV/bin/python" -m pip install -r "$file"
-    done
+    "$VENV/bin/python" -m pip install -r requirements.txt
+    if [ "${#REQUIREMENTS[@]}" -gt 1 ]; then
+        # --no-deps: their one heavy need, Triton, comes with torch's CUDA build; letting pip
+        # resolve it again could replace the Triton that torch was built against.
+        "$VENV/bin/python" -m pip install --no-deps -r requirements-gpu.txt
+    fi
     echo "$want" > "$STAMP"  # written only after a complete install
 fi
 

@@ -202,6 +202,7 @@ def fp8_weight_only_below(rows: int):
         for module in model.modules():
             if isinstance(module, Fp8Linear):
                 module.scaled_mm_from_rows = rows
+                module.gemlite_meta = None  # inductor's product, not gemlite's
     return swap
 
 

@@ -5,13 +5,14 @@ Blackwell). The weight is stored once, as e4m3 with an fp32 scale per row: w = q
 +-448. The forward quantizes its input the same way, one scale per token (dynamic, taken from
 the token's own largest value), and multiplies in fp8 with torch._scaled_mm, which applies both
 scales to the fp32 accumulator: the scheme vLLM and torchao call fp8 rowwise. Every row count
-(decode, batches, prefill) reads the one fp8 copy; no bf16 copy of a weight is ever made.
+(decode, batches, prefill) reads the one fp8 copy; no bf16 copy of a weight is kept.
 
 Rows below `scaled_mm_from_rows` (64: every decode batch) take the weight-only product
 instead: x stays in bf16 and is multiplied by the fp8 weights, then by the row scales. On a GPU
 with gemlite installed that is gemlite's fp8 GEMV / split-K kernel on the same weight tensor
 (gemlite_8bit); elsewhere linear(x, q.to(dtype)) * scale (what inductor compiles into one
-reduction over the fp8 weights). Weight-only decode rows also lose less: rounding every input
+reduction over the fp8 weights; uncompiled, on the CPU, it converts the layer's weight for the
+call). Weight-only decode rows also lose less: rounding every input
 token to e4m3 was most of this mode's error against fp32 (BENCHMARKS.md, "CPU figures").
 
 torch._scaled_mm also runs on the CPU (torch 2.13), so the CPU computes the same numbers.
@@ -84,7 +85,7 @@ class Fp8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)
-        if gemlite_8bit.takes(self, x2.shape[0]):
+        if gemlite_8bit.takes(self, x2):
             y = gemlite_8bit.product(self, x2)
         elif x2.shape[0] < self.scaled_mm_from_rows:  # a static shape: decided at capture
             y = F.linear(x2, self.qweight.to(x.dtype)) * self.scales.to(x.dtype)

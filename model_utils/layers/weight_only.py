@@ -142,7 +142,7 @@ class Int8WeightOnlyLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)
-        if gemlite_8bit.takes(self, x2.shape[0]):
+        if gemlite_8bit.takes(self, x2):
             y = gemlite_8bit.product(self, x2).reshape(*x.shape[:-1], self.out_features)
             return y if self.bias is None else y + self.bias
         if x.dtype == torch.float16:
@@ -199,7 +199,7 @@ def quantize_model(model: nn.Module, bits: int, group: int | None, device: torch
     gemlite = gemlite_8bit.unavailable_reason(device, compute) if bits == 8 else "4-bit"
     # Names only: a list of the modules would keep every bf16 weight alive to the end.
     targets = [name for name, module in model.named_modules() if type(module) is nn.Linear]
-    kept = []
+    kept, attached = [], 0
     with torch.no_grad():
         for i, name in enumerate(targets):
             parent_name, _, child = name.rpartition(".")
@@ -216,7 +216,7 @@ def quantize_model(model: nn.Module, bits: int, group: int | None, device: torch
             else:
                 layer = Int8WeightOnlyLinear(linear)
             if gemlite is None and isinstance(layer, (Fp8Linear, Int8WeightOnlyLinear)):
-                gemlite_8bit.attach(layer)
+                attached += gemlite_8bit.attach(layer)
             setattr(parent, child, layer)
             del linear  # the parent held the only other reference: its weight is freed
             if progress and i % 32 == 0:
@@ -224,10 +224,12 @@ def quantize_model(model: nn.Module, bits: int, group: int | None, device: torch
                          f"quantizing to {label}: layer {i + 1} of {len(targets)}")
         model.to(device)
     kernel = "tinygemm" if tinygemm else ("dequantize" if bits == 4 else "int8 matmul")
+    below = gemlite_8bit.GEMLITE_BELOW_ROWS
     if fmt == "fp8":
-        kernel = "fp8 scaled_mm"
-    if gemlite is None:
-        kernel = f"gemlite below {gemlite_8bit.GEMLITE_BELOW_ROWS} rows, {kernel} above"
+        kernel = f"fp8 weight-only below {below} rows, scaled_mm above"
+    if attached:
+        kernel = (f"gemlite below {below} rows in {attached} layers, "
+                  f"{'fp8 scaled_mm' if fmt == 'fp8' else kernel} above")
     model.weight_only = {"bits": bits, "group": group, "format": fmt, "kernel": kernel}
     seconds = time.perf_counter() - start
     log.info("quantized %d Linear layers to %s (%s) in %.1f s; kept %s", len(targets) -

@@ -90,7 +90,8 @@ class Mode:
             return (f"{cost}; compiled CUDA-graph path, gemlite's 8-bit kernels for replies, "
                     f"{prompts} for prompts{note}")
         if self.weight_format == "fp8":
-            return f"{cost}; compiled CUDA-graph path, fp8 matmul{note}"
+            return (f"{cost}; compiled CUDA-graph path, fp8 weight-only for replies, fp8 "
+                    f"matmul for prompts{note}")
         kernel = {4: ", tinygemm int4 kernel", 8: ", dequantization fused into the matmul"}
         return f"{cost}; compiled CUDA-graph path" + kernel.get(self.weight_only_bits, "") + note
 

@@ -33,7 +33,7 @@ def layer(kind: str) -> nn.Module:
     if kind.endswith("gemlite"):
         if reason := gemlite_8bit.unavailable_reason(torch.device("cuda"), torch.bfloat16):
             pytest.skip(reason)
-        gemlite_8bit.attach(module)
+        assert gemlite_8bit.attach(module), "3584 input features: a shape gemlite takes"
     return module
 
 
