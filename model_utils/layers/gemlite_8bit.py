@@ -90,11 +90,13 @@ def _load_configs() -> None:
     log.info("gemlite on %s: tuned configs from %s", name, ", ".join(sources) or "none")
 
 
-def save_tuned() -> None:
-    """Keep what gemlite tuned in this process (with what the file had) for later loads."""
+def save_tuned(model: nn.Module) -> None:
+    """Keep what gemlite tuned in this process (with what the file had) for later loads; only
+    after a load whose layers use gemlite (a bf16 load tuned nothing to keep)."""
     import sys
 
-    if "gemlite.core" not in sys.modules:
+    if "gemlite.core" not in sys.modules or not any(
+            getattr(m, "gemlite_meta", None) is not None for m in model.modules()):
         return
     kept = _tuned_file()
     if kept is None:

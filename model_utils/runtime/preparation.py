@@ -116,7 +116,7 @@ class DecodePreparation:
             serving.decode_path_reason += note
         self._record_memory(serving, "prefill graphs")
         serving.compiled_graphs = compile_cache.since(cached_before)
-        keep_gemlite_tuning()  # what the captures tuned, for the next load (8-bit modes)
+        keep_gemlite_tuning(serving.loaded.model)  # what the captures tuned, for the next load
         log.info("batched step ready for %s in %.1f s (compiled graphs: %d from the cache, %d "
                  "compiled afresh)", serving.loaded.display_name, time.perf_counter() - start,
                  serving.compiled_graphs["hits"], serving.compiled_graphs["misses"])
