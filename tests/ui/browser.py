@@ -101,6 +101,17 @@ def save_preset_then_open(page, name: str, title: str) -> None:
     }""", title)
 
 
+def save_preset_during_switch(page, *, prompt: str, name: str, opened: str) -> None:
+    """In the chat shown: system prompt `prompt` and top_k 5 saved as preset `name`, and the
+    chat titled by its message `opened` opened before the save is back; then that chat shown
+    and the preset offered."""
+    page.locator("#system-prompt textarea").fill(prompt)
+    set_number(page, "top_k", 5)
+    save_preset_then_open(page, name, opened)
+    page.locator('#chatbot [data-testid="user"]', has_text=opened).wait_for()
+    preset_offered(page, name)
+
+
 def preset_kept_after_reload(page, *, opened: str, opened_preset: str, saved_in: str,
                              saved_in_title: str, saved: str, prompt: str) -> None:
     """After a reload, with the chat whose message is `opened` shown: it kept `opened_preset`

@@ -14,9 +14,8 @@ from .browser import (
     SETTLED,
     open_browser,
     preset_kept_after_reload,
-    preset_offered,
     preset_shown,
-    save_preset_then_open,
+    save_preset_during_switch,
     set_number,
     view_landed,
     wait_titles,
@@ -194,11 +193,7 @@ def test_a_preset_saved_just_before_a_switch_stays_with_the_chat_it_was_saved_in
     page.locator("#chat-list label", has_text="Modes talk").click()
     page.locator('#chatbot [data-testid="user"]', has_text=FIRST).wait_for()
     view_landed(page)
-    page.locator("#system-prompt textarea").fill("Be brisk.")
-    set_number(page, "top_k", 5)
-    save_preset_then_open(page, "brisk", SECOND)
-    page.locator('#chatbot [data-testid="user"]', has_text=SECOND).wait_for()
-    preset_offered(page, "brisk")
+    save_preset_during_switch(page, prompt="Be brisk.", name="brisk", opened=SECOND)
 
     preset_kept_after_reload(page, opened=SECOND, opened_preset=MODEL_PRESET, saved_in=FIRST,
                              saved_in_title="Modes talk", saved="brisk", prompt="Be brisk.")

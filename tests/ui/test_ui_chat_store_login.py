@@ -14,9 +14,8 @@ from .browser import (
     SETTLED,
     open_browser,
     preset_kept_after_reload,
-    preset_offered,
     preset_shown,
-    save_preset_then_open,
+    save_preset_during_switch,
     set_number,
     view_landed,
     wait_titles,
@@ -122,11 +121,7 @@ def test_a_preset_saved_just_before_a_switch_stays_with_the_chat_it_was_saved_in
     bob.wait_for_function("() => !document.querySelector('#chatbot [data-testid=user]')")
     send(bob, ANNS)
     wait_titles(bob, [ANNS, BOBS])
-    bob.locator("#system-prompt textarea").fill("Be terse.")
-    set_number(bob, "top_k", 5)
-    save_preset_then_open(bob, "terse", BOBS)
-    bob.locator('#chatbot [data-testid="user"]', has_text=BOBS).wait_for()
-    preset_offered(bob, "terse")
+    save_preset_during_switch(bob, prompt="Be terse.", name="terse", opened=BOBS)
 
     preset_kept_after_reload(bob, opened=BOBS, opened_preset=MODEL_PRESET, saved_in=ANNS,
                              saved_in_title=ANNS, saved="terse", prompt="Be terse.")
