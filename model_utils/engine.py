@@ -145,9 +145,9 @@ class Engine:
             self.worker.call(torch._dynamo.reset)
             # cuBLAS keeps a workspace for every stream it ran on until told otherwise: the
             # graphs' warm-up stream is new with each load, and the capture's workspace sits
-            # in the unloaded graphs' pool. Left alone they added 32 MB of allocated memory
-            # per load on an H200 (tests/gpu/test_switch_memory.py). Nothing replays once the
-            # serving is gone, so dropping them is safe; the next model's first call makes one.
+            # in the unloaded graphs' pool. Left alone, every load kept a workspace more
+            # (BENCHMARKS.md, "Switching modes"). Nothing replays once the serving is gone, so
+            # dropping them is safe; the next model's first call makes one.
             self.worker.call(torch._C._cuda_clearCublasWorkspaces)
 
     # -- models -------------------------------------------------------------------------------

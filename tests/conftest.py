@@ -74,9 +74,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def _without_capture_on_torch_trace() -> None:
     """pytest attaches its log capture to every logger that does not propagate, torch's
     structured-trace logger among them, which is always at DEBUG: torch.compile then builds
-    every trace event (stacks included) and the capture keeps them for the whole test, about
-    800 records per model load on a GPU (tests/gpu/test_switch_memory.py saw RSS grow by them).
-    The app attaches nothing there; the tests do as the app does."""
+    every trace event (stacks included) and the capture keeps them for the whole test, hundreds
+    per model load on a GPU (test_switch_memory's RSS grew by them: BENCHMARKS.md). The app
+    attaches nothing there; the tests do as the app does."""
     trace = logging.getLogger("torch.__trace")
     for handler in list(trace.handlers):
         if type(handler).__module__.startswith("_pytest"):
