@@ -9,7 +9,7 @@ import gradio as gr
 
 log = logging.getLogger("ui")
 
-DEMO_NOTICE = "tiny demo model: it knows only a few hundred questions about this app"
+DEMO_NOTICE = "tiny demo model: it knows only about fifty questions about this app"
 
 
 def user_error(message: str) -> gr.Error:

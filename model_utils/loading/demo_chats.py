@@ -4,7 +4,9 @@
 
 Each topic is a few hand-written phrasings of one question and one answer; every phrasing is
 used as written and once more in a varied form (lower case, a greeting in front, ...), some with
-a system prompt, and a few follow a greeting in a two-turn conversation. Topics with a
+a system prompt. Then come the topic's other wordings (data/demo_wordings.json: about seventy a
+topic, everyday words, keyword queries, longer conversational questions, some with topic-free
+words around them), and the topic asked after one or two other topics' turns. Topics with a
 `reasoning` line put it in the assistant's <think> block, so the Thinking switch shows real
 reasoning with the demo model. The output is deterministic (a fixed seed): the demo model's cache
 is keyed by the file's hash, and a test checks that the committed file is what this writes.
@@ -17,7 +19,12 @@ import random
 from pathlib import Path
 
 DATA_FILE = Path(__file__).with_name("data") / "demo_chats.jsonl"
+# More wordings of each topic's question, the way users ask (everyday words, keyword queries),
+# keyed by the topic's first phrasing: the model can only map a word to a topic if it saw it.
+WORDINGS_FILE = DATA_FILE.with_name("demo_wordings.json")
 SEED = 7
+# How many times each topic is asked after one or two other topics' turns.
+FOLLOW_UPS = 24
 
 GREETING = ("Hello! I am the tiny demo model of this app. Ask me about the modes, the memory "
             "cards, sharing, the benchmark or the command line.")
@@ -39,7 +46,7 @@ TOPICS: list[tuple[list[str], str, str | None]] = [
     (["Why is the demo model so small?", "Why are your answers so short?",
       "Why do you only know about this app?"],
      "I am a tiny model with about a million weights, built on first use in about a minute on "
-     "the CPU. I learned only a few hundred short conversations about this app.",
+     "the CPU. I learned only about fifty questions about this app, each asked many ways.",
      "The user asks why I am small. I was trained in about a minute on the CPU, so I can only "
      "be tiny and know little."),
     # -- modes ---------------------------------------------------------------------------------
@@ -202,6 +209,16 @@ TOPICS: list[tuple[list[str], str, str | None]] = [
 SYSTEM_PROMPTS = ["You are a helpful assistant.", "Be brief.", "You answer questions about "
                   "this app."]
 OPENERS = ["Hi! ", "Hello, ", "Quick question: ", "Please tell me: ", "Hey, "]
+# Words around a question that say nothing about its topic, so that the model learns to look
+# past them: users' questions come with such padding, the wordings mostly without.
+FILLER_OPENERS = ["I'm new here. ", "Sorry if this is a silly question, but ", "Quick one: ",
+                  "I was wondering, ", "On my laptop, ", "Can you help? ", "Hi, ", "OK so ",
+                  "Question: ", "I am a bit lost. ", "Hey, quick question. ", "Please explain: ",
+                  "I have a question. ", "So, "]
+FILLER_CLOSERS = [" please", " Thanks in advance.", " I'm a bit lost.", " for my project?",
+                  " Any idea?", " I could not find it.", " Thank you!", " in this app",
+                  " here?", " Just curious."]
+FILLER_SHARE = 0.4
 
 
 def _vary(question: str, rng: random.Random) -> str:
@@ -217,6 +234,16 @@ def _vary(question: str, rng: random.Random) -> str:
     return question.rstrip("?").upper() if len(question) < 20 else lowered
 
 
+def _with_filler(question: str, rng: random.Random) -> str:
+    """The question as written, or (FILLER_SHARE of the time) with topic-free words around it."""
+    roll = rng.random()
+    if roll < FILLER_SHARE / 2:
+        return rng.choice(FILLER_OPENERS) + question[0].lower() + question[1:]
+    if roll < FILLER_SHARE:
+        return question.rstrip("?.!") + rng.choice(FILLER_CLOSERS)
+    return question
+
+
 def _reply(answer: str, reasoning: str | None) -> str:
     return f"<think>\n{reasoning}\n</think>\n\n{answer}" if reasoning else answer
 
@@ -230,21 +257,38 @@ def conversations(seed: int = SEED) -> list[dict]:
             turns = [(question, reply), (_vary(question, rng), reply)]
             if reasoning:
                 # The same question answered without reasoning: what follows the empty think
-                # block that the template puts in the prompt when Thinking is off.
-                turns.append((question, answer))
+                # block that the template puts in the prompt when Thinking is off. The reasoning
+                # once more, so that it stays what Thinking on brings (most wordings of every
+                # other topic teach the empty block).
+                turns += [(question, answer), (question, reply)]
             for text, content in turns:
                 messages = [{"role": "user", "content": text},
                             {"role": "assistant", "content": content}]
                 if rng.random() < 0.2:
                     messages.insert(0, {"role": "system", "content": rng.choice(SYSTEM_PROMPTS)})
                 out.append({"messages": messages})
-    # Two-turn conversations: a greeting first, so that a reply after some history is learned.
-    for phrasings, answer, reasoning in rng.sample(TOPICS[6:], 20):
-        out.append({"messages": [
-            {"role": "user", "content": rng.choice(TOPICS[0][0])},
-            {"role": "assistant", "content": GREETING},
-            {"role": "user", "content": rng.choice(phrasings)},
-            {"role": "assistant", "content": _reply(answer, reasoning)}]})
+    wordings = json.loads(WORDINGS_FILE.read_text())
+    # Half of a reasoning topic's wordings with the reasoning: with Thinking on, the model
+    # writes it after the topic's own phrasings (two in three of them have it there), and with
+    # Thinking off the answer still follows the empty think block for the other half.
+    for phrasings, answer, reasoning in TOPICS:
+        for question in wordings[phrasings[0]]:
+            content = _reply(answer, reasoning if rng.random() < 0.5 else None)
+            out.append({"messages": [{"role": "user", "content": _with_filler(question, rng)},
+                                     {"role": "assistant", "content": content}]})
+    # Each topic asked after other topics' turns, so that the question asked last is answered
+    # and not one from the history.
+    for index, (phrasings, answer, reasoning) in enumerate(TOPICS):
+        asked = phrasings + wordings[phrasings[0]]
+        for _ in range(FOLLOW_UPS):
+            others = rng.sample([t for i, t in enumerate(TOPICS) if i != index],
+                                rng.choice((1, 2)))
+            messages = [m for other, other_answer, _ in others for m in (
+                {"role": "user", "content": rng.choice(other + wordings[other[0]])},
+                {"role": "assistant", "content": other_answer})]
+            out.append({"messages": messages + [
+                {"role": "user", "content": rng.choice(asked)},
+                {"role": "assistant", "content": answer}]})
     rng.shuffle(out)
     return out
 

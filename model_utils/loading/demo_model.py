@@ -4,8 +4,8 @@ No weights can be downloaded, so the app, its tests and its first run use a mode
 a byte-level BPE tokenizer trained on the text of the demo conversations (model_utils/data), a
 Qwen3 config a few MB in size initialised with a fixed seed, and Qwen3's own ChatML chat template
 with the thinking switch. That model is then trained on the demo conversations by the project's
-own fine-tuning loop (model_utils.finetune, method full, fixed seed, on the CPU: about a minute on
-two cores), so that it answers questions about the app in sentences. The result is written with
+own fine-tuning loop (model_utils.finetune, method full, fixed seed, on the CPU: about a minute
+and a half on two cores), so that it answers questions about the app in sentences. The result is written with
 save_pretrained and loaded through exactly the same from_pretrained path as a real checkpoint.
 The build is cached, keyed by the recipe version and the data file's hash.
 """
@@ -24,13 +24,25 @@ from .load_stages import Progress
 DEMO_NAME = "demo"
 DEMO_LABEL = "demo model (tiny, trained on questions about this app)"
 # Bump when the recipe changes so an old cached build is not reused.
-DEMO_VERSION = 2
+DEMO_VERSION = 3
 SEED = 1234
-# The training run of the build (its time is in the README); 300 steps bring the loss to ~0.01,
-# where the greedy replies to the data's questions and close paraphrases are the trained ones.
-TRAIN_STEPS = 300
-TRAIN_BATCH = 16
-TRAIN_LR = 3e-3
+# The training run of the build (BENCHMARKS.md, "The demo model", has the recipes tried): rows
+# of ROW_TOKENS tokens packed with whole examples, TRAIN_BATCH rows a step. Two layers: a step
+# costs half of four's, and more steps over more wordings taught more than depth did.
+LAYERS = 2
+TRAIN_STEPS = 2400
+TRAIN_BATCH = 4
+ROW_TOKENS = 256
+TRAIN_LR = 1.5e-3
+# Most examples end REPLY_TOKENS_CUT tokens into the answer: the answer's first tokens pick
+# the topic, and the rest of it is learned from the whole ones. A cut example costs half a whole
+# one, so the same time sees twice the wordings.
+CUT_SHARE = 0.8
+REPLY_TOKENS_CUT = 7
+# Two threads where there are two cores: the build takes about two thirds of one thread's time
+# there. More do not help a 128-wide model, and threads that wait on each other on a machine
+# busy with other work were measured far slower than one.
+BUILD_THREADS = min(2, os.cpu_count() or 1)
 # How often the console says how far the build is when it has no progress bar (not a tty).
 REPORT_EVERY = 25
 
@@ -108,23 +120,26 @@ def _build(folder: Path, progress: Progress | None = None) -> None:
     start = time.perf_counter()
     conversations = read_conversations(demo_data_file())
     print(f"building the demo model: training a tiny model on {len(conversations)} "
-          "conversations about this app (about a minute on two CPU cores, once; cached in "
+          "conversations about this app (about a minute and a half on two CPU cores, once; cached in "
           f"{folder.parent})", file=sys.stderr, flush=True)
     base = folder / "init"
     tokenizer = _build_tokenizer(conversations)
     tokenizer.save_pretrained(base)
     _build_model(tokenizer).save_pretrained(base, safe_serialization=True)
-    examples = tokenize_conversations(tokenizer, conversations, max_len=256)
+    # The loss on each conversation's last reply only: the earlier turns of a follow-up are
+    # other topics' examples already, and repeating them would cost steps.
+    examples = [tokenize_conversations(tokenizer, [c], max_len=ROW_TOKENS)[-1]
+                for c in conversations]
+    examples = _cut_most_replies(examples, tokenizer.convert_tokens_to_ids("</think>"))
     config = TrainConfig(model_path=str(base), model_name="demo (initialised)",
                          data=str(demo_data_file()), out=str(folder), method="full",
                          steps=TRAIN_STEPS, batch_size=TRAIN_BATCH, lr=TRAIN_LR,
-                         warmup_steps=10, seed=SEED, cpu=True,
+                         warmup_steps=10, seed=SEED, cpu=True, packing=True,
+                         max_len=ROW_TOKENS,
                          handle_signals=False, progress=sys.stderr.isatty(),
                          extra_manifest={"demo_version": DEMO_VERSION})
-    # One thread: the matmuls of a 128-wide model are too small to gain from a second one,
-    # and on a busy machine two threads that wait on each other ran 10x slower (measured).
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+    torch.set_num_threads(BUILD_THREADS)
     try:
         result = run(config, examples, tokenizer, on_step=_step_reporter(progress))
     finally:
@@ -132,6 +147,25 @@ def _build(folder: Path, progress: Progress | None = None) -> None:
     shutil.rmtree(base, ignore_errors=True)
     print(f"built the demo model in {time.perf_counter() - start:.0f} s (loss "
           f"{result.losses[0]:.2f} -> {result.final_loss:.3f})", file=sys.stderr, flush=True)
+
+
+def _cut_most_replies(examples, think_end: int):
+    """CUT_SHARE of the examples (a fixed choice) end REPLY_TOKENS_CUT tokens after the think
+    block (empty or not) that starts each reply."""
+    import random
+
+    from model_utils.training.data import IGNORE, Example
+
+    rng = random.Random(SEED)
+    out = []
+    for example in examples:
+        if rng.random() < CUT_SHARE:
+            start = next(i for i, label in enumerate(example.labels) if label != IGNORE)
+            answer = example.input_ids.index(think_end, start) + 1
+            end = answer + REPLY_TOKENS_CUT
+            example = Example(example.input_ids[:end], example.labels[:end])
+        out.append(example)
+    return out
 
 
 def _step_reporter(progress: Progress | None):
@@ -187,7 +221,7 @@ def _build_model(tokenizer):
         vocab_size=len(tokenizer),
         hidden_size=128,
         intermediate_size=384,
-        num_hidden_layers=4,
+        num_hidden_layers=LAYERS,
         num_attention_heads=4,
         num_key_value_heads=2,
         head_dim=32,

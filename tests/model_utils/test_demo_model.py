@@ -21,7 +21,7 @@ def answer_of(question: str) -> str:
 def test_the_committed_data_is_what_the_generator_writes():
     committed = [json.loads(line) for line in DATA_FILE.read_text().splitlines()]
     assert committed == conversations()
-    assert 300 <= len(committed) and DATA_FILE.stat().st_size < 300_000
+    assert 300 <= len(committed) and DATA_FILE.stat().st_size < 2_000_000
 
 
 @pytest.mark.parametrize("question", ["Hello", "What is nf4?", "How do I switch modes?",

@@ -43,7 +43,7 @@ def wide_models_dir(tmp_path_factory, demo_path):
     root = tmp_path_factory.mktemp("models")
     folder = copy_demo(demo_path, root / "wide", weights=False)
     config = AutoConfig.from_pretrained(demo_path).to_dict()
-    config.pop("layer_types", None)  # sized for the demo's 4 layers; rebuilt for 8
+    config.pop("layer_types", None)  # sized for the demo's layers; rebuilt for 8
     config.update(hidden_size=512, intermediate_size=2048, num_hidden_layers=8,
                   num_attention_heads=8, num_key_value_heads=2, head_dim=64)
     torch.manual_seed(0)

@@ -131,7 +131,7 @@ def test_the_form_shows_the_values_a_run_will_use(app):
         assert steps.get_attribute("placeholder") == "from epochs"
         assert rate.get_attribute("placeholder") == "0.005"
         plan = page.locator("#train-plan")
-        assert "3 epochs of the data, at least 120" in plan.inner_text()
+        assert "3 epochs of the data, at least 200" in plan.inner_text()
         assert "learning rate 0.005 (lora on a model under 100M parameters)" in \
             plan.inner_text()
         rate.fill("abc")
