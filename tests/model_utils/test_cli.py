@@ -194,6 +194,7 @@ def test_a_tiny_temperature_is_greedy_and_runs(runs):
 def random_model(tmp_path_factory, demo_path):
     """The demo model's shape with random weights: its replies go on for thousands of tokens
     (the trained demo model ends its replies within a second)."""
+    import torch
     from transformers import AutoTokenizer
 
     from model_utils.loading.demo_model import _build_model
@@ -201,7 +202,13 @@ def random_model(tmp_path_factory, demo_path):
     folder = tmp_path_factory.mktemp("models") / "random"
     tokenizer = AutoTokenizer.from_pretrained(demo_path)
     tokenizer.save_pretrained(folder)
-    _build_model(tokenizer).save_pretrained(folder)
+    model = _build_model(tokenizer)
+    # Zero logits for the end tokens: a greedy reply never ends, whatever the random weights
+    # (the largest of the other logits is above zero).
+    with torch.no_grad():
+        for token in ("<|im_end|>", "<|endoftext|>"):
+            model.lm_head.weight[tokenizer.convert_tokens_to_ids(token)] = 0
+    model.save_pretrained(folder)
     return folder
 
 

