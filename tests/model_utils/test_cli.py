@@ -220,7 +220,10 @@ def test_ctrl_c_mid_reply_exits_130_cleanly(random_model):
          "--models-dir", str(random_model.parent), "--model", str(random_model),
          "--prompt", "hi", "--max-new-tokens", "4000", "--temperature", "0"],
         cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        env={**os.environ, "OMP_NUM_THREADS": "1"})
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        # A suite started in the background (`./test.sh &`) has SIGINT ignored, and a child
+        # inherits that: Ctrl-C is given its default meaning back, as in a terminal.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         assert proc.stdout.read(1), "no reply started"  # decoding is under way
         time.sleep(0.3)
