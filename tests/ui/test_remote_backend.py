@@ -225,7 +225,7 @@ def test_the_page_in_front_of_a_server(front, backend, artifacts):
             set_number(page, label, value)
         page.locator("#message textarea").fill("Write a very long story.")
         page.locator("#message textarea").press("Enter")
-        stats = page.locator("#chatbot sub", has_text="48 out")
+        stats = page.locator("#chatbot sub", has_text="/ 48 out")
         stats.wait_for(timeout=60000)
         assert "remote" in stats.inner_text() and "hit max_new_tokens" in stats.inner_text()
         page.get_by_role("tab", name="Model").click()

@@ -96,7 +96,7 @@ def test_regenerate_adds_a_version_of_the_reply(page):
     first_reply = page.locator('#chatbot [data-testid="bot"]').last.inner_text()
     set_number(page, "max_new_tokens", 3)  # the new reply is told apart by its length
     page.locator("#regenerate").click()
-    page.locator('#chatbot [data-testid="bot"] sub', has_text="3 out").wait_for(timeout=90000)
+    page.locator('#chatbot [data-testid="bot"] sub', has_text="/ 3 out").wait_for(timeout=90000)
     settle(page, 2)
     wait_position(page, "2 / 2")
     assert "the reply to message 2" in page.locator("#branch-point input").input_value()

@@ -122,7 +122,7 @@ def test_regenerate_replaces_the_last_reply(page, app):
     set_number(page, "max_new_tokens", 64)
     page.locator("#regenerate").click()
     # The new reply ends with its own stats line; the stopped one it replaces says "stopped".
-    bot_messages(page).last.locator("sub", has_text="64 out").filter(
+    bot_messages(page).last.locator("sub", has_text="/ 64 out").filter(
         has_not_text="stopped").wait_for(timeout=90000)
     assert app.log().count("reply: model=") == replies_before + 1
     assert page.locator('#chatbot [data-testid="user"]').count() == users

@@ -86,7 +86,7 @@ def test_export_all_holds_every_chat_newest_first_with_its_messages(browser, app
     # preset saved there.
     set_number(page, "max_new_tokens", 3)  # the new version is told apart by its length
     page.locator("#regenerate").click()
-    page.locator('#chatbot [data-testid="bot"] sub', has_text="3 out").wait_for(timeout=90000)
+    page.locator('#chatbot [data-testid="bot"] sub', has_text="/ 3 out").wait_for(timeout=90000)
     page.wait_for_function(SETTLED, arg=1, timeout=90000)
     page.locator("#branch-position", has_text="2 / 2").wait_for()
     page.locator("#system-prompt textarea").fill("Be short.")
