@@ -31,9 +31,9 @@ from model_utils.loading.placement import Placement  # noqa: E402
 
 
 def build(config_file: Path, layers: int, folder: Path, keep_layer_types: bool = False) -> Path:
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    from model_utils.loading.demo_model import demo_model_path
+    from model_utils.loading.demo_model import demo_tokenizer
 
     types = AutoConfig.from_pretrained(config_file).get_text_config().layer_types
     types = list(types[:layers]) if keep_layer_types and types else ["full_attention"] * layers
@@ -41,7 +41,7 @@ def build(config_file: Path, layers: int, folder: Path, keep_layer_types: bool =
     with torch.device("cuda"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     model.save_pretrained(folder)
-    AutoTokenizer.from_pretrained(demo_model_path()).save_pretrained(folder)
+    demo_tokenizer().save_pretrained(folder)
     del model
     torch.cuda.empty_cache()
     return folder

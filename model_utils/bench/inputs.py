@@ -27,9 +27,9 @@ def build_random_model(config_file: Path, folder: Path, device: str) -> Path:
     rest would decode to no text at all, so a reply would stream nothing until its end and a
     client's time to first text would measure the wrong thing. Each id beyond the demo's gets
     a word of its own (" t1234"), so replies stream text the way a real model's do."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    from model_utils.loading.demo_model import demo_model_path
+    from model_utils.loading.demo_model import demo_tokenizer
 
     config = AutoConfig.from_pretrained(config_file)
     start = time.perf_counter()
@@ -37,7 +37,7 @@ def build_random_model(config_file: Path, folder: Path, device: str) -> Path:
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     model.generation_config.do_sample = False
     model.save_pretrained(folder, safe_serialization=True)
-    tokenizer = AutoTokenizer.from_pretrained(demo_model_path())
+    tokenizer = demo_tokenizer()
     vocab = config.get_text_config(decoder=True).vocab_size
     tokenizer.add_tokens([f" t{i}" for i in range(len(tokenizer), vocab)])
     tokenizer.save_pretrained(folder)

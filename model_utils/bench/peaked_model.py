@@ -51,12 +51,12 @@ def train(out: Path, *, hidden: int = 64, layers: int = 2, seconds: float | None
           device: str | None = None, seed: int = 0) -> dict:
     """Train for max_steps or `seconds` (None: no time limit, for tests that must not depend
     on the machine's speed), save to `out` (bf16 safetensors + tokenizer), report."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+    from transformers import AutoModelForCausalLM, GenerationConfig
 
-    from model_utils.loading.demo_model import demo_model_path
+    from model_utils.loading.demo_model import demo_tokenizer
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    tokenizer = AutoTokenizer.from_pretrained(demo_model_path())
+    tokenizer = demo_tokenizer()
     tokenizer.model_max_length = 10**9  # the whole text at once, cut into windows below
     ids = torch.tensor(tokenizer(training_text())["input_ids"], dtype=torch.long)
     eos, pad = tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.pad_token_id

@@ -82,13 +82,17 @@ def demo_data_file() -> Path:
     return DATA_FILE
 
 
+def _demo_folder(cache_dir: Path) -> Path:
+    """Where this version of the demo, trained on this data, is kept."""
+    from model_utils.training.data import file_sha256
+
+    return cache_dir / f"demo-qwen3-v{DEMO_VERSION}-{file_sha256(demo_data_file())[:12]}"
+
+
 def demo_model_path(cache_dir: Path | None = None, progress: Progress | None = None) -> Path:
     """Path of the demo checkpoint, building it first if it is not there yet; `progress`
     (a load's (fraction, message) callback) hears the build's steps."""
-    from model_utils.training.data import file_sha256
-
-    digest = file_sha256(demo_data_file())[:12]
-    target = (cache_dir or default_cache_dir()) / f"demo-qwen3-v{DEMO_VERSION}-{digest}"
+    target = _demo_folder(cache_dir or default_cache_dir())
     if (target / "config.json").exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -106,6 +110,20 @@ def demo_model_path(cache_dir: Path | None = None, progress: Progress | None = N
         shutil.rmtree(tmp, ignore_errors=True)
     log.info("built the demo model at %s", target)
     return target
+
+
+def demo_tokenizer():
+    """The demo model's tokenizer without its training: what a random benchmark model needs,
+    built from the demo data in about a second (training the model takes minutes on a machine
+    that has not built it yet). The built demo's own copy is read where there is one."""
+    from transformers import AutoTokenizer
+
+    from model_utils.training.data import read_conversations
+
+    built = _demo_folder(default_cache_dir())
+    if (built / "config.json").exists():
+        return AutoTokenizer.from_pretrained(built)
+    return _build_tokenizer(read_conversations(demo_data_file()))
 
 
 def _build(folder: Path, progress: Progress | None = None) -> None:

@@ -23,6 +23,7 @@ import json
 import os
 import time
 import weakref
+from pathlib import Path
 
 import psutil
 import pytest
@@ -47,6 +48,7 @@ MODES = ("bf16", "int8-wo")
 BOUNDS_MB = {"allocated": 64, "nvml": 128, "rss": 256}
 # The first cycle's one-time growth (see above): NVML 172 MB, RSS ~470 MB measured on an H200.
 WARM_UP_MB = {"nvml": 256, "rss": 768}
+QWEN3_CONFIG = Path(__file__).parents[2] / "benchmarks" / "configs" / "qwen3-8b.config.json"
 SHAPE = {"hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 8,
          "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 128,
          "vocab_size": 8192, "max_position_embeddings": 4096}
@@ -74,12 +76,14 @@ def counters() -> dict[str, float]:
 @pytest.fixture(scope="module")
 def mid_model(tmp_path_factory):
     from model_utils.bench.inputs import build_random_model
-    from model_utils.loading.demo_model import demo_model_path
+    from model_utils.loading.demo_model import demo_tokenizer
 
     root = tmp_path_factory.mktemp("switch-memory")
-    config = json.loads((demo_model_path() / "config.json").read_text())
-    config.pop("layer_types", None)  # sized for the demo's layers; rebuilt for these
-    (root / "config.json").write_text(json.dumps({**config, **SHAPE}))
+    config = json.loads(QWEN3_CONFIG.read_text())
+    tokenizer = demo_tokenizer()  # build_random_model's: its special tokens' ids
+    config.update(SHAPE, bos_token_id=tokenizer.pad_token_id, pad_token_id=tokenizer.pad_token_id,
+                  eos_token_id=tokenizer.eos_token_id)
+    (root / "config.json").write_text(json.dumps(config))
     return build_random_model(root / "config.json", root / "model", "cuda")
 
 

@@ -68,3 +68,21 @@ def test_the_build_reports_its_steps_as_one_load_stage():
         report(done, 2, 0.5)
     assert seen[-1] == (0.2, "building the demo model: step 2/2 (loss 0.50)")
     assert [stage.name for stage in clock.finish()] == ["building the demo model"]
+
+
+def test_the_tokenizer_alone_is_the_trained_demos(tmp_path, monkeypatch):
+    """A random benchmark model takes the demo's tokenizer: built without training where no
+    demo is cached, it must be the same tokenizer the trained demo carries."""
+    from transformers import AutoTokenizer
+
+    from model_utils.loading.demo_model import demo_model_path, demo_tokenizer
+
+    trained = AutoTokenizer.from_pretrained(demo_model_path())
+    monkeypatch.setenv("QWEN_CHAT_CACHE", str(tmp_path))  # no demo built here
+    untrained = demo_tokenizer()
+    assert not list(tmp_path.iterdir())  # nothing was trained or written
+    assert untrained.get_vocab() == trained.get_vocab()
+    assert untrained.chat_template == trained.chat_template
+    assert (untrained.eos_token, untrained.pad_token) == (trained.eos_token, trained.pad_token)
+    text = "<think>\nmodes</think>\n\nUse nf4 to save memory."
+    assert untrained(text)["input_ids"] == trained(text)["input_ids"]
