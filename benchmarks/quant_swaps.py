@@ -169,7 +169,8 @@ def int8_head_gemlite(model):
     head = model.get_output_embeddings()
     if isinstance(head, Int8WeightOnlyLinear):
         _gemlite_configs()
-        gemlite_8bit.attach(head)
+        if gemlite_8bit.attach(head):
+            gemlite_8bit.check_kernels(model)
 
 
 def gemlite_for_prompts_too(model):

@@ -133,6 +133,85 @@ def attach(layer: nn.Module) -> bool:
     return True
 
 
+def check_kernels(model: nn.Module) -> list[str]:
+    """Run gemlite's kernel once at every row count it serves (each of its row buckets below
+    GEMLITE_BELOW_ROWS) for each weight shape and type the model handed it, eagerly, before
+    torch.compile and the CUDA graphs meet it.
+
+    Why: gemlite keys a tuned config by the matrix shape, the row bucket and the input type,
+    not the weight's type, so the config tuned for e4m3 weights of a shape is handed to int8
+    weights of that shape too, and the int8 kernel can need more shared memory than the GPU has
+    (on an H200, 344 KB against 227 KB: BENCHMARKS.md). A config that does not launch is
+    forgotten and the shape tuned anew (gemlite's own tuning keeps to the GPU's limits); a
+    shape whose kernel still fails leaves gemlite, its layers keeping their own path.
+    Returns one line for each repair or removal (empty when every kernel ran)."""
+    from triton.runtime.errors import OutOfResources
+
+    shapes: dict[tuple, list[nn.Module]] = {}
+    for module in model.modules():
+        if getattr(module, "gemlite_meta", None) is not None:
+            key = (module.out_features, module.in_features, module.qweight.dtype)
+            shapes.setdefault(key, []).append(module)
+    done = []
+    for (n, k, dtype), layers in shapes.items():
+        for rows in _row_buckets():
+            x2 = torch.zeros(rows, k, dtype=torch.bfloat16, device=layers[0].qweight.device)
+            try:
+                _launch(layers[0], x2)
+                continue
+            except OutOfResources as error:
+                _forget_tuned(layers[0], rows)
+                done.append(f"gemlite's tuned config for {n}x{k} {dtype} at {rows} rows did "
+                            f"not fit this GPU ({error}); tuned anew")
+            try:
+                _launch(layers[0], x2)
+            except Exception as error:  # noqa: BLE001 - the layers' own path serves instead
+                for layer in layers:
+                    layer.gemlite_meta = None
+                done.append(f"gemlite left {len(layers)} layers of {n}x{k} {dtype}: its kernel "
+                            f"failed at {rows} rows ({type(error).__name__}: {error})")
+                break
+    for line in done:
+        log.warning(line)
+    return done
+
+
+def _launch(layer: nn.Module, x2: torch.Tensor) -> None:
+    with torch.inference_mode():
+        product(layer, x2)
+    torch.cuda.synchronize(x2.device)
+
+
+def _row_buckets() -> list[int]:
+    """The smallest row count of each of gemlite's row buckets below GEMLITE_BELOW_ROWS (its
+    configs are kept per bucket: one launch stands for every count in it)."""
+    from gemlite.triton_kernels import utils
+
+    first: dict[int, int] = {}
+    for rows in range(1, GEMLITE_BELOW_ROWS):
+        first.setdefault(utils.get_closest_m(rows), rows)
+    return sorted(first.values())
+
+
+def _forget_tuned(layer: nn.Module, rows: int) -> None:
+    """Drop the config gemlite holds for this layer's shape at `rows` rows, from its table of
+    tuned configs and from the Triton autotuner's choices, so that the next launch tunes."""
+    import gemlite.core as core
+    from gemlite.triton_kernels import utils
+
+    matmul_type = core.get_matmul_type(rows, layer.gemlite_meta[1])
+    meta = layer.gemlite_meta  # gemlite's get_meta_args(): [.., W_nbits, group_size, ..,
+    # elements_per_sample, input_dtype, ..]; its type_id counts bf16 inputs as fp16 ones
+    input_dtype = 1 if meta[5] == 2 else meta[5]
+    shape = (layer.out_features, layer.in_features, meta[2], meta[4], input_dtype * 100 + meta[1])
+    bucket = utils.get_closest_m(rows)
+    core.GEMLITE_TRITON_CONFIG_CACHE.get(matmul_type, {}).pop(str((bucket, *shape)), None)
+    for kernel in core.GEMLITE_TRITON_MAPPING[matmul_type].kernel:
+        for key in [key for key in kernel.cache
+                    if tuple(key[1:6]) == shape and utils.get_closest_m(key[0]) == bucket]:
+            del kernel.cache[key]
+
+
 def takes(layer: nn.Module, x2: torch.Tensor) -> bool:
     """Whether gemlite multiplies the input rows x2 [M, K] for this layer: bf16 rows, fewer
     than the limit (a static shape: decided when torch.compile traces or a graph is captured).

@@ -223,6 +223,9 @@ def quantize_model(model: nn.Module, bits: int, group: int | None, device: torch
                 progress(0.3 + 0.3 * i / len(targets),
                          f"quantizing to {label}: layer {i + 1} of {len(targets)}")
         model.to(device)
+    if attached:  # every row bucket launched once now, not first inside a graph capture
+        gemlite_8bit.check_kernels(model)
+        attached = sum(getattr(m, "gemlite_meta", None) is not None for m in model.modules())
     kernel = "tinygemm" if tinygemm else ("dequantize" if bits == 4 else "int8 matmul")
     below = gemlite_8bit.GEMLITE_BELOW_ROWS
     if fmt == "fp8":

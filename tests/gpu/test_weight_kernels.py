@@ -50,3 +50,32 @@ def test_the_kernel_computes_the_product_of_the_stored_weights(kind, compiled):
         expected = x.float() @ weight.T
         error = ((got - expected).norm() / expected.norm()).item()
         assert error < BOUND[kind], (kind, rows, error)
+
+
+def test_a_tuned_config_the_gpu_cannot_launch_is_tuned_anew():
+    """gemlite keys its tuned configs by shape, row bucket and input type, not the weight's
+    type: a config tuned on e4m3 weights reached int8 ones whose kernel needed more shared
+    memory than the GPU has, and the mode failed to load. check_kernels forgets such a config
+    and tunes the shape again before any graph meets it; the product is then right."""
+    import gemlite.core as core
+
+    module = layer("int8-gemlite")
+    meta = module.gemlite_meta
+    rows = 8  # gemlite's split-K GEMM, bucket 8
+    gemlite_8bit._forget_tuned(module, rows)  # what earlier tests tuned for this shape
+    shape = (module.out_features, module.in_features, meta[2], meta[4], 100 + meta[1])
+    # A 256x256 int8 tile in eight stages: 512 KB of shared memory, more than any GPU has.
+    core.GEMLITE_TRITON_CONFIG_CACHE.setdefault("GEMM_SPLITK", {})[str((rows, *shape))] = {
+        "BLOCK_SIZE_M": 16, "BLOCK_SIZE_N": 256, "BLOCK_SIZE_K": 256, "GROUP_SIZE_M": 8,
+        "SPLIT_K": 1, "A_load_order": 0, "NUM_STAGES": 8, "num_warps": 8, "num_ctas": 1,
+        "num_stages": 8}
+
+    repairs = gemlite_8bit.check_kernels(module)
+    assert len(repairs) == 1 and f"at {rows} rows" in repairs[0] and "tuned anew" in repairs[0]
+    assert module.gemlite_meta is not None  # still served by gemlite
+    weight = dequantized_weight(module).to("cuda")
+    x = torch.randn(7, 3584, dtype=torch.bfloat16, device="cuda")
+    with torch.inference_mode():
+        got = module(x).float()
+    expected = x.float() @ weight.T
+    assert ((got - expected).norm() / expected.norm()).item() < BOUND["int8-gemlite"]
