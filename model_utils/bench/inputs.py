@@ -4,6 +4,7 @@ random weights (speed and memory do not depend on the values)."""
 from __future__ import annotations
 
 import gc
+import json
 import logging
 import time
 from pathlib import Path
@@ -38,9 +39,9 @@ def build_random_model(config_file: Path, folder: Path, device: str) -> Path:
     model.generation_config.do_sample = False
     model.save_pretrained(folder, safe_serialization=True)
     tokenizer = demo_tokenizer()
-    vocab = config.get_text_config(decoder=True).vocab_size
-    tokenizer.add_tokens([f" t{i}" for i in range(len(tokenizer), vocab)])
     tokenizer.save_pretrained(folder)
+    _words_for_every_id(folder / "tokenizer.json", len(tokenizer),
+                        config.get_text_config(decoder=True).vocab_size)
     del model
     gc.collect()
     if torch.cuda.is_available():
@@ -48,3 +49,17 @@ def build_random_model(config_file: Path, folder: Path, device: str) -> Path:
     log.info("built a random %s in %.1f s at %s", config_file.name, time.perf_counter() - start,
              folder)
     return folder
+
+
+def _words_for_every_id(tokenizer_file: Path, first: int, vocab: int) -> None:
+    """Give ids first..vocab-1 the words " t<id>" in the byte-level BPE's own vocabulary: as
+    added tokens (tokenizer.add_tokens) 150 000 of them took seconds to load, a switch's
+    tokenizer stage no real model has; in the vocabulary they load as fast as the rest. No
+    merge produces them, so prompts tokenize as before: they only decode."""
+    data = json.loads(tokenizer_file.read_text(encoding="utf-8"))
+    words = data["model"]["vocab"]
+    # The added tokens (<think>, </think>) into the vocabulary at their ids too: an added token
+    # missing from it is given the id after the vocabulary's last when the file is read.
+    words.update({token["content"]: token["id"] for token in data["added_tokens"]})
+    words.update({f"\u0120t{i}": i for i in range(first, vocab)})  # Ġ: byte-level's space
+    tokenizer_file.write_text(json.dumps(data, ensure_ascii=False), encoding="utf-8")
