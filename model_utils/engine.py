@@ -31,7 +31,6 @@ from .loading.manager import ModelManager
 from .loading.placement import FitEstimate
 from .loading.registry import ModelRegistry
 from .memory import MemoryHistory, MemorySnapshot
-from .runtime.compiled_code import forget_compiled_code
 from .runtime.decoders import EagerDecoder
 from .runtime.generation import LogprobRecord, decode_tokens
 from .runtime.grammar import Constraint, Grammars, OutputFormat, reasoning_mode
@@ -142,9 +141,8 @@ class Engine:
         # Wait for the decode loop to let go of the unloaded model's batch cache.
         self.worker.call(lambda: None)
         if torch.cuda.is_available():
-            # Compiled graphs and their CUDA-graph memory pool hold GPU memory of their own;
-            # torch._dynamo.reset() alone leaves the guards behind (runtime/compiled_code.py).
-            self.worker.call(forget_compiled_code)
+            # The compiled code stays for a later load of the same kind (runtime/compiled_code.py);
+            # the captured graphs and their memory pool went with the serving.
             # cuBLAS keeps a workspace for every stream it ran on until told otherwise: the
             # graphs' warm-up stream is new with each load, and the capture's workspace sits
             # in the unloaded graphs' pool. Left alone, every load kept a workspace more

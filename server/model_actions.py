@@ -128,7 +128,9 @@ def status_markdown(status: dict) -> str:
         # The load's one timing here, with its parts (the page's message times the click).
         lines.append(f"getting ready took {status.get('ready_s', 0):.1f} s: {stages}")
     if graphs := status.get("compiled_graphs"):
-        lines.append(f"compiled graphs: {graphs['hits']} from the compile cache, "
+        lines.append("compiled graphs: the decode step's code compiled for an earlier load of "
+                     "this mode, kept in this process" if graphs.get("kept") else
+                     f"compiled graphs: {graphs['hits']} from the compile cache, "
                      f"{graphs['misses']} compiled afresh")
     if switch := status.get("last_switch"):
         lines.append(switch_line(switch, status.get("compiled_graphs") or {}))
@@ -150,7 +152,9 @@ def switch_line(switch: dict, graphs: dict) -> str:
         head = f"the load took {switch['s']:.1f} s"
     cached = ["the tokenizer (kept from the mode before)"] \
         if "tokenizer" in switch.get("from_caches", []) else []
-    if graphs.get("hits"):
+    if graphs.get("kept"):
+        cached.append("the compiled decode step (kept from an earlier load of this mode)")
+    elif graphs.get("hits"):
         cached.append(f"{graphs['hits']} of {graphs['hits'] + graphs.get('misses', 0)} "
                       "compiled graphs (torch.compile's cache)")
     return f"{head}; from caches: {', '.join(cached) if cached else 'nothing'}"

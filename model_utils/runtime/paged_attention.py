@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import threading
 import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -126,13 +127,18 @@ def store(key: torch.Tensor, value: torch.Tensor, step: PagedStep,
 
 # The decode steps' PagedSteps by id: how decode_layer finds its cache (see there).
 _STEPS: weakref.WeakValueDictionary[int, PagedStep] = weakref.WeakValueDictionary()
-_STEP_IDS = itertools.count(1)
+_STEPS_LOCK = threading.Lock()
 
 
 def register_step(step: PagedStep) -> PagedStep:
-    """Give a decode PagedStep the id its forward's attention layers find it by."""
-    step.id = next(_STEP_IDS)
-    _STEPS[step.id] = step
+    """Give a decode PagedStep the id its forward's attention layers find it by: the smallest
+    id no live step holds. torch.compile takes the id into the compiled step as a constant, so
+    the steps of a later load, registered in the same order once the unloaded model's are gone,
+    get the same ids and the code compiled for that earlier load serves them
+    (runtime/compiled_code.py); two caches alive at once never share an id."""
+    with _STEPS_LOCK:
+        step.id = next(i for i in itertools.count(1) if i not in _STEPS)
+        _STEPS[step.id] = step
     return step
 
 

@@ -22,7 +22,7 @@ from model_utils.loading.load_stages import Progress
 from model_utils.loading.loaded_model import LoadedModel
 from model_utils.memory import torch_cuda_gb
 
-from . import compile_cache, cuda_graphs, kv_cache, paged_attention
+from . import compile_cache, compiled_code, cuda_graphs, kv_cache, paged_attention
 from .linear_states import linear_layers
 from .runner import BatchRunner, EagerStep
 from .scheduler import Scheduler
@@ -60,8 +60,13 @@ class DecodePreparation:
             why = "eager path: compilation turned off (--no-compile)"
         elif applies:
             fused = fuse_for_decoding(loaded.model)  # before compiling: it traces the fusions
+            rows = self._compiled_rows(loaded)
+            kind = compiled_code.model_kind(loaded.model, loaded.mode.name,
+                                            f"{self.config.compile_mode}, {rows} rows")
+            serving.compiled_code_kept = self.worker.call(
+                lambda: compiled_code.reuse_or_make_room(kind))
             step = cuda_graphs.GraphedBatchStep(loaded.model, self.config.compile_mode,
-                                                compiled_rows=self._compiled_rows(loaded))
+                                                compiled_rows=rows)
             path = "paged-kv+cuda-graphs (batched)"
             why = "compiled path: batched paged KV cache + CUDA graphs" + \
                   "".join(f", {what}" for what in fused)
@@ -115,11 +120,14 @@ class DecodePreparation:
                 note += f" (prompts x tokens {shapes} failed to capture: eager)"
             serving.decode_path_reason += note
         self._record_memory(serving, "prefill graphs")
-        serving.compiled_graphs = compile_cache.since(cached_before)
+        serving.compiled_graphs = {**compile_cache.since(cached_before),
+                                   "kept": int(serving.compiled_code_kept)}
         keep_gemlite_tuning(serving.loaded.model)  # what the captures tuned, for the next load
         log.info("batched step ready for %s in %.1f s (compiled graphs: %d from the cache, %d "
-                 "compiled afresh)", serving.loaded.display_name, time.perf_counter() - start,
-                 serving.compiled_graphs["hits"], serving.compiled_graphs["misses"])
+                 "compiled afresh%s)", serving.loaded.display_name, time.perf_counter() - start,
+                 serving.compiled_graphs["hits"], serving.compiled_graphs["misses"],
+                 "; the code compiled for an earlier load of this kind reused"
+                 if serving.compiled_code_kept else "")
         # The warm-up's eager forwards left blocks in the allocator's cache: give them back,
         # so that the memory panels show what serving holds (graph pools stay reserved).
         torch.cuda.empty_cache()

@@ -30,6 +30,9 @@ class Serving:
     memory_stages: dict[str, dict] = field(default_factory=dict)
     # Graphs the warm-up found in torch.compile's cache and compiled afresh (compile_cache)
     compiled_graphs: dict[str, int] = field(default_factory=dict)
+    # The decode step's code was compiled in this process for an earlier load of the same kind
+    # and found again (runtime/compiled_code.py): no tracing or compiling this time.
+    compiled_code_kept: bool = False
 
     def held_gb(self) -> dict[str, float]:
         """Per device, the memory serving holds beside the weights (the batch KV cache): a

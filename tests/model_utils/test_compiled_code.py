@@ -1,16 +1,23 @@
-"""An unload forgets what torch.compile built: after forget_compiled_code no guard manager of
-the compiled forward is left alive, however many times a model was compiled and dropped
-(torch._dynamo.reset() alone left each one held by finalizers on the model's classes)."""
+"""What torch.compile built, kept across loads and forgotten (runtime/compiled_code.py): a model
+of the same kind loaded again runs the code compiled for the one before with its own weights,
+and neither the kept code nor a forget keeps an unloaded model or a guard manager alive.
+
+The compiled forward is the demo model's through aot_eager: dynamo's tracing, guards and cache
+as on a GPU, without a C++ compiler."""
 
 from __future__ import annotations
 
 import gc
+import weakref
 
+import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
 from model_utils.loading.demo_model import demo_model_path
-from model_utils.runtime.compiled_code import forget_compiled_code
+from model_utils.runtime import compiled_code
+
+IDS = torch.tensor([[1, 2, 3, 4, 5]])
 
 
 def guard_managers() -> int:
@@ -20,18 +27,101 @@ def guard_managers() -> int:
     return sum(isinstance(o, CheckFunctionManager) for o in gc.get_objects())
 
 
-def compile_and_run_once() -> None:
+def load(seed: int) -> torch.nn.Module:
+    """The demo model with its weights moved by a seed: each load its own numbers."""
     model = AutoModelForCausalLM.from_pretrained(demo_model_path(), dtype=torch.float32)
-    # aot_eager: dynamo's tracing and guards as on a GPU, no C++ compiler needed here
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.add_(torch.randn_like(parameter) * 0.1)
+    return model
+
+
+def compiled_first_call(model) -> tuple[torch.Tensor, int]:
+    """The compiled forward's logits, and how many graphs dynamo compiled for the call."""
+    from torch._dynamo.utils import counters
+
     forward = torch.compile(model.forward, fullgraph=True, dynamic=False, backend="aot_eager")
+    before = counters["stats"]["unique_graphs"]
     with torch.inference_mode():
-        forward(input_ids=torch.tensor([[1, 2, 3, 4]]), use_cache=False)
-    assert guard_managers() >= 1  # the compiled forward is guarded
+        logits = forward(input_ids=IDS, use_cache=False).logits
+    return logits, counters["stats"]["unique_graphs"] - before
 
 
-def test_no_guard_manager_outlives_the_unloads():
+@pytest.fixture
+def fresh():
+    compiled_code.forget_compiled_code()
+    yield
+    compiled_code.forget_compiled_code()
+
+
+def test_a_load_of_the_same_kind_runs_the_kept_code_with_its_own_weights(fresh):
+    first = load(1)
+    kind = compiled_code.model_kind(first, "fp32", "aot_eager")
+    assert compiled_code.reuse_or_make_room(kind) is False  # nothing compiled yet
+    _, compiled = compiled_first_call(first)
+    assert compiled == 1
+    held = weakref.ref(first.model.embed_tokens.weight)
+    del first
+    gc.collect()  # as an unload does: the model's own reference cycles
+
+    second = load(2)
+    assert compiled_code.model_kind(second, "fp32", "aot_eager") == kind
+    assert compiled_code.reuse_or_make_room(kind) is True
+    assert held() is None  # the kept code does not keep the unloaded model
+    logits, compiled = compiled_first_call(second)
+    assert compiled == 0  # no tracing: the code compiled for the first load ran
+    with torch.inference_mode():
+        assert torch.equal(logits, second(input_ids=IDS, use_cache=False).logits)
+
+
+def test_past_the_kept_kinds_everything_compiled_is_forgotten(fresh):
+    for i in range(compiled_code.KEPT_KINDS):
+        assert compiled_code.reuse_or_make_room(f"kind {i}") is False
+    assert compiled_code.reuse_or_make_room("kind 0") is True  # now the most recent
+    assert compiled_code.reuse_or_make_room("one kind more") is False  # forgets all
+    assert compiled_code.reuse_or_make_room("kind 0") is False
+
+
+def test_no_guard_manager_outlives_a_forget(fresh):
     before = guard_managers()
-    for _ in range(2):
-        compile_and_run_once()
-        assert forget_compiled_code() >= 1
+    for seed in range(2):
+        compiled_first_call(load(seed))
+        assert guard_managers() > before  # the compiled forward is guarded
+        assert compiled_code.forget_compiled_code() >= 1
         assert guard_managers() == before
+
+
+class CompiledStep:
+    """The runner's decode step through a compiled forward (as cuda_graphs.GraphedBatchStep's,
+    without the graph capture, which needs a GPU)."""
+
+    def __init__(self, model):
+        self.forward = torch.compile(model.forward, fullgraph=True, dynamic=False,
+                                     backend="aot_eager")
+
+    def __call__(self, kv, b):
+        kv.prepare_decode(b)
+        return self.forward(**kv.decode_args(b)).logits[:, -1]
+
+
+def test_a_later_load_s_paged_decode_step_runs_the_code_compiled_for_the_earlier(fresh):
+    """The decode step hands its cache's id to the attention op, and torch.compile keeps that
+    id as a constant: a later load's steps must get the same ids for the kept code to apply."""
+    from torch._dynamo.utils import counters
+
+    from model_utils.runtime.paged_attention import use_paged_attention
+    from model_utils.runtime.runner import BatchRunner
+
+    compiles = []
+    for seed in (1, 2):
+        model = load(seed)
+        assert use_paged_attention(model)
+        runner = BatchRunner(model, context_tokens=64, max_batch=2, step_fn=CompiledStep(model),
+                             kv_tokens=256)
+        before = counters["stats"]["unique_graphs"]
+        runner.warm_up((1, 2))
+        compiles.append(counters["stats"]["unique_graphs"] - before)
+        del runner, model
+        gc.collect()
+    assert compiles[0] >= 1 and compiles[1] == 0

@@ -183,3 +183,8 @@ def test_the_status_says_what_the_last_switch_cost_and_took_from_caches():
                                         "from_caches": ["tokenizer"], "failed": "mine in nf4"}}
     assert ("the last switch, to mine in nf4, failed: this model was loaded again in 12.0 s"
             in status_markdown(failed))
+    kept = {**status, "compiled_graphs": {"hits": 0, "misses": 0, "kept": 1}}
+    text = status_markdown(kept)
+    assert "the decode step's code compiled for an earlier load of this mode" in text
+    assert ("from caches: the tokenizer (kept from the mode before), the compiled decode step "
+            "(kept from an earlier load of this mode)") in text
