@@ -40,7 +40,7 @@ for step in $STEPS; do
   case $step in
     kernels)
       say "kernels: the quantized layers against their dequantized weights"
-      timeout "${KERNELS_S:-200}" $PY -m pytest -m gpu tests/gpu/test_weight_kernels.py -q \
+      timeout "${KERNELS_S:-300}" $PY -m pytest -m gpu tests/gpu/test_weight_kernels.py -q \
           -p no:cacheprovider >"$OUT/gpu-tests-kernels.log" 2>&1
       say "kernels: exit $? ($(tail -1 "$OUT/gpu-tests-kernels.log"))";;
     tests)
