@@ -154,7 +154,8 @@ def report(rows: list[dict]) -> str:
         if row["phase"] == "warm" and 0 < row["cycle"] < last_cycle:
             continue  # the middle cycles: in the JSON
         graphs = row["compiled_graphs"]
-        cached = f"{graphs.get('hits', 0)} / {graphs.get('misses', 0)}" if graphs else "-"
+        cached = ("kept in the process" if graphs.get("kept") else
+                  f"{graphs.get('hits', 0)} / {graphs.get('misses', 0)}") if graphs else "-"
         stages = sorted(row["stages"] or [], key=lambda s: -s["s"])[:3]
         longest = ", ".join(f"{s['stage']} {s['s']:.1f}" for s in stages)
         lines.append(f"| {row['phase']} | {row['cycle']} | {row['mode']} | "
