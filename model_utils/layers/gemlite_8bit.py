@@ -134,9 +134,9 @@ def attach(layer: nn.Module) -> bool:
 
 
 def check_kernels(model: nn.Module) -> list[str]:
-    """Run gemlite's kernel once at every row count it serves (each of its row buckets below
-    GEMLITE_BELOW_ROWS) for each weight shape and type the model handed it, eagerly, before
-    torch.compile and the CUDA graphs meet it.
+    """Run gemlite's kernel once at every row bucket below GEMLITE_BELOW_ROWS that has a tuned
+    config, for each weight shape and type the model handed it, eagerly, before torch.compile
+    and the CUDA graphs meet it.
 
     Why: gemlite keys a tuned config by the matrix shape, the row bucket and the input type,
     not the weight's type, so the config tuned for e4m3 weights of a shape is handed to int8
@@ -154,7 +154,9 @@ def check_kernels(model: nn.Module) -> list[str]:
             shapes.setdefault(key, []).append(module)
     done = []
     for (n, k, dtype), layers in shapes.items():
-        for rows in _row_buckets():
+        # Only the buckets with a config in gemlite's table: one it tunes here keeps to the
+        # GPU's limits, and tuning buckets the engine never runs would cost seconds each.
+        for rows in filter(lambda rows: _tuned_config(layers[0], rows), _row_buckets()):
             x2 = torch.zeros(rows, k, dtype=torch.bfloat16, device=layers[0].qweight.device)
             try:
                 _launch(layers[0], x2)
@@ -193,18 +195,34 @@ def _row_buckets() -> list[int]:
     return sorted(first.values())
 
 
+def _signature(layer: nn.Module, rows: int) -> tuple[str, int, tuple]:
+    """How gemlite files this layer's config at `rows` rows: its kernel type, the row bucket
+    and (out features, in features, group size, elements per sample, type id)."""
+    import gemlite.core as core
+    from gemlite.triton_kernels import utils
+
+    meta = layer.gemlite_meta  # gemlite's get_meta_args(): [.., W_nbits, group_size, ..,
+    # elements_per_sample, input_dtype, ..]; its type_id counts bf16 inputs as fp16 ones
+    input_dtype = 1 if meta[5] == 2 else meta[5]
+    shape = (layer.out_features, layer.in_features, meta[2], meta[4], input_dtype * 100 + meta[1])
+    return core.get_matmul_type(rows, meta[1]), utils.get_closest_m(rows), shape
+
+
+def _tuned_config(layer: nn.Module, rows: int) -> dict | None:
+    """The config gemlite's table holds for this layer at `rows` rows (None: it would tune)."""
+    import gemlite.core as core
+
+    matmul_type, bucket, shape = _signature(layer, rows)
+    return core.GEMLITE_TRITON_CONFIG_CACHE.get(matmul_type, {}).get(str((bucket, *shape)))
+
+
 def _forget_tuned(layer: nn.Module, rows: int) -> None:
     """Drop the config gemlite holds for this layer's shape at `rows` rows, from its table of
     tuned configs and from the Triton autotuner's choices, so that the next launch tunes."""
     import gemlite.core as core
     from gemlite.triton_kernels import utils
 
-    matmul_type = core.get_matmul_type(rows, layer.gemlite_meta[1])
-    meta = layer.gemlite_meta  # gemlite's get_meta_args(): [.., W_nbits, group_size, ..,
-    # elements_per_sample, input_dtype, ..]; its type_id counts bf16 inputs as fp16 ones
-    input_dtype = 1 if meta[5] == 2 else meta[5]
-    shape = (layer.out_features, layer.in_features, meta[2], meta[4], input_dtype * 100 + meta[1])
-    bucket = utils.get_closest_m(rows)
+    matmul_type, bucket, shape = _signature(layer, rows)
     core.GEMLITE_TRITON_CONFIG_CACHE.get(matmul_type, {}).pop(str((bucket, *shape)), None)
     for kernel in core.GEMLITE_TRITON_MAPPING[matmul_type].kernel:
         for key in [key for key in kernel.cache
