@@ -158,30 +158,32 @@ def check_kernels(model: nn.Module) -> list[str]:
         # GPU's limits, and tuning buckets the engine never runs would cost seconds each.
         for rows in filter(lambda rows: _tuned_config(layers[0], rows), _row_buckets()):
             x2 = torch.zeros(rows, k, dtype=torch.bfloat16, device=layers[0].qweight.device)
-            try:
-                _launch(layers[0], x2)
-                continue
-            except OutOfResources as error:
+            failure = _try_launch(layers[0], x2)
+            if isinstance(failure, OutOfResources):
                 _forget_tuned(layers[0], rows)
                 done.append(f"gemlite's tuned config for {n}x{k} {dtype} at {rows} rows did "
-                            f"not fit this GPU ({error}); tuned anew")
-            try:
-                _launch(layers[0], x2)
-            except Exception as error:  # noqa: BLE001 - the layers' own path serves instead
+                            f"not fit this GPU ({failure}); tuned anew")
+                failure = _try_launch(layers[0], x2)
+            if failure is not None:  # the layers' own path serves them instead
                 for layer in layers:
                     layer.gemlite_meta = None
                 done.append(f"gemlite left {len(layers)} layers of {n}x{k} {dtype}: its kernel "
-                            f"failed at {rows} rows ({type(error).__name__}: {error})")
+                            f"failed at {rows} rows ({type(failure).__name__}: {failure})")
                 break
     for line in done:
         log.warning(line)
     return done
 
 
-def _launch(layer: nn.Module, x2: torch.Tensor) -> None:
-    with torch.inference_mode():
-        product(layer, x2)
-    torch.cuda.synchronize(x2.device)
+def _try_launch(layer: nn.Module, x2: torch.Tensor) -> Exception | None:
+    """Run the layer's gemlite product once: None, or what it raised."""
+    try:
+        with torch.inference_mode():
+            product(layer, x2)
+        torch.cuda.synchronize(x2.device)
+    except Exception as error:  # noqa: BLE001 - the caller decides: tune again or leave gemlite
+        return error
+    return None
 
 
 def _row_buckets() -> list[int]:
@@ -223,10 +225,14 @@ def _forget_tuned(layer: nn.Module, rows: int) -> None:
     from gemlite.triton_kernels import utils
 
     matmul_type, bucket, shape = _signature(layer, rows)
+    # gemlite's table has no weight type (the other type's layers tune again if they need it);
+    # Triton's autotuner keys carry every tensor argument's dtype: only this type's go.
     core.GEMLITE_TRITON_CONFIG_CACHE.get(matmul_type, {}).pop(str((bucket, *shape)), None)
+    weight_type = str(layer.qweight.dtype)
     for kernel in core.GEMLITE_TRITON_MAPPING[matmul_type].kernel:
         for key in [key for key in kernel.cache
-                    if tuple(key[1:6]) == shape and utils.get_closest_m(key[0]) == bucket]:
+                    if tuple(key[1:6]) == shape and utils.get_closest_m(key[0]) == bucket
+                    and weight_type in key]:
             del kernel.cache[key]
 
 

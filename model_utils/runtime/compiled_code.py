@@ -20,6 +20,7 @@ did too: a few thousand objects and about 14 MB of RSS a load on the 7B shape
 from __future__ import annotations
 
 import functools
+import gc
 import hashlib
 import threading
 import weakref
@@ -31,6 +32,7 @@ import torch
 KEPT_KINDS = 4
 
 _kept: list[str] = []  # kinds whose code dynamo holds now, the most recently used last
+_forget_at_next_load = False  # a kind thought kept compiled again (see recompiled)
 _lock = threading.Lock()
 
 
@@ -47,15 +49,40 @@ def reuse_or_make_room(kind: str) -> bool:
     """Before compiling a model's step: True when code compiled in this process for this kind
     is still held (the step will find it), False when it is compiled anew; past KEPT_KINDS
     kinds, everything compiled before is forgotten first."""
+    global _forget_at_next_load
     with _lock:
+        if _forget_at_next_load or (kind not in _kept and len(_kept) >= KEPT_KINDS):
+            forget_compiled_code()
+            _forget_at_next_load = False
         if kind in _kept:
             _kept.remove(kind)
             _kept.append(kind)
             return True
-        if len(_kept) >= KEPT_KINDS:
-            forget_compiled_code()
+        # Dynamo's record of the shapes each frame has seen decides which dimensions it
+        # compiles as symbols: a new kind starts from none, as after a reset, rather than
+        # from the sizes of another model of the same class.
+        from torch._dynamo.pgo import reset_code_state
+
+        reset_code_state()
         _kept.append(kind)
         return False
+
+
+def graphs_compiled() -> int:
+    """How many graphs dynamo has compiled in this process (to tell a kept kind's load that
+    compiled nothing from one that did)."""
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
+
+
+def recompiled() -> None:
+    """The step of a kind thought kept was compiled again (its code did not serve: another
+    engine's cache holds the ids it was compiled with, a layer changed): everything is
+    forgotten at the next load, so that entries cannot pile up on the forward's code."""
+    global _forget_at_next_load
+    with _lock:
+        _forget_at_next_load = True
 
 
 def forget_compiled_code() -> int:
@@ -66,8 +93,13 @@ def forget_compiled_code() -> int:
 
     torch._dynamo.reset()
     _kept.clear()
+    gc.disable()  # a collection now could run a finalizer and change the registry mid-copy
+    try:
+        registry = list(weakref.finalize._registry.items())  # noqa: SLF001 - no API for it
+    finally:
+        gc.enable()
     detached = 0
-    for finalizer, info in list(weakref.finalize._registry.items()):  # noqa: SLF001 - no API
+    for finalizer, info in registry:
         callback = info.func.func if isinstance(info.func, functools.partial) else info.func
         if isinstance(getattr(callback, "__self__", None), CheckFunctionManager):
             finalizer.detach()

@@ -89,6 +89,7 @@ class DecodePreparation:
         runner = serving.scheduler.runner
         progress(0.6, "compiling the batched decode step (one reply)")
         start, cached_before = time.perf_counter(), compile_cache.counts()
+        graphs_before = compiled_code.graphs_compiled()
         self.worker.call(runner.warm_up)
         failed = getattr(runner.step_fn, "failed", None)
         if failed:  # the one-row step did not capture: replies run uncaptured
@@ -120,6 +121,11 @@ class DecodePreparation:
                 note += f" (prompts x tokens {shapes} failed to capture: eager)"
             serving.decode_path_reason += note
         self._record_memory(serving, "prefill graphs")
+        if serving.compiled_code_kept and compiled_code.graphs_compiled() > graphs_before:
+            log.warning("the decode step of %s was compiled again though code of its kind was "
+                        "kept; all kept code goes at the next load", serving.loaded.display_name)
+            compiled_code.recompiled()
+            serving.compiled_code_kept = False
         serving.compiled_graphs = {**compile_cache.since(cached_before),
                                    "kept": int(serving.compiled_code_kept)}
         keep_gemlite_tuning(serving.loaded.model)  # what the captures tuned, for the next load

@@ -76,11 +76,24 @@ def test_a_load_of_the_same_kind_runs_the_kept_code_with_its_own_weights(fresh):
 
 
 def test_past_the_kept_kinds_everything_compiled_is_forgotten(fresh):
+    before = guard_managers()
     for i in range(compiled_code.KEPT_KINDS):
         assert compiled_code.reuse_or_make_room(f"kind {i}") is False
+    compiled_first_call(load(0))  # the code of "kind 3"
     assert compiled_code.reuse_or_make_room("kind 0") is True  # now the most recent
+    assert guard_managers() > before
     assert compiled_code.reuse_or_make_room("one kind more") is False  # forgets all
+    assert guard_managers() == before
     assert compiled_code.reuse_or_make_room("kind 0") is False
+
+
+def test_a_kept_kind_that_compiled_again_has_everything_forgotten_at_the_next_load(fresh):
+    assert compiled_code.reuse_or_make_room("kind") is False
+    compiled_first_call(load(0))
+    compiled_code.recompiled()  # what preparation says when a kept kind's step compiled
+    before = guard_managers()
+    assert compiled_code.reuse_or_make_room("kind") is False  # forgotten, not reused
+    assert guard_managers() < before
 
 
 def test_no_guard_manager_outlives_a_forget(fresh):
@@ -122,6 +135,8 @@ def test_a_later_load_s_paged_decode_step_runs_the_code_compiled_for_the_earlier
         before = counters["stats"]["unique_graphs"]
         runner.warm_up((1, 2))
         compiles.append(counters["stats"]["unique_graphs"] - before)
+        pool = weakref.ref(runner.kv.keys[0])
         del runner, model
         gc.collect()
+        assert pool() is None  # the kept code holds no cache of an unloaded model
     assert compiles[0] >= 1 and compiles[1] == 0
