@@ -194,7 +194,7 @@ def _wire_writes(c: dict, chats: ChatList):
     settle(event), for each event that shows a chat."""
 
     def keep_shown(chat_id, view, conversation, system_prompt, thinking, preset, browser,
-                   newest, query, request: gr.Request):
+                   newest, query, notice, request: gr.Request):
         """Write what the page shows into the chat shown: on the page's state, never a
         broken copy (the chat panel refuses to send those, and so does this)."""
         nothing = (gr.skip(),) * 5
@@ -223,10 +223,14 @@ def _wire_writes(c: dict, chats: ChatList):
         # The list is redrawn only when its titles or order changed: a redraw picks the chat
         # shown again, and undid a click on another chat made while it landed.
         update = chats.list_update(library, query, chat_id)
+        # A write that worked takes back a write's warning only: a notice such as "Deleted
+        # …" stays (the write that follows a delete landed on it and wiped it).
+        cleared = "" if (notice or "").startswith("⚠") else gr.skip()
         return (*chats.kept(library), gr.skip() if update["choices"] == listed else update,
-                title, "")
+                title, cleared)
 
-    inputs = [c["chat_id"], c["chat_view"], *chats.current, *chats.copies, c["chat_search"]]
+    inputs = [c["chat_id"], c["chat_view"], *chats.current, *chats.copies, c["chat_search"],
+              c["chat_list_notice"]]
     outputs = [*chats.copies, c["chat_list"], c["chat_title"], c["chat_list_notice"]]
     # The conversation's content, not its object: see ui/content_change.py.
     changes = [c["conversation_changed"].change, *(x.change for x in chats.current[1:])]
