@@ -35,6 +35,7 @@ from server.chats import ChatLimitError, new_chat, renamed, with_messages
 from server.common import user_error
 from server.conversation import ConversationError, chatbot_messages, validate_history
 
+from .chat_delete import wire_delete
 from .chat_settings import MESSAGE_PLACEHOLDER
 from .presets import preset_choices, preset_updates
 
@@ -184,7 +185,7 @@ def wire_chat_list(c: dict, engine: Engine, store: ChatStore | None, *, loaded,
     settle = _wire_writes(c, chats)
     _wire_page_load(c, chats, loaded, settle)
     _wire_switches(c, chats, cancels, settle)
-    _wire_delete(c, chats, cancels, settle)
+    wire_delete(c, chats, cancels, settle)
     _wire_rename_and_search(c, chats)
     return chats
 
@@ -331,45 +332,6 @@ def _wire_switches(c: dict, chats: ChatList, cancels: list, settle) -> None:
                     c["chat_search"]],
         chats.view, cancels=cancels, api_visibility="private", show_progress="hidden",
         **IN_ORDER))
-
-
-def _wire_delete(c: dict, chats: ChatList, cancels: list, settle) -> None:
-    """Delete shows the next chat (a new one after the last); Undo delete puts it back."""
-    undo_outputs = [c["chat_deleted"], c["chat_undo_delete"]]
-
-    def delete(chat_id, browser, newest, presets, newest_presets, query,
-               request: gr.Request):
-        library = chats.library(request, browser, presets, newest, newest_presets)
-        chat = chats.get(library, chat_id) if chat_id else None
-        if chat is None:
-            raise user_error("open a chat to delete first")
-        library.delete(chat_id)
-        rest = library.summaries()
-        following = chats.get(library, rest[0]["id"]) if rest else None
-        if following is None:
-            following = new_chat(preset=chat["preset"], thinking=chat["thinking"])
-            chats.put(library, following)
-        log.info("chat list: a chat was deleted (%d left)", len(rest))
-        return (*chats.show(library, following, query, notice=f"Deleted “{chat['title']}”."),
-                chat, gr.update(visible=True, value=f"Undo delete of “{chat['title']}”"))
-
-    settle(c["chat_delete"].click(
-        delete, [c["chat_id"], *chats.copies, *chats.preset_copies, c["chat_search"]],
-        [*chats.view, *undo_outputs], cancels=cancels, api_visibility="private",
-        show_progress="hidden", **IN_ORDER))
-
-    def undo_delete(deleted, browser, newest, presets, newest_presets, query,
-                    request: gr.Request):
-        if not deleted:
-            raise user_error("nothing to undo")
-        library = chats.library(request, browser, presets, newest, newest_presets)
-        chats.put(library, deleted)
-        return (*chats.show(library, deleted, query), None, gr.update(visible=False))
-
-    settle(c["chat_undo_delete"].click(
-        undo_delete, [c["chat_deleted"], *chats.copies, *chats.preset_copies, c["chat_search"]],
-        [*chats.view, *undo_outputs], cancels=cancels, api_visibility="private",
-        show_progress="hidden", **IN_ORDER))
 
 
 def _wire_rename_and_search(c: dict, chats: ChatList) -> None:
