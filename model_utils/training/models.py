@@ -109,6 +109,10 @@ def causal_lm_parts(model: nn.Module) -> tuple[nn.Module, nn.Module]:
     return base.get_decoder(), base.get_output_embeddings()
 
 
+# 16 M values: 64 MB of fp32 logits, and as much again for their gradient.
+UNCHUNKED_LOGITS = 1 << 24
+
+
 class TokenLoss(nn.Module):
     """Summed next-token cross-entropy over labelled tokens, and how many there were.
 
@@ -137,6 +141,8 @@ class TokenLoss(nn.Module):
         targets = labels[:, 1:].reshape(-1)
         keep = targets != IGNORE
         hidden, targets = hidden[keep], targets[keep]
+        if targets.numel() * head.weight.shape[0] <= UNCHUNKED_LOGITS:
+            return _chunk_loss(head, hidden, targets), keep.sum()
         total = hidden.new_zeros((), dtype=torch.float32)
         for start in range(0, targets.numel(), self.chunk_tokens):
             part = slice(start, start + self.chunk_tokens)

@@ -57,3 +57,27 @@ def test_packing_keeps_every_example_once_and_fills_the_rows():
     fill = sum(lengths) / (1024 * len(rows))
     assert fill > 0.9, fill  # laying them in shuffled order fills about 72 %
     assert rows == pack_examples(examples, max_len=1024, seed=3)  # deterministic
+
+
+def test_small_logits_at_once_give_the_chunked_loss_and_gradients(demo_path, monkeypatch):
+    """A small vocabulary's logits are computed at once, without the chunks' checkpointing:
+    the loss and every gradient are those of the chunked path."""
+    from model_utils.training import models
+
+    g = torch.Generator().manual_seed(2)
+    ids = torch.randint(0, 200, (64,), generator=g).tolist()
+    batch = pack_batch([Example(ids, [IGNORE] * 10 + ids[10:])], pad_id=0)
+
+    def loss_and_grads(unchunked: int):
+        monkeypatch.setattr(models, "UNCHUNKED_LOGITS", unchunked)
+        torch.manual_seed(5)
+        model = load_for_training(demo_path, "full", device=torch.device("cpu"))
+        total, count = TokenLoss(model, chunk_tokens=16)(**batch)
+        (total / count).backward()
+        return total.item(), {n: p.grad for n, p in model.named_parameters()}
+
+    chunked_loss, chunked = loss_and_grads(0)
+    whole_loss, whole = loss_and_grads(1 << 24)
+    assert whole_loss == pytest.approx(chunked_loss, rel=1e-5)
+    for name, grad in chunked.items():
+        torch.testing.assert_close(whole[name], grad, rtol=1e-4, atol=1e-6, msg=name)
