@@ -161,7 +161,8 @@ class ModelManager:
             progress(0.05, f"unloading {replaced} (its load took {last:.0f} s)")
             start = time.perf_counter()
             self._unload_locked()
-            unload_s = time.perf_counter() - start
+            # Rounded once, as the status keeps it, so the two never say different tenths.
+            unload_s = round(time.perf_counter() - start, 2)
             progress(0.08, f"unloaded {replaced} in {unload_s:.1f} s")
 
         def cost(failed: str = "") -> SwitchCost:
