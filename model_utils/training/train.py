@@ -169,7 +169,7 @@ def run(config: TrainConfig, examples: list[Example], tokenizer,
     loss_module = TokenLoss(model, varlen=varlen)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad],
                                   lr=config.lr, weight_decay=0.0,
-                                  fused=accelerator.device.type in ("cuda", "cpu"))
+                                  fused=accelerator.device.type == "cuda")
     scheduler = get_scheduler("cosine", optimizer, num_warmup_steps=warmup,
                               num_training_steps=steps)
     loss_module, optimizer, scheduler = accelerator.prepare(loss_module, optimizer, scheduler)
