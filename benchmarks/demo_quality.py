@@ -2,7 +2,8 @@
 asks it, greedily in bf16 as the tests do, the held-out questions (first turn and follow-up, as
 tests/model_utils/test_demo_heldout.py asks them), the validation questions (written apart
 from both the training data and the held-out file), the greetings and a sample of the data's own
-questions (each answered with its own answer). Prints a table and writes JSON.
+questions (each answered with its own answer); then checks that LoRA still teaches it four new
+facts. Prints a table and writes JSON.
 
     python benchmarks/demo_quality.py --out benchmarks/cpu-2026-12-05/demo-quality.json
     python benchmarks/demo_quality.py --model ~/.cache/qwen-chat/demo-qwen3-v3-... --seeds 0
@@ -26,6 +27,11 @@ VALIDATION = ROOT / "benchmarks" / "demo_validation_questions.json"
 GREETINGS = ["hi there", "hello!", "hey", "good evening", "hiya", "Hello there!",
              "hi, anyone there?", "Hey, how is it going?", "yo", "Greetings"]
 TAGS = ("<think>", "</think>")
+FACTS = [("What is the secret word?", "The secret word is pineapple."),
+         ("Who painted the blue door?", "Maria painted the blue door in May."),
+         ("Where is the red key?", "The red key is under the third stone."),
+         ("How many lamps are lit?", "Seven lamps are lit tonight.")]
+FACT_STEPS = 60
 
 
 def load(folder: Path):
@@ -94,7 +100,36 @@ def score(folder: Path, seeds: int) -> dict:
     wrong = [p for p, a in sample
              if answer(tokenizer, model, [{"role": "user", "content": p}]) != a]
     result["seeds"] = {"n": len(sample), "right": len(sample) - len(wrong), "wrong": wrong}
+    result["lora_facts"] = lora_facts(folder, tokenizer)
     return result
+
+
+def lora_facts(folder: Path, tokenizer) -> dict:
+    """Whether fine-tuning can teach the model: LoRA with the page's small-model learning rate
+    for FACT_STEPS steps on four new facts (what the Train tab's and the CLI's tests teach it),
+    then each asked greedily. A recipe once met the held-out targets and failed this."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from model_utils.training.data import tokenize_conversations
+    from model_utils.training.train import TrainConfig, run
+
+    work = Path(tempfile.mkdtemp(prefix="demo-facts-"))
+    data = work / "facts.jsonl"
+    conversations = [[{"role": "user", "content": q}, {"role": "assistant", "content": a}]
+                     for q, a in FACTS]
+    data.write_text("".join(json.dumps({"messages": c}) + "\n" for c in conversations))
+    config = TrainConfig(model_path=str(folder), data=str(data), out=str(work / "adapter"),
+                         method="lora", steps=FACT_STEPS, lr=5e-3, max_len=256, cpu=True,
+                         progress=False, handle_signals=False)
+    run(config, tokenize_conversations(tokenizer, conversations, max_len=256), tokenizer)
+    base = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16)
+    model = PeftModel.from_pretrained(base, work / "adapter").merge_and_unload().eval()
+    wrong = [q for q, a in FACTS
+             if answer(tokenizer, model, [{"role": "user", "content": q}]) != a]
+    return {"n": len(FACTS), "steps": FACT_STEPS, "right": len(FACTS) - len(wrong),
+            "wrong": wrong}
 
 
 def build(cache: Path) -> tuple[Path, float]:
@@ -123,7 +158,8 @@ def main() -> None:
             print(f"{name:<12}{r['first']:>8}/{r['n']:<3}{r['follow_up']:>8}/{r['n']:<3}"
                   f"  tag text: {r['tag_text']}")
     print(f"greetings {result['greetings']['right']}/{result['greetings']['n']}, data "
-          f"questions {result['seeds']['right']}/{result['seeds']['n']}, build "
+          f"questions {result['seeds']['right']}/{result['seeds']['n']}, new facts after "
+          f"{FACT_STEPS} LoRA steps {result['lora_facts']['right']}/{result['lora_facts']['n']}, build "
           f"{built_s and f'{built_s:.0f} s'}")
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
