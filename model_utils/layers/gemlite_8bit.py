@@ -161,14 +161,14 @@ def check_kernels(model: nn.Module) -> list[str]:
             failure = _try_launch(layers[0], x2)
             if isinstance(failure, OutOfResources):
                 _forget_tuned(layers[0], rows)
-                done.append(f"gemlite's tuned config for {n}x{k} {dtype} at {rows} rows did "
-                            f"not fit this GPU ({failure}); tuned anew")
+                done.append(f"gemlite's tuned config for {n}x{k} {dtype} at {_rows_of(rows)} "
+                            f"did not fit this GPU ({failure}); tuned anew")
                 failure = _try_launch(layers[0], x2)
             if failure is not None:  # the layers' own path serves them instead
                 for layer in layers:
                     layer.gemlite_meta = None
                 done.append(f"gemlite left {len(layers)} layers of {n}x{k} {dtype}: its kernel "
-                            f"failed at {rows} rows ({type(failure).__name__}: {failure})")
+                            f"failed at {_rows_of(rows)} ({type(failure).__name__}: {failure})")
                 break
     for line in done:
         log.warning(line)
@@ -184,6 +184,16 @@ def _try_launch(layer: nn.Module, x2: torch.Tensor) -> Exception | None:
     except Exception as error:  # noqa: BLE001 - the caller decides: tune again or leave gemlite
         return error
     return None
+
+
+def _rows_of(first: int) -> str:
+    """The row counts of the bucket whose smallest count is `first` ("5-8 rows")."""
+    from gemlite.triton_kernels import utils
+
+    last = utils.get_closest_m(first)
+    if last > first:
+        return f"{first}-{last} rows"
+    return "1 row" if first == 1 else f"{first} rows"
 
 
 def _row_buckets() -> list[int]:

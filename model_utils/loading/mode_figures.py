@@ -23,8 +23,10 @@ def mode_figures() -> dict:
     return json.loads(FIGURES_FILE.read_text())
 
 
-def _times(value: float | None) -> str:
-    return NOT_MEASURED if value is None else f"{value:.2f}x"
+def _times(value: float | None, gpu: str | None = None) -> str:
+    if value is None:
+        return NOT_MEASURED
+    return f"{value:.2f}x ({gpu})" if gpu else f"{value:.2f}x"
 
 
 def _kl(value: float | None) -> str:
@@ -43,8 +45,9 @@ def modes_compared_markdown() -> str:
         fast = speed.get(mode.name, {"one": 1.0, "many": 1.0} if mode.name == "bf16" else {})
         exact = quality.get(mode.name, {"kl": 0.0, "top1": 1.0} if mode.name == "fp32" else {})
         top1 = exact.get("top1")
-        lines.append(f"| `{mode.name}` | {mode.bytes_per_param:.2f} | {_times(fast.get('one'))} "
-                     f"| {_times(fast.get('many'))} | {_kl(exact.get('kl'))} "
+        lines.append(f"| `{mode.name}` | {mode.bytes_per_param:.2f} "
+                     f"| {_times(fast.get('one'), fast.get('gpu'))} "
+                     f"| {_times(fast.get('many'), fast.get('gpu'))} | {_kl(exact.get('kl'))} "
                      f"| {NOT_MEASURED if top1 is None else f'{top1:.1%}'} |")
     return "\n".join(lines + [
         "",

@@ -125,12 +125,14 @@ MODES: dict[str, Mode] = {
         # + one bf16 scale per output row (rows of 3584-18944 weights in a 7B model)
         Mode("int8-wo", "int8 weight-only, per-row scales", "bf16", group=FAST,
              weight_only_bits=8, bytes_per_param=1.0, bytes_per_row=2.0,
-             speed_note="bf16's speed for one reply; slow for many at once"),
+             speed_note="with gemlite faster than bf16 for one reply and as fast for many, "
+                        "a slower first token; without it, slow for many at once"),
         # + one fp32 scale per output row; a prompt's inputs (64 rows and more) are scaled to
         # e4m3 per token, a reply's stay bf16 (weight-only)
         Mode("fp8", "fp8 (e4m3) weights, per-row scales", "bf16", group=FAST,
              weight_only_bits=8, weight_format="fp8", bytes_per_param=1.0, bytes_per_row=4.0,
-             speed_note="a little below bf16's speed, in about 60 % of its memory"),
+             speed_note="with gemlite faster than bf16 for one reply, a little slower for "
+                        "many; the least exact 8-bit mode"),
         Mode("int8", "int8 LLM.int8", "fp16", "int8",
              bytes_per_param=1.0 + 4 / 4096, group=SAVERS, compiles=False,
              speed_note="bf16 for speed, nf4 for memory"),
