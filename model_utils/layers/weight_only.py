@@ -226,7 +226,7 @@ def quantize_model(model: nn.Module, bits: int, group: int | None, device: torch
     if attached:  # every row bucket launched once now, not first inside a graph capture
         gemlite_8bit.check_kernels(model)
         attached = sum(getattr(m, "gemlite_meta", None) is not None for m in model.modules())
-    kernel = "tinygemm" if tinygemm else ("dequantize" if bits == 4 else "int8 matmul")
+    kernel = "tinygemm" if tinygemm else ("dequantize" if bits == 4 else "converted to bf16")
     below = gemlite_8bit.GEMLITE_BELOW_ROWS
     if fmt == "fp8":
         kernel = f"fp8 weight-only below {below} rows, scaled_mm above"

@@ -86,7 +86,7 @@ class Mode:
         if not self.compiles:
             return f"{cost}; slow on this GPU: eager path{note}"
         if self.weight_only_bits == 8 and _gemlite_runs():
-            prompts = "fp8 matmul" if self.weight_format == "fp8" else "int8 matmul"
+            prompts = "fp8 matmul" if self.weight_format == "fp8" else "weights converted to bf16"
             return (f"{cost}; compiled CUDA-graph path, gemlite's 8-bit kernels for replies, "
                     f"{prompts} for prompts{note}")
         if self.weight_format == "fp8":
