@@ -29,7 +29,7 @@ LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
 LOCAL_MODEL_FLAGS = ("model", "mode", "placement", "context_tokens", "compile_cache",
                      "compile_mode", "models_dir", "trust_remote_code")
 APP_ENGINE_FLAGS = ("models_dir", "log_prompts", "trust_remote_code", "max_queue", "max_batch",
-                    "compile_mode")
+                    "compile_mode", "park_gb")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -60,7 +60,7 @@ def counters() -> dict[str, float]:
 
 
 def one_phase(model: str, modes: list[str], cycles: int, placement: str, rows_file: Path,
-              phase: str) -> None:
+              phase: str, park_gb: int = 0) -> None:
     """In this process: `cycles` rounds of switching to every mode and its first token, each
     row appended to `rows_file` as soon as it is measured."""
     from model_utils import process_tuning
@@ -71,7 +71,7 @@ def one_phase(model: str, modes: list[str], cycles: int, placement: str, rows_fi
     from model_utils.runtime.generation_settings import GenerationSettings
 
     process_tuning.tune_process()  # as app.py: the compile cache of TORCHINDUCTOR_CACHE_DIR
-    engine = build_engine(EngineConfig())
+    engine = build_engine(EngineConfig(park_gb=park_gb))
     if model != "demo":
         engine.registry.allow_root(model)  # a folder given on the command line, as the bench
     baseline = counters()
@@ -94,6 +94,7 @@ def one_phase(model: str, modes: list[str], cycles: int, placement: str, rows_fi
                    "click_to_first_token_s": round(first_token_s, 2),
                    "ready_s": status.get("ready_s"), "stages": status.get("load_stages"),
                    "compiled_graphs": status.get("compiled_graphs", {}),
+                   "from_caches": status.get("last_switch", {}).get("from_caches", []),
                    "decode_path": status.get("decode_path")}
             if unload is not None and (cycle, mode) != (0, modes[0]):
                 row["leftover_gb"] = {k: round(unload.after.get(k, 0.0) - v, 4)
@@ -121,7 +122,7 @@ def run_phase(name: str, args, cache: Path) -> list[dict]:
     rows_file = args.out / "rows.jsonl"
     command = [sys.executable, __file__, "--phase", name, "--model", args.model,
                "--modes", args.modes, "--cycles", str(cycles), "--placement", args.placement,
-               "--out", str(args.out)]
+               "--park-gb", str(args.park_gb), "--out", str(args.out)]
     try:
         done = subprocess.run(command, env={**os.environ, **env_cache}, capture_output=True,
                               text=True, timeout=args.timeout, check=False)
@@ -207,6 +208,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--modes", default="fp32,bf16", help="comma-separated, in switching order")
     p.add_argument("--cycles", type=int, default=2, help="warm cycles through the modes")
     p.add_argument("--placement", default="auto", help="cpu, cuda:0, auto (default)")
+    p.add_argument("--park-gb", type=int, default=0, help="the engine's --park-gb: host memory "
+                   "for the models a switch replaces (default 0: off)")
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--timeout", type=int, default=3600, help="seconds a phase may take")
     p.add_argument("--report", action="store_true", help="measure nothing: the table and JSON "
@@ -219,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
         args.placement = "cuda:0" if torch.cuda.is_available() else "cpu"
     if args.phase:
         one_phase(args.model, args.modes.split(","), args.cycles, args.placement,
-                  args.out / "rows.jsonl", args.phase)
+                  args.out / "rows.jsonl", args.phase, args.park_gb)
         return 0
     if args.report:
         if args.out is None:

@@ -67,7 +67,7 @@ class Engine:
         self.config = config
         self.registry = ModelRegistry(config.models_dir, cache_dir=cache_dir)
         self.manager = ModelManager(self.registry, trust_remote_code=config.trust_remote_code,
-                                    busy_timeout_s=busy_timeout_s)
+                                    busy_timeout_s=busy_timeout_s, park_gb=config.park_gb)
         self.memory = MemoryHistory()
         # Bumped by every load, unload and switch (and a failed one, which may have put the
         # previous model back): pages poll this number and fetch status() only when it moved.

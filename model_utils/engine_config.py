@@ -59,6 +59,10 @@ class EngineConfig:
         "compilation)", metavar="N", shown="every batch size for a model with "
         "linear-attention layers (Qwen3.5), where the plain forward's many small kernels cost "
         "a quarter of the step; 1 otherwise"))
+    park_gb: int = field(default=0, metadata=_flag(
+        "host memory (GB) where a mode switch keeps the model it replaces, so that switching "
+        "back takes its weights from there instead of reading the checkpoint again; not the "
+        "bitsandbytes modes; an unload frees them; 0: off", metavar="GB"))
     tp: int = field(default=1, metadata=_flag(
         "split the model over N worker processes that the engine starts itself (tensor "
         "parallelism: attention heads and MLP columns; gloo on the CPU, NCCL with one GPU per "
@@ -105,6 +109,8 @@ class EngineConfig:
                                                 f"got {self.max_batch}")
         if not isinstance(self.max_queue, int) or self.max_queue < 0:
             raise InvalidParameter("max_queue", f"must be 0 or more, got {self.max_queue}")
+        if not isinstance(self.park_gb, int) or self.park_gb < 0:
+            raise InvalidParameter("park_gb", f"must be 0 (off) or more GB, got {self.park_gb}")
         if not isinstance(self.tp, int) or self.tp < 1:
             raise InvalidParameter("tp", f"must be 1 or more worker processes, got {self.tp}")
         if self.compile_mode not in COMPILE_MODES:

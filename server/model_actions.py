@@ -134,6 +134,10 @@ def status_markdown(status: dict) -> str:
                      f"{graphs['misses']} compiled afresh")
     if switch := status.get("last_switch"):
         lines.append(switch_line(switch, status.get("compiled_graphs") or {}))
+    if parked := status.get("parked"):
+        lines.append(f"parked in host memory for a switch back: "
+                     f"{', '.join(parked['models']) or 'nothing'} ({parked['gb']:.2f} of "
+                     f"{parked['limit_gb']} GB)")
     if status.get("estimate"):
         lines.append(f"estimate at load: {status['estimate']}")
     return "\n\n".join(lines)
@@ -152,6 +156,8 @@ def switch_line(switch: dict, graphs: dict) -> str:
         head = f"the load took {switch['s']:.1f} s"
     cached = ["the tokenizer (kept from the mode before)"] \
         if "tokenizer" in switch.get("from_caches", []) else []
+    if "parked weights" in switch.get("from_caches", []):
+        cached.append("the weights (parked in host memory by an earlier switch, --park-gb)")
     if graphs.get("kept"):
         cached.append("the compiled decode step (kept from an earlier load of this mode)")
     elif graphs.get("hits"):

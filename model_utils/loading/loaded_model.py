@@ -38,11 +38,13 @@ class SwitchCost:
     unload_s: float = 0.0
     tokenizer_kept: bool = False
     failed: str = ""  # on a model restored: what the failed switch was to ("x in bf16")
+    weights_parked: bool = False  # taken back from host memory, not read (--park-gb)
 
     def as_dict(self) -> dict:
+        caches = ["tokenizer"] * self.tokenizer_kept + ["parked weights"] * self.weights_parked
         return {"s": round(self.total_s, 2), "unload_s": round(self.unload_s, 2),
                 **({"replaced": self.replaced} if self.replaced else {}),
-                "from_caches": ["tokenizer"] if self.tokenizer_kept else [],
+                "from_caches": caches,
                 **({"failed": self.failed} if self.failed else {})}
 
 
@@ -72,6 +74,7 @@ class LoadedModel:
     # What the tokenizer was read from, so that a switch within the model can keep it
     tokenizer_key: TokenizerKey | None = None
     tokenizer_kept: bool = False  # taken from the model this load replaced, not read again
+    weights_parked: bool = False  # taken back from host memory (parked_models), not read
     switch: SwitchCost | None = None  # the whole wait of the load, set once it is ready
 
     @property
@@ -116,9 +119,11 @@ class UnloadReport:
     held_by: list[str] = field(default_factory=list)
     # When the model object outlived the unload: what still refers to it (model_referrers)
     model_kept_by: list[str] = field(default_factory=list)
+    parked_gb: float = 0.0  # kept in host memory for a switch back (--park-gb)
 
     def as_dict(self) -> dict:
         return {"model": self.model, "leftover": self.leftover, "freed": self.freed,
+                **({"parked_gb": round(self.parked_gb, 3)} if self.parked_gb else {}),
                 **({"held_by": self.held_by} if self.held_by else {}),
                 **({"model_kept_by": self.model_kept_by} if self.model_kept_by else {})}
 

@@ -19,6 +19,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -43,6 +44,7 @@ from .memory_accounting import (
 )
 from .modes import get_mode, quantization_config, torch_dtype, unpackable_linears
 from .modes import unavailable_reason as mode_unavailable
+from .parked_models import ParkedModels
 from .placement import (
     FitEstimate,
     check_placement,
@@ -70,8 +72,10 @@ def text_only_note(config, model) -> str:
 
 class ModelManager:
     def __init__(self, registry: ModelRegistry, *, trust_remote_code: bool = False,
-                 busy_timeout_s: float = 30.0):
+                 busy_timeout_s: float = 30.0, park_gb: float = 0.0):
         self.registry = registry
+        # Models a switch replaced, kept in host memory for a switch back (--park-gb).
+        self.parked = ParkedModels(park_gb)
         self.trust_remote_code = trust_remote_code
         self.busy_timeout_s = busy_timeout_s
         self._lock = threading.RLock()  # one load/unload/switch at a time
@@ -160,14 +164,14 @@ class ModelManager:
                 kept = KeptTokenizer(self._loaded.tokenizer_key, self._loaded.tokenizer)
             progress(0.05, f"unloading {replaced} (its load took {last:.0f} s)")
             start = time.perf_counter()
-            self._unload_locked()
+            self._unload_locked(park=True)
             # Rounded once, as the status keeps it, so the two never say different tenths.
             unload_s = round(time.perf_counter() - start, 2)
             progress(0.08, f"unloaded {replaced} in {unload_s:.1f} s")
 
         def cost(failed: str = "") -> SwitchCost:
             return SwitchCost(time.perf_counter() - requested, replaced, unload_s,
-                              self._loaded.tokenizer_kept, failed)
+                              self._loaded.tokenizer_kept, failed, self._loaded.weights_parked)
 
         try:
             loaded = self._load_locked(request, progress, kept)
@@ -204,6 +208,7 @@ class ModelManager:
 
     def unload(self) -> UnloadReport | None:
         with self._lock, self._switch():
+            self.parked.clear()  # an unload asked for is memory asked back
             return self._unload_locked()
 
     def estimate(self, request: LoadRequest) -> FitEstimate:
@@ -265,6 +270,12 @@ class ModelManager:
         progress = clock = StageClock(progress)
         progress(0.1, f"resolving {request.model}")
         source, mode, config = self._check(request, progress)
+        before = memory_counters()
+        start = time.perf_counter()
+        if (parked := self.parked.take(request, progress)) is not None:
+            loaded = replace(parked, memory_before_load=before, weights_parked=True,
+                             load_s=time.perf_counter() - start, tokenizer_kept=False)
+            return self._ready_locked(loaded, clock)
         estimate, context, context_note = preflight.fit(config, mode, request)
         if not estimate.fits:
             raise LoadError(f"{source.label} in {mode.name} does not fit: {estimate.message()}")
@@ -279,8 +290,6 @@ class ModelManager:
             kwargs["quantization_config"] = quant
         logged_kwargs = {k: (v.to_dict() if hasattr(v, "to_dict") else str(v))
                          for k, v in kwargs.items()}
-        before = memory_counters()
-        start = time.perf_counter()
         # An adapter folder carries the tokenizer it was trained with (chat template included).
         tokenizer_folder = source.adapter or source.path
         key = tokenizer_key(tokenizer_folder, trust_remote_code=self.trust_remote_code)
@@ -316,6 +325,11 @@ class ModelManager:
             from_pretrained_kwargs=logged_kwargs, memory_before_load=before, tokenizer_key=key,
             tokenizer_kept=kept is not None and tokenizer is kept.tokenizer,
         )
+        return self._ready_locked(loaded, clock)
+
+    def _ready_locked(self, loaded: LoadedModel, clock: StageClock) -> LoadedModel:
+        """Make `loaded` the current model and let the engine prepare it."""
+        progress, source, mode = clock, loaded.source, loaded.mode
         self._loaded = loaded
         if self.on_loaded is not None:
             try:
@@ -332,30 +346,44 @@ class ModelManager:
         after = memory_counters()
         log.info("loaded %s mode=%s placement=%s in %.2f s; from_pretrained(%s, %s); "
                  "footprint %.3f GB; device map %s; memory before %s after %s",
-                 source.label, mode.name, request.placement.describe(), load_s, source.path,
-                 logged_kwargs, loaded.footprint_gb, loaded.device_map, _fmt(before), _fmt(after))
+                 source.label, mode.name, loaded.request.placement.describe(), loaded.load_s,
+                 source.path, loaded.from_pretrained_kwargs, loaded.footprint_gb,
+                 loaded.device_map, _fmt(loaded.memory_before_load), _fmt(after))
         clock.report(1.0, f"loaded {source.label} in {mode.name}: ready in {loaded.ready_s:.1f} s "
                           f"({stage_summary(loaded.stages)})")
         return loaded
 
-    def _unload_locked(self) -> UnloadReport | None:
+    def _unload_locked(self, park: bool = False) -> UnloadReport | None:
+        """Unload the current model; `park`: keep it in host memory where parking allows."""
         if self._loaded is None:
             return None
         name = f"{self._loaded.display_name} ({self._loaded.mode.name})"
         baseline = self._loaded.memory_before_load
         before = memory_counters()
         model = weakref.ref(self._loaded.model)
-        self._loaded = None  # with the engine's serving (dropped in on_unloaded), the last reference
+        unloaded, self._loaded = self._loaded, None
         if self.on_unloaded is not None:
-            self.on_unloaded()
-        report = unload_report(name, baseline, before, model)  # after the memory is released
+            self.on_unloaded()  # the engine's serving goes first, parked or not
+        parked_gb = 0.0
+        if park and self.parked.limit_gb > 0:
+            if reason := self.parked.park(unloaded):
+                log.info("not parking %s: %s", name, reason)
+            else:
+                parked_gb, model = unloaded.footprint_gb, None  # alive on purpose
+        # with the engine's serving dropped above, the last reference
+        del unloaded
+        report = unload_report(name, baseline, before, model, parked_gb=parked_gb)
         self.last_unload = report
         return report
 
     # -- status -------------------------------------------------------------------------------
     def status(self) -> dict:
         loaded = self._loaded
-        return loaded.status() if loaded is not None else {"loaded": False}
+        status = loaded.status() if loaded is not None else {"loaded": False}
+        if self.parked.limit_gb > 0:
+            status["parked"] = {"models": self.parked.names(), "gb": round(self.parked.gb, 3),
+                                "limit_gb": self.parked.limit_gb}
+        return status
 
 
 def _user_message(error: BaseException) -> str:

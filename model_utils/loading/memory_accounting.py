@@ -118,11 +118,12 @@ def drop_error_frames(error: BaseException) -> None:
 
 
 def unload_report(name: str, baseline: dict[str, float], before: dict[str, float],
-                  model: weakref.ref | None = None):
+                  model: weakref.ref | None = None, *, parked_gb: float = 0.0):
     """Release what the unloaded model left to the garbage collector and the caches, then say
     what came back (an UnloadReport, also logged): `baseline` is memory_counters() before the
     load, `before` just before the unload, `model` a weak reference to the unloaded model,
-    to say who still keeps it when anyone does."""
+    to say who still keeps it when anyone does (None for a model parked on purpose, whose
+    `parked_gb` stay in host memory)."""
     from .loaded_model import UnloadReport
 
     _release_freed_memory()
@@ -141,7 +142,7 @@ def unload_report(name: str, baseline: dict[str, float], before: dict[str, float
     if kept_by:
         log.warning("after unloading %s, the model object is still alive, kept by: %s", name,
                     "; ".join(kept_by))
-    return UnloadReport(name, before, after, leftover, freed, held_by, kept_by)
+    return UnloadReport(name, before, after, leftover, freed, held_by, kept_by, parked_gb)
 
 
 def _fmt(counters: dict[str, float]) -> str:

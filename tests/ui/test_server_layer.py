@@ -188,3 +188,10 @@ def test_the_status_says_what_the_last_switch_cost_and_took_from_caches():
     assert "the decode step's code compiled for an earlier load of this mode" in text
     assert ("from caches: the tokenizer (kept from the mode before), the compiled decode step "
             "(kept from an earlier load of this mode)") in text
+    parked = {**kept, "last_switch": {"s": 2.1, "unload_s": 0.3, "replaced": "demo (bf16)",
+                                      "from_caches": ["parked weights"]},
+              "parked": {"models": ["demo (bf16)"], "gb": 0.004, "limit_gb": 8}}
+    text = status_markdown(parked)
+    assert ("from caches: the weights (parked in host memory by an earlier switch, "
+            "--park-gb), the compiled decode step") in text
+    assert "parked in host memory for a switch back: demo (bf16) (0.00 of 8 GB)" in text

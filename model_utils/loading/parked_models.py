@@ -1,0 +1,171 @@
+"""Models a switch put aside in host memory, so that switching back does not read and
+quantize them again (`--park-gb`, off by default).
+
+A switch unloads the model it replaces; with parking on, that model's weights move to host
+memory instead of being freed (page-locked where they came from a GPU, so that they go back at
+the copy engine's speed), and a later load of the very same request (model, mode, placement,
+compute dtype and context, with none of the folder's files changed since) takes them back
+instead of reading the checkpoint. The engine then prepares the model as after any load (its
+compiled code is kept per kind of model: model_utils.runtime.compiled_code), so what a switch
+back saves is the reading, the quantizing and gemlite's checks.
+
+Parked are only models whose every weight is a plain tensor on one device: not the
+bitsandbytes modes (their 4-bit and 8-bit parameters carry quantization state of their own),
+not a model spread over devices or offloaded to disk. The parked total stays under the limit
+and leaves MIN_FREE_HOST_GB of host memory free; the least recently parked goes first. An
+explicit unload frees every parked model too: whoever unloads wants the memory back."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import psutil
+import torch
+
+from model_utils.memory import GB
+
+if TYPE_CHECKING:
+    from .loaded_model import LoadedModel, LoadRequest
+
+log = logging.getLogger(__name__)
+
+MIN_FREE_HOST_GB = 4.0  # what parking leaves to the rest of the machine
+
+
+@dataclass(frozen=True)
+class FolderKey:
+    """What a parked model was read from: (name, size, mtime_ns) of every file of the model's
+    folder and of its adapter's, so that a checkpoint replaced in place loads afresh."""
+
+    files: tuple[tuple[str, str, int, int], ...]
+
+
+def folder_key(*folders: Path | None) -> FolderKey:
+    files = []
+    for folder in filter(None, folders):
+        for path in sorted(Path(folder).rglob("*")):
+            if path.is_file():
+                stat = path.stat()
+                files.append((str(folder), str(path.relative_to(folder)), stat.st_size,
+                              stat.st_mtime_ns))
+    return FolderKey(tuple(files))
+
+
+@dataclass
+class Parked:
+    loaded: LoadedModel
+    device: torch.device
+    key: FolderKey
+    gb: float
+
+
+def unparkable_reason(loaded: LoadedModel) -> str:
+    """Why this model cannot be parked ("" when it can)."""
+    if loaded.mode.uses_bitsandbytes:
+        return f"{loaded.mode.name} weights carry bitsandbytes' quantization state"
+    tensors = [*loaded.model.parameters(), *loaded.model.buffers()]
+    devices = {t.device for t in tensors}
+    if len(devices) != 1 or next(iter(devices)).type == "meta":
+        return "the model is spread over devices or offloaded"
+    if any(type(t) not in (torch.Tensor, torch.nn.Parameter) for t in tensors):
+        return "some weights are not plain tensors"
+    return ""
+
+
+class ParkedModels:
+    def __init__(self, limit_gb: float = 0.0):
+        self.limit_gb = limit_gb
+        # By repr(request): a request is frozen but holds a dict (the placement's caps).
+        self._parked: OrderedDict[str, Parked] = OrderedDict()
+
+    @property
+    def gb(self) -> float:
+        return sum(p.gb for p in self._parked.values())
+
+    def names(self) -> list[str]:
+        return [f"{p.loaded.display_name} ({p.loaded.mode.name})" for p in self._parked.values()]
+
+    def park(self, loaded: LoadedModel) -> str:
+        """Keep `loaded` (already detached from serving) with its weights in host memory:
+        "" when parked, else why not (it is then freed as usual)."""
+        if self.limit_gb <= 0:
+            return "parking is off (--park-gb 0)"
+        if reason := unparkable_reason(loaded):
+            return reason
+        gb = loaded.footprint_gb
+        if gb > self.limit_gb:
+            return f"its {gb:.1f} GB exceed --park-gb {self.limit_gb:g}"
+        self._parked.pop(repr(loaded.request), None)  # an older copy of the same request
+        while self._parked and self.gb + gb > self.limit_gb:
+            self._drop_oldest()
+        device = next(loaded.model.parameters()).device
+        # A GPU model's weights are about to take host memory; a CPU model's already do, and
+        # the next load needs room of its own beside them (about as much, as a guess).
+        wanted = MIN_FREE_HOST_GB + gb
+        while self._parked and _free_host_gb() < wanted:
+            self._drop_oldest()
+        if _free_host_gb() < wanted:
+            return f"host memory too short to keep its {gb:.1f} GB"
+        if device.type == "cuda":
+            start = time.perf_counter()
+            _move(loaded.model, lambda t: _pinned_copy(t))
+            torch.cuda.synchronize(device)
+            log.info("parked %s (%s) in host memory: %.2f GB in %.2f s", loaded.display_name,
+                     loaded.mode.name, gb, time.perf_counter() - start)
+        key = folder_key(loaded.source.path, loaded.source.adapter)
+        self._parked[repr(loaded.request)] = Parked(loaded, device, key, gb)
+        return ""
+
+    def take(self, request: LoadRequest, progress=None) -> LoadedModel | None:
+        """The parked model of `request`, its weights back on their device; None when none is
+        parked or its files changed since."""
+        parked = self._parked.pop(repr(request), None)
+        if parked is None:
+            return None
+        loaded = parked.loaded
+        if folder_key(loaded.source.path, loaded.source.adapter) != parked.key:
+            log.info("not taking the parked %s back: its files changed", loaded.display_name)
+            return None
+        if progress is not None:
+            where = f" to {parked.device}" if parked.device.type == "cuda" else ""
+            progress(0.3, f"taking the parked {loaded.display_name} in {loaded.mode.name} "
+                          f"back{where} ({parked.gb:.1f} GB)")
+        if parked.device.type == "cuda":
+            _move(loaded.model, lambda t: t.to(parked.device, non_blocking=True))
+            torch.cuda.synchronize(parked.device)
+        return replace(loaded, stages=[], ready_s=0.0, switch=None)
+
+    def clear(self) -> None:
+        self._parked.clear()
+
+    def _drop_oldest(self) -> None:
+        _, parked = self._parked.popitem(last=False)
+        log.info("dropped the parked %s (%s) to make room", parked.loaded.display_name,
+                 parked.loaded.mode.name)
+
+
+def _free_host_gb() -> float:
+    return psutil.virtual_memory().available / GB
+
+
+def _pinned_copy(tensor: torch.Tensor) -> torch.Tensor:
+    host = torch.empty_like(tensor, device="cpu", pin_memory=True)
+    host.copy_(tensor, non_blocking=True)
+    return host
+
+
+def _move(model: torch.nn.Module, to) -> None:
+    """Every parameter and buffer of `model` to to(tensor), in place: the modules keep their
+    Parameter objects (tied weights stay tied) and their buffers' names."""
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.data = to(parameter.data)
+        for module in model.modules():
+            for name, buffer in module._buffers.items():
+                if buffer is not None:
+                    module._buffers[name] = to(buffer)

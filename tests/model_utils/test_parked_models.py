@@ -1,0 +1,95 @@
+"""--park-gb on the CPU: a switch keeps the model it replaced, a switch back takes it instead of
+reading the checkpoint, its replies are the fresh load's, and what would make it stale or
+exceed the limit is not taken or not kept. (On a GPU the weights also move to page-locked host
+memory and back: tests/gpu/test_parked_models.py.)"""
+
+from __future__ import annotations
+
+import os
+import weakref
+
+import pytest
+
+from model_utils.engine import Engine
+from model_utils.loading.parked_models import ParkedModels
+from model_utils.runtime.generation_settings import GenerationSettings
+
+from .helpers import copy_demo, cpu_request
+
+ASK = [{"role": "user", "content": "How do I share the app?"}]
+
+
+def reply(engine: Engine) -> str:
+    return engine.generate_text(ASK, GenerationSettings.greedy(max_new_tokens=12),
+                                thinking=False).answer
+
+
+def stage_names(engine: Engine) -> list[str]:
+    return [stage["stage"] for stage in engine.status()["load_stages"]]
+
+
+@pytest.fixture
+def parking(demo_path):
+    engine = Engine(park_gb=1)
+    yield engine
+    engine.unload()
+
+
+def test_a_switch_back_takes_the_parked_model_and_answers_as_a_fresh_load(parking):
+    first = parking.load(cpu_request("fp32"))
+    model = parking.manager.loaded.model
+    fresh = reply(parking)
+    parking.load(cpu_request("bf16"))
+    assert [name.endswith("(fp32)") for name in parking.status()["parked"]["models"]] == [True]
+    assert parking.manager.last_unload.parked_gb == pytest.approx(first["footprint_gb"], abs=1e-4)
+    assert parking.manager.last_unload.model_kept_by == []  # parked on purpose: not a leak
+
+    back = parking.load(cpu_request("fp32"))
+    assert parking.manager.loaded.model is model  # not read again
+    assert not any(name.startswith("loading weights") for name in stage_names(parking))
+    assert any(name.startswith("taking the parked") for name in stage_names(parking))
+    assert back["last_switch"]["from_caches"] == ["parked weights"]
+    assert reply(parking) == fresh
+    # Now parked: the bf16 model the switch replaced, and no longer the fp32 one in use.
+    assert [name.endswith("(bf16)") for name in parking.status()["parked"]["models"]] == [True]
+
+
+def test_an_unload_frees_the_parked_models(parking):
+    parking.load(cpu_request("fp32"))
+    parked = weakref.ref(parking.manager.loaded.model)
+    parking.load(cpu_request("bf16"))
+    assert parked() is not None
+    parking.unload()
+    assert parked() is None and parking.status()["parked"]["models"] == []
+
+
+def test_a_model_over_the_limit_or_changed_since_is_not_taken(tmp_path, demo_path):
+    models = tmp_path / "models"
+    folder = copy_demo(demo_path, models / "copy")
+    engine = Engine(models_dir=str(models), park_gb=1)
+    try:
+        engine.load(cpu_request("fp32", model="copy"))
+        first = engine.manager.loaded.model
+        engine.load(cpu_request("bf16", model="copy"))
+        weights = next(folder.glob("*.safetensors"))
+        stat = weights.stat()
+        os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))  # replaced in place
+        engine.load(cpu_request("fp32", model="copy"))
+        assert engine.manager.loaded.model is not first
+        assert any(name.startswith("loading weights") for name in stage_names(engine))
+    finally:
+        engine.unload()
+
+    limited = ParkedModels(limit_gb=1e-4)  # the limit in GB: the demo's fp32 is a few MB
+    engine.load(cpu_request("fp32"))
+    assert "exceed" in limited.park(engine.manager.loaded) and limited.names() == []
+    engine.unload()
+
+    small = Engine(park_gb=0)  # off: nothing is kept
+    try:
+        small.load(cpu_request("fp32"))
+        gone = weakref.ref(small.manager.loaded.model)
+        small.load(cpu_request("bf16"))
+        assert gone() is None and "parked" not in small.status()
+    finally:
+        small.unload()
