@@ -83,12 +83,16 @@ class ParkedModels:
         # By repr(request): a request is frozen but holds a dict (the placement's caps).
         self._parked: OrderedDict[str, Parked] = OrderedDict()
 
+    def _snapshot(self) -> tuple[Parked, ...]:
+        # One C-level copy: a status poll reads this while a switch may change the dict.
+        return tuple(self._parked.values())
+
     @property
     def gb(self) -> float:
-        return sum(p.gb for p in self._parked.values())
+        return sum(p.gb for p in self._snapshot())
 
     def names(self) -> list[str]:
-        return [f"{p.loaded.display_name} ({p.loaded.mode.name})" for p in self._parked.values()]
+        return [f"{p.loaded.display_name} ({p.loaded.mode.name})" for p in self._snapshot()]
 
     def park(self, loaded: LoadedModel) -> str:
         """Keep `loaded` (already detached from serving) with its weights in host memory:
