@@ -85,16 +85,23 @@ def one_phase(model: str, modes: list[str], cycles: int, placement: str, rows_fi
             start = time.perf_counter()
             status = engine.load(LoadRequest(model=model, mode=mode,
                                              placement=Placement(placement)))
+            loaded_s = time.perf_counter() - start
             for _ in engine.chat([{"role": "user", "content": "Hello"}],
                                  GenerationSettings.greedy(max_new_tokens=1)):
                 break  # the first update: the first token is on its way to the page
             first_token_s = time.perf_counter() - start
             unload = engine.manager.last_unload  # the switch's own, when it replaced a mode
+            switch = status.get("last_switch", {})
+            # Beside the load's own stages (ready_s): the unload of the mode it replaced (with
+            # --park-gb, the copy to host memory) and the first reply's wait after the load.
             row = {"cycle": cycle, "mode": mode,
                    "click_to_first_token_s": round(first_token_s, 2),
-                   "ready_s": status.get("ready_s"), "stages": status.get("load_stages"),
+                   "ready_s": status.get("ready_s"), "unload_s": switch.get("unload_s"),
+                   "load_returned_s": round(loaded_s, 2),
+                   "first_token_after_load_s": round(first_token_s - loaded_s, 2),
+                   "stages": status.get("load_stages"),
                    "compiled_graphs": status.get("compiled_graphs", {}),
-                   "from_caches": status.get("last_switch", {}).get("from_caches", []),
+                   "from_caches": switch.get("from_caches", []),
                    "decode_path": status.get("decode_path")}
             if unload is not None and (cycle, mode) != (0, modes[0]):
                 row["leftover_gb"] = {k: round(unload.after.get(k, 0.0) - v, 4)
@@ -146,9 +153,14 @@ def read_rows(rows_file: Path) -> list[dict]:
         if rows_file.exists() else []
 
 
+def _seconds(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"  # rows of earlier runs lack the column
+
+
 def report(rows: list[dict]) -> str:
-    lines = ["| phase | cycle | mode | click to first token (s) | ready (s) | graphs cached / "
-             "compiled | longest stages |", "|---|---|---|---|---|---|---|"]
+    lines = ["| phase | cycle | mode | click to first token (s) | unload (s) | ready (s) | "
+             "first token after the load (s) | graphs cached / compiled | longest stages |",
+             "|---|---|---|---|---|---|---|---|---|"]
     switches = [r for r in rows if "click_to_first_token_s" in r]
     last_cycle = max((r["cycle"] for r in switches), default=0)
     for row in switches:
@@ -160,8 +172,9 @@ def report(rows: list[dict]) -> str:
         stages = sorted(row["stages"] or [], key=lambda s: -s["s"])[:3]
         longest = ", ".join(f"{s['stage']} {s['s']:.1f}" for s in stages)
         lines.append(f"| {row['phase']} | {row['cycle']} | {row['mode']} | "
-                     f"{row['click_to_first_token_s']:.2f} | {row['ready_s']:.2f} | {cached} | "
-                     f"{longest} |")
+                     f"{row['click_to_first_token_s']:.2f} | {_seconds(row.get('unload_s'))} | "
+                     f"{row['ready_s']:.2f} | {_seconds(row.get('first_token_after_load_s'))} | "
+                     f"{cached} | {longest} |")
     unloads = [r for r in rows if r["mode"] == "(unloaded)"]
     if unloads:  # a run killed or failed mid-phase has none for that phase
         lines.append("")

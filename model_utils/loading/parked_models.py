@@ -2,8 +2,9 @@
 quantize them again (`--park-gb`, off by default).
 
 A switch unloads the model it replaces; with parking on, that model's weights move to host
-memory instead of being freed (page-locked where they came from a GPU, so that they go back at
-the copy engine's speed), and a later load of the very same request (model, mode, placement,
+memory instead of being freed (from a GPU into one page-locked buffer per model, so that they go
+back at the copy engine's speed and the buffer's memory returns to the system when the model is
+dropped: HostCopy), and a later load of the very same request (model, mode, placement,
 compute dtype and context, with none of the folder's files changed since) takes them back
 instead of reading the checkpoint. The engine then prepares the model as after any load (its
 compiled code is kept per kind of model: model_utils.runtime.compiled_code), so what a switch
@@ -62,6 +63,49 @@ class Parked:
     device: torch.device
     key: FolderKey
     gb: float
+    host: HostCopy | None = None  # a GPU model's weights while parked
+
+
+class HostCopy:
+    """Every weight of a GPU model in one host buffer, page-locked by registering it with CUDA.
+
+    Not torch's pinned tensors: its pinned-memory cache rounds each block up to a power of two
+    (up to twice a weight's size) and keeps freed blocks for the life of the process, so the
+    host memory of parked models stayed taken after they were dropped (BENCHMARKS.md,
+    "Switching modes"). A registered buffer holds what the weights need and goes back to the
+    system with the last view into it."""
+
+    ALIGN = 256  # bytes: each weight starts at a multiple of this from the buffer's start
+
+    def __init__(self, tensors: list[torch.Tensor]):
+        # Offsets in the order the tensors are given: copy() is handed them in that order.
+        self._places: list[tuple[int, int]] = []
+        total = 0
+        for tensor in tensors:
+            size = _span(tensor) * tensor.element_size()
+            self._places.append((total, size))
+            total += -(-size // self.ALIGN) * self.ALIGN
+        self._places.reverse()
+        self.buffer = torch.empty(total, dtype=torch.uint8)
+        self.pinned = _register(self.buffer)
+
+    def copy(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The next tensor's place in the buffer (same dtype, shape and strides), its copy
+        under way."""
+        start, size = self._places.pop()
+        if size != _span(tensor) * tensor.element_size():
+            raise RuntimeError("a weight changed size between sizing and copying")
+        host = self.buffer[start:start + size].view(tensor.dtype).as_strided(
+            tensor.shape, tensor.stride())
+        return host.copy_(tensor, non_blocking=self.pinned)
+
+    def release(self) -> None:
+        """Unregister the buffer: after the weights left it, or before a dropped model's views
+        into it go (the memory itself goes with the last of them)."""
+        if self.pinned:
+            torch.cuda.cudart().cudaHostUnregister(self.buffer.data_ptr())
+            self.pinned = False
+        self.buffer = None
 
 
 def unparkable_reason(loaded: LoadedModel) -> str:
@@ -115,14 +159,17 @@ class ParkedModels:
             self._drop_oldest()
         if _free_host_gb() < wanted:
             return f"host memory too short to keep its {gb:.1f} GB"
+        host = None
         if device.type == "cuda":
             start = time.perf_counter()
-            _move(loaded.model, lambda t: _pinned_copy(t))
+            host = HostCopy(_weights(loaded.model))
+            _move(loaded.model, host.copy)
             torch.cuda.synchronize(device)
-            log.info("parked %s (%s) in host memory: %.2f GB in %.2f s", loaded.display_name,
-                     loaded.mode.name, gb, time.perf_counter() - start)
+            log.info("parked %s (%s) in host memory%s: %.2f GB in %.2f s", loaded.display_name,
+                     loaded.mode.name, "" if host.pinned else " (not page-locked)", gb,
+                     time.perf_counter() - start)
         key = folder_key(loaded.source.path, loaded.source.adapter)
-        self._parked[repr(loaded.request)] = Parked(loaded, device, key, gb)
+        self._parked[repr(loaded.request)] = Parked(loaded, device, key, gb, host)
         return ""
 
     def take(self, request: LoadRequest, progress=None) -> LoadedModel | None:
@@ -134,6 +181,7 @@ class ParkedModels:
         loaded = parked.loaded
         if folder_key(loaded.source.path, loaded.source.adapter) != parked.key:
             log.info("not taking the parked %s back: its files changed", loaded.display_name)
+            _release(parked)
             return None
         if progress is not None:
             where = f" to {parked.device}" if parked.device.type == "cuda" else ""
@@ -142,13 +190,16 @@ class ParkedModels:
         if parked.device.type == "cuda":
             _move(loaded.model, lambda t: t.to(parked.device, non_blocking=True))
             torch.cuda.synchronize(parked.device)
+        _release(parked)
         return replace(loaded, stages=[], ready_s=0.0, switch=None)
 
     def clear(self) -> None:
-        self._parked.clear()
+        while self._parked:
+            _release(self._parked.popitem()[1])
 
     def _drop_oldest(self) -> None:
         _, parked = self._parked.popitem(last=False)
+        _release(parked)
         log.info("dropped the parked %s (%s) to make room", parked.loaded.display_name,
                  parked.loaded.mode.name)
 
@@ -157,10 +208,34 @@ def _free_host_gb() -> float:
     return psutil.virtual_memory().available / GB
 
 
-def _pinned_copy(tensor: torch.Tensor) -> torch.Tensor:
-    host = torch.empty_like(tensor, device="cpu", pin_memory=True)
-    host.copy_(tensor, non_blocking=True)
-    return host
+def _release(parked: Parked) -> None:
+    if parked.host is not None:
+        parked.host.release()
+        parked.host = None
+
+
+def _register(buffer: torch.Tensor) -> bool:
+    """Page-lock `buffer` in place; False (it stays pageable, the copies synchronous) where
+    CUDA refuses, e.g. a locked-memory limit."""
+    if not torch.cuda.is_available() or buffer.numel() == 0:
+        return False
+    error = int(torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), buffer.numel(), 0))
+    if error:
+        log.warning("parked weights are not page-locked (cudaHostRegister error %d)", error)
+    return error == 0
+
+
+def _span(tensor: torch.Tensor) -> int:
+    """Elements from a tensor's first to its last, whatever its strides (non-negative)."""
+    if tensor.numel() == 0:
+        return 0
+    return 1 + sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride()))
+
+
+def _weights(model: torch.nn.Module) -> list[torch.Tensor]:
+    """What _move will hand its function, in the same order."""
+    return [p.data for p in model.parameters()] + [
+        b for m in model.modules() for b in m._buffers.values() if b is not None]
 
 
 def _move(model: torch.nn.Module, to) -> None:

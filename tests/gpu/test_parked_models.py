@@ -26,6 +26,11 @@ def test_a_parked_model_leaves_the_gpu_and_comes_back_answering_the_same(peaked_
         engine.load(LoadRequest(str(peaked_gpu), "int8-wo", CUDA, context_tokens=CONTEXT))
         weights = next(model.parameters())
         assert weights.device.type == "cpu" and weights.is_pinned()
+        # One registered buffer holds them all, not a pinned block per weight.
+        parked = list(model.parameters())
+        first = min(t.data_ptr() for t in parked)
+        last = max(t.data_ptr() + t.numel() * t.element_size() for t in parked)
+        assert last - first <= sum(t.numel() * t.element_size() for t in parked) + 256 * len(parked)
         int8_only = torch.cuda.memory_allocated(0)
         assert engine.manager.last_unload.leftover == {}, engine.manager.last_unload
 

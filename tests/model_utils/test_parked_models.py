@@ -9,9 +9,10 @@ import os
 import weakref
 
 import pytest
+import torch
 
 from model_utils.engine import Engine
-from model_utils.loading.parked_models import ParkedModels
+from model_utils.loading.parked_models import HostCopy, ParkedModels, _move, _weights
 from model_utils.runtime.generation_settings import GenerationSettings
 
 from .helpers import copy_demo, cpu_request
@@ -93,3 +94,25 @@ def test_a_model_over_the_limit_or_changed_since_is_not_taken(tmp_path, demo_pat
         assert gone() is None and "parked" not in small.status()
     finally:
         small.unload()
+
+
+def test_a_host_copy_keeps_every_weight_in_one_buffer_with_its_shape_strides_and_ties():
+    model = torch.nn.Sequential(torch.nn.Embedding(10, 4), torch.nn.Linear(4, 10, bias=True))
+    model[1].weight = model[0].weight  # tied, as an embedding and lm_head often are
+    model[1].register_buffer("transposed", torch.arange(12.0).reshape(3, 4).t())  # strided
+    model[1].register_buffer("mask", torch.tensor([True, False, True]))
+    before = {name: t.clone() for name, t in model.state_dict().items()}
+    strides = {name: t.stride() for name, t in model.state_dict().items()}
+
+    host = HostCopy(_weights(model))
+    _move(model, host.copy)
+
+    assert model[1].weight is model[0].weight
+    start, end = host.buffer.data_ptr(), host.buffer.data_ptr() + host.buffer.numel()
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(tensor, before[name]), name
+        assert tensor.stride() == strides[name], name
+        assert start <= tensor.data_ptr() < end and (tensor.data_ptr() - start) % HostCopy.ALIGN == 0
+    host.release()
+    assert host.buffer is None
+    assert torch.equal(model[1].transposed, before["1.transposed"])  # the views keep the memory
