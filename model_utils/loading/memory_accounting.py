@@ -130,7 +130,11 @@ def unload_report(name: str, baseline: dict[str, float], before: dict[str, float
     after = memory_counters()
     leftover = leftover_after(baseline, after)
     freed = {k: round(max(0.0, before[k] - after.get(k, 0.0)), 4) for k in before}
-    held_by = largest_live_tensors("cuda") if any("cuda" in k for k in leftover) else []
+    # Only live tensors can explain allocated memory; reserved memory alone is the caching
+    # allocator's (a few MB a library keeps), and the search walks every object the process
+    # tracks, on the switch's own time.
+    held_by = largest_live_tensors("cuda") \
+        if any(k.startswith("cuda") and k.endswith("_allocated_gb") for k in leftover) else []
     still = model() if model is not None else None
     kept_by = model_referrers(still) if still is not None else []
     del still
