@@ -355,7 +355,7 @@ def main(argv=None) -> int:
             begun = time.perf_counter()
             try:
                 results.append(measure(engine, str(folder), candidate, args, prompts, reference))
-                if candidate.startswith("gemlite"):  # what it tuned, kept as it goes
+                if "gemlite.core" in sys.modules:  # what it tuned (int8-wo too), kept as it goes
                     save_gemlite_configs(out / "gemlite-configs.json")
             except Exception as error:  # noqa: BLE001 - recorded; the next candidate runs
                 log.exception("candidate %s failed", candidate)

@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -260,6 +261,10 @@ def main(argv: list[str] | None = None) -> int:
         write_report(args, read_rows(args.out / "rows.jsonl"))  # what it measured before
         print(failed, file=sys.stderr)
         return 1
+    finally:
+        # What gemlite tuned for this GPU (layers/gemlite_8bit.save_tuned), to ship for it.
+        for tuned in cache.glob("gemlite-*.json"):
+            shutil.copy(tuned, args.out / tuned.name)
     write_report(args, rows)
     return 0
 
