@@ -5,11 +5,12 @@
 
 A model of the config's shape (with --layers layers: the cost of a step is per layer; full
 attention throughout, or with --keep-layer-types the config's first layer types, so that a
-hybrid model's linear-attention layers are profiled too) and random bf16 weights is loaded through the engine, once per --compiled-rows value (1: the one-row step
-torch.compile'd before capture, the default; 0: the plain forward captured). For each row count
-the step's graph is replayed and timed with CUDA events, then profiled: the kernels of one
-replay, the costliest first. A kernel that reads or writes far more than the weights and one
-token per row would shows at the top.
+hybrid model's linear-attention layers are profiled too) and random bf16 weights is loaded
+through the engine in each of --modes (bf16 by default), once per --compiled-rows value (1: the
+one-row step torch.compile'd before capture, the default; 0: the plain forward captured). For
+each row count the step's graph is replayed and timed with CUDA events, then profiled: the
+kernels of one replay, the costliest first. A kernel that reads or writes far more than the
+weights and one token per row would shows at the top.
 """
 
 from __future__ import annotations
@@ -90,28 +91,32 @@ def main(argv=None) -> int:
     parser.add_argument("--keep-layer-types", action="store_true",
                         help="the config's first --layers layer types (a hybrid model's linear-"
                         "attention layers) instead of full attention throughout")
+    parser.add_argument("--modes", default="bf16",
+                        help="comma-separated modes, each loaded in turn (e.g. bf16,int8-wo: "
+                        "where a quantized mode's step goes at 8 or 32 rows)")
     parser.add_argument("--out", default="step_profile.json")
     args = parser.parse_args(argv)
     folder = build(Path(args.config), args.layers, Path(tempfile.mkdtemp(prefix="step-")),
                    args.keep_layer_types)
     row_counts = [int(x) for x in args.rows.split(",")]
     results = []
-    for compiled in (int(x) for x in args.compiled_rows.split(",")):
+    runs = [(mode, int(x)) for mode in args.modes.split(",") for x in args.compiled_rows.split(",")]
+    for mode, compiled in runs:
         engine = Engine(max_batch=max(row_counts), compiled_rows=compiled)
         engine.registry.allow_root(str(folder))
         started = time.perf_counter()
-        engine.load(LoadRequest(str(folder), "bf16", Placement("cuda:0"),
+        engine.load(LoadRequest(str(folder), mode, Placement("cuda:0"),
                                 context_tokens=args.context))
         load_s = round(time.perf_counter() - started, 1)  # compiling and capturing included
         status = engine.status()
         for rows in row_counts:
             result = profile_step(engine, rows, args.length)
             step_fn = engine.serving.scheduler.runner.step_fn
-            result.update(compiled_rows=compiled, decode_path=status["decode_path"],
+            result.update(mode=mode, compiled_rows=compiled, decode_path=status["decode_path"],
                           decode_path_reason=status.get("decode_path_reason"),
                           kv_cache_gb=status.get("kv_cache_gb"), load_s=load_s,
                           chosen=getattr(step_fn, "chosen", {}).get(rows))
-            print(f"compiled_rows={compiled} rows={rows}: {result['step_ms']} ms a step "
+            print(f"{mode} compiled_rows={compiled} rows={rows}: {result['step_ms']} ms a step "
                   f"({args.layers} layers, {args.length} tokens a row)")
             print(result["kernels"], flush=True)
             results.append(result)
