@@ -51,8 +51,6 @@ def preset_updates(engine: Engine, presets: dict[str, dict], name: str | None,
     if preset is None:
         return [gr.skip()] * (1 + len(setting_names))
     context = engine.status().get("context_tokens") or DEFAULT_CONTEXT
-    import time as _t
-    open('/tmp/presetdbg.log','a').write(f"{_t.time():.3f} UPDATES name={name!r} top_k={(preset or {}).get('settings',{}).get('top_k')} prompt={(preset or {}).get('system_prompt')!r}\n")
     bounded = set(context_bounded(setting_names))
     updates = [gr.skip() if preset["system_prompt"] is None else preset["system_prompt"]]
     for name_ in setting_names:
@@ -95,8 +93,6 @@ def wire_presets(c: dict, chats: ChatList) -> None:
     def save(name: str, system_prompt: str, chat_id, view, browser, newest, presets,
              newest_presets, request: gr.Request, *values):
         library = chats.library(request, browser, presets, newest, newest_presets)
-        import time as _t
-        open('/tmp/presetdbg.log','a').write(f"{_t.time():.3f} SAVE name={name!r} chat={chat_id} view={view} values={values}\n")
         try:
             name = checked_name(name)
             preset = checked_preset({"system_prompt": system_prompt or "", "settings": dict(
