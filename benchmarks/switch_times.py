@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import shutil
 import subprocess
@@ -72,6 +73,10 @@ def one_phase(model: str, modes: list[str], cycles: int, placement: str, rows_fi
     from model_utils.runtime.generation_settings import GenerationSettings
 
     process_tuning.tune_process()  # as app.py: the compile cache of TORCHINDUCTOR_CACHE_DIR
+    # The load's and unload's own lines (what parking, stopping the serving and the garbage
+    # collector took) go to the phase's log.
+    logging.basicConfig(format="%(asctime)s %(name)s: %(message)s")
+    logging.getLogger("model_utils.loading").setLevel(logging.INFO)
     engine = build_engine(EngineConfig(park_gb=park_gb))
     if model != "demo":
         engine.registry.allow_root(model)  # a folder given on the command line, as the bench

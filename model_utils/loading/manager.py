@@ -363,7 +363,9 @@ class ModelManager:
         model = weakref.ref(self._loaded.model)
         unloaded, self._loaded = self._loaded, None
         if self.on_unloaded is not None:
+            start = time.perf_counter()
             self.on_unloaded()  # the engine's serving goes first, parked or not
+            log.info("serving of %s stopped in %.2f s", name, time.perf_counter() - start)
         parked_gb = 0.0
         if park and self.parked.limit_gb > 0:
             if reason := self.parked.park(unloaded):

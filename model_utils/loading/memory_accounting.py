@@ -8,6 +8,7 @@ import contextlib
 import ctypes
 import gc
 import logging
+import time
 import weakref
 
 import psutil
@@ -126,7 +127,9 @@ def unload_report(name: str, baseline: dict[str, float], before: dict[str, float
     `parked_gb` stay in host memory)."""
     from .loaded_model import UnloadReport
 
+    start = time.perf_counter()
     _release_freed_memory()
+    released_s = time.perf_counter() - start
     after = memory_counters()
     leftover = leftover_after(baseline, after)
     freed = {k: round(max(0.0, before[k] - after.get(k, 0.0)), 4) for k in before}
@@ -138,7 +141,8 @@ def unload_report(name: str, baseline: dict[str, float], before: dict[str, float
     still = model() if model is not None else None
     kept_by = model_referrers(still) if still is not None else []
     del still
-    log.info("unloaded %s; memory before %s after %s", name, _fmt(before), _fmt(after))
+    log.info("unloaded %s; memory before %s after %s (the garbage collector and the caches "
+             "took %.2f s)", name, _fmt(before), _fmt(after), released_s)
     if leftover:
         log.warning("after unloading %s, memory still held: %s%s", name, _fmt(leftover),
                     f" (largest tensors still referenced: {'; '.join(held_by)})"
