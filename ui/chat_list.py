@@ -3,9 +3,12 @@ search, rename, delete with undo. Each chat keeps its conversation (with its ver
 system prompt, its preset and its Thinking switch.
 
 The conversation shown stays the chat panel's `conversation` (in the browser, as before);
-every change of it, of the system prompt, the preset or the switch is written into the chat
-shown, in the library of this page (server/chat_library.py: the browser's without logins,
-the store's for the logged-in user with them).
+every change of it, of the system prompt or of the switch is written into the chat shown, in
+the library of this page (server/chat_library.py: the browser's without logins, the store's
+for the logged-in user with them). The preset is written only by the handlers that set it
+(ui/presets.py: pick, save, delete), into the chat they were sent from: a change event sent
+while a save was under way carried the preset from before it, and written after the save,
+it took the chat's new preset back.
 
 Each write names the chat its values were read with, and is written there or nowhere:
 - Which chat is shown is held by the page itself (`chat_id`, a hidden field sent with each
@@ -18,8 +21,14 @@ Each write names the chat its values were read with, and is written there or now
   was sent: writes queued one after another each built on the copy from before the others
   had run, and the last to land undid the rest. The newest copy this page was handed stays
   on the server with the page's session (`chat_newest`, a gr.State, read when the handler
-  runs), and every handler that changes the chats runs on one queue, in order. So do the
-  presets (`presets_newest`), and the preset handlers (ui/presets.py) run on the same queue.
+  runs), and every handler that changes the chats runs on one queue, one at a time. So do
+  the presets (`presets_newest`), and the preset handlers (ui/presets.py) run on the same queue.
+- That queue takes events in the order they reach the server, and two the page sent together
+  may reach it in either order (a Save preset sent a millisecond before a click on another
+  chat was run after the switch). `chat_opened` (a gr.State: set as the server runs the
+  events) names the chat the last switch opened; a pick or a save run after a switch the page
+  sent behind it is written into its own chat, and its view outputs, which would land on the
+  chat opened since, are left out (ChatList.still_shown).
 """
 
 from __future__ import annotations
@@ -45,9 +54,9 @@ if TYPE_CHECKING:
 
 CHAT_STORAGE_KEYS = ("qwen-chat-library", "qwen-chat-current", "qwen-chat-presets")
 REFUSED = (ChatLimitError, ChatStoreError, ConversationError)
-# The handlers that read or change the chats or presets: one at a time, in the order the page
-# sent them, each on the newest copy the one before left (a switch of chat reads a write queued
-# before it).
+# The handlers that read or change the chats or presets: one at a time, in the order they reach
+# the server, each on the newest copy the one before left (a switch of chat reads a write
+# queued before it).
 IN_ORDER = {"concurrency_id": "chat-write", "concurrency_limit": 1}
 log = logging.getLogger("ui")
 
@@ -75,6 +84,7 @@ def build_chat_list() -> dict:
     c["chat_id"] = gr.Textbox("", visible="hidden", elem_id="chat-id")
     c["chat_view"] = gr.Textbox("", visible="hidden", elem_id="chat-view")
     c["chat_newest"] = gr.State(None)  # the newest copy of the browser's chats, this page's
+    c["chat_opened"] = gr.State("")  # the chat the last switch the server ran opened
     c["presets_newest"] = gr.State(None)  # and of its presets
     c["chat_deleted"] = gr.State(None)  # the chat Undo delete puts back
     return c
@@ -100,7 +110,7 @@ class ChatList:
                      c["notice"], c["system_prompt"], c["thinking"], c["preset"],
                      *(c[n] for n in setting_names), c["chat_list"], c["chat_title"],
                      c["chat_id"], c["chat_remembered"], *self.copies, c["chat_list_notice"],
-                     c["message"]]
+                     c["message"], c["chat_opened"]]
 
     def library(self, request: gr.Request | None, value, presets=None, newest=None,
                 newest_presets=None):
@@ -149,7 +159,13 @@ class ChatList:
                 *prompt_and_settings[1:], self.list_update(library, query, chat["id"]),
                 chat["title"], chat["id"], chat["id"],
                 *(self.kept(library) if changed else (gr.skip(),) * 2), notice,
-                gr.update(interactive=True, placeholder=MESSAGE_PLACEHOLDER)]
+                gr.update(interactive=True, placeholder=MESSAGE_PLACEHOLDER), chat["id"]]
+
+    @staticmethod
+    def still_shown(chat_id: str, opened: str | None) -> bool:
+        """Whether the chat an event was sent from (`chat_id`) is still the one shown, as the
+        server runs it: no switch run since opened another (`opened`: chat_opened)."""
+        return not opened or opened == chat_id
 
     def put(self, library, chat: dict) -> None:
         try:
@@ -197,7 +213,8 @@ def _wire_writes(c: dict, chats: ChatList):
     def keep_shown(chat_id, view, conversation, system_prompt, thinking, preset, browser,
                    newest, query, notice, request: gr.Request):
         """Write what the page shows into the chat shown: on the page's state, never a
-        broken copy (the chat panel refuses to send those, and so does this)."""
+        broken copy (the chat panel refuses to send those, and so does this). Its preset
+        only into a chat not there any more: the handlers that set it write it."""
         nothing = (gr.skip(),) * 5
         if not chat_id or view != chat_id:
             # No chat put back yet, or another chat's view still landing: these values may
@@ -210,9 +227,9 @@ def _wire_writes(c: dict, chats: ChatList):
         except REFUSED:
             return nothing
         if before is None:  # deleted in another tab: this one's writing brings it back
-            before = {**new_chat(), "id": chat_id}
+            before = {**new_chat(preset=preset or ""), "id": chat_id}
         chat = {**with_messages(before, messages), "system_prompt": system_prompt or "",
-                "preset": preset or "", "thinking": bool(thinking)}
+                "thinking": bool(thinking)}
         if chat == before:
             return nothing
         listed = chats.choices(library, query)
@@ -233,8 +250,10 @@ def _wire_writes(c: dict, chats: ChatList):
     inputs = [c["chat_id"], c["chat_view"], *chats.current, *chats.copies, c["chat_search"],
               c["chat_list_notice"]]
     outputs = [*chats.copies, c["chat_list"], c["chat_title"], c["chat_list_notice"]]
-    # The conversation's content, not its object: see ui/content_change.py.
-    changes = [c["conversation_changed"].change, *(x.change for x in chats.current[1:])]
+    # The conversation's content, not its object: see ui/content_change.py. Not the preset
+    # picker's: its value may land on a chat opened since the pick or save that set it.
+    changes = [c["conversation_changed"].change, c["system_prompt"].change,
+               c["thinking"].change]
     gr.on(changes, keep_shown, inputs, outputs,
           # Every change is written, in order: with "always_last" a change still waiting
           # when the next one came was dropped, even one of the chat shown before a switch.

@@ -64,12 +64,17 @@ def preset_updates(engine: Engine, presets: dict[str, dict], name: str | None,
 
 def wire_presets(c: dict, chats: ChatList) -> None:
     """Pick, Save and Delete run on the chat list's queue, on the newest copies of the chats
-    and presets (ui/chat_list.py), and each writes its pick into the chat it was made in: the
-    picker's change, which writes it too, may fire only after a switch of chat has landed,
-    and then be written nowhere."""
+    and presets (ui/chat_list.py), and each writes its pick into the chat it was made in
+    (nothing else writes a chat's preset). Each leaves the view alone where a switch of chat
+    the page sent right behind it ran first (ChatList.still_shown): its outputs would land on
+    the chat opened. A save's name landed in that chat's picker; and a pick is sent again
+    whenever the picker loses focus (gradio sends a dropdown's `input` on every blur), so a
+    click on another chat sends one along with the switch: run after it, the settings of the
+    chat before landed on the chat opened, under that chat's own preset name."""
     engine, setting_names = chats.engine, chats.setting_names
     widgets = [c[name] for name in setting_names]
-    shown = [c["chat_id"], c["chat_view"], *chats.copies, *chats.preset_copies]
+    shown = [c["chat_id"], c["chat_view"], c["chat_opened"], *chats.copies,
+             *chats.preset_copies]
     quiet = {"api_visibility": "private", "show_progress": "hidden", **chats.in_order}
 
     def written(library, chat_id: str, view: str, **fields) -> tuple:
@@ -78,19 +83,29 @@ def wire_presets(c: dict, chats: ChatList) -> None:
             return chats.kept(library)
         return (gr.skip(),) * 2
 
-    def picked(name: str | None, chat_id, view, browser, newest, presets, newest_presets,
-               request: gr.Request):
+    def picked(name: str | None, chat_id, view, opened, browser, newest, presets,
+               newest_presets, request: gr.Request):
         library = chats.library(request, browser, presets, newest, newest_presets)
         updates = preset_updates(engine, library.presets(), name, setting_names)
         fields = {"preset": name or ""}
         if isinstance(updates[0], str):
             fields["system_prompt"] = updates[0]
+        if not chats.still_shown(chat_id, opened):
+            updates = [gr.skip()] * len(updates)
         return *written(library, chat_id, view, **fields), *updates
 
     c["preset"].input(picked, [c["preset"], *shown],
                       [*chats.copies, c["system_prompt"], *widgets], **quiet)
 
-    def save(name: str, system_prompt: str, chat_id, view, browser, newest, presets,
+    def picker(library, chat_id, opened, value):
+        """The picker with the presets now, showing `value` if the chat the event was sent
+        from is still the one shown."""
+        choices = preset_choices(library.presets())
+        if chats.still_shown(chat_id, opened):
+            return gr.update(choices=choices, value=value)
+        return gr.update(choices=choices)
+
+    def save(name: str, system_prompt: str, chat_id, view, opened, browser, newest, presets,
              newest_presets, request: gr.Request, *values):
         library = chats.library(request, browser, presets, newest, newest_presets)
         try:
@@ -101,21 +116,21 @@ def wire_presets(c: dict, chats: ChatList) -> None:
         except (ConversationError, ChatLimitError) as error:
             raise user_error(str(error)) from None
         return (*chats.kept_presets(library), *written(library, chat_id, view, preset=name),
-                gr.update(choices=preset_choices(library.presets()), value=name), "")
+                picker(library, chat_id, opened, name), "")
 
     save_outputs = [*chats.preset_copies, *chats.copies, c["preset"], c["preset_name"]]
     for trigger in (c["preset_save"].click, c["preset_name"].submit):
         trigger(save, [c["preset_name"], c["system_prompt"], *shown, *widgets], save_outputs,
                 **quiet)
 
-    def delete(name: str | None, chat_id, view, browser, newest, presets, newest_presets,
-               request: gr.Request):
+    def delete(name: str | None, chat_id, view, opened, browser, newest, presets,
+               newest_presets, request: gr.Request):
         if not name or name == MODEL_PRESET:
             raise user_error("pick one of your presets to delete (the model's own stays)")
         library = chats.library(request, browser, presets, newest, newest_presets)
         library.delete_preset(name)
         return (*chats.kept_presets(library), *written(library, chat_id, view, preset=""),
-                gr.update(choices=preset_choices(library.presets()), value=None))
+                picker(library, chat_id, opened, None))
 
     c["preset_delete"].click(delete, [c["preset"], *shown],
                              [*chats.preset_copies, *chats.copies, c["preset"]], **quiet)
