@@ -148,7 +148,8 @@ class ParkedModels:
         gb = loaded.footprint_gb
         if gb > self.limit_gb:
             return f"its {gb:.1f} GB exceed --park-gb {self.limit_gb:g}"
-        self._parked.pop(repr(loaded.request), None)  # an older copy of the same request
+        if (older := self._parked.pop(repr(loaded.request), None)) is not None:
+            _release(older)  # an older copy of the same request
         while self._parked and self.gb + gb > self.limit_gb:
             self._drop_oldest()
         device = next(loaded.model.parameters()).device
@@ -162,9 +163,14 @@ class ParkedModels:
         host = None
         if device.type == "cuda":
             start = time.perf_counter()
-            host = HostCopy(_weights(loaded.model))
-            _move(loaded.model, host.copy)
-            torch.cuda.synchronize(device)
+            try:
+                host = HostCopy(_weights(loaded.model))
+                _move(loaded.model, host.copy)
+                torch.cuda.synchronize(device)
+            except Exception as error:  # noqa: BLE001 - not parked: the model is freed as usual
+                if host is not None:
+                    host.release()
+                return f"copying it to host memory failed ({type(error).__name__}: {error})"
             log.info("parked %s (%s) in host memory%s: %.2f GB in %.2f s", loaded.display_name,
                      loaded.mode.name, "" if host.pinned else " (not page-locked)", gb,
                      time.perf_counter() - start)

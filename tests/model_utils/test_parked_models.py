@@ -116,3 +116,14 @@ def test_a_host_copy_keeps_every_weight_in_one_buffer_with_its_shape_strides_and
     host.release()
     assert host.buffer is None
     assert torch.equal(model[1].transposed, before["1.transposed"])  # the views keep the memory
+
+
+
+def test_parking_the_same_request_again_releases_the_older_copys_buffer(parking):
+    parking.load(cpu_request("fp32"))
+    parking.load(cpu_request("bf16"))
+    parked = parking.manager.parked
+    (older,) = parked._parked.values()
+    host = older.host = HostCopy(_weights(older.loaded.model))  # as a GPU model's holds one
+    assert parked.park(older.loaded) == ""
+    assert host.buffer is None and len(parked.names()) == 1
