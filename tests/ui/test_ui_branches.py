@@ -8,8 +8,10 @@ showed before, to the letter."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
+from playwright.sync_api import expect
 
 from .browser import SETTLED, open_browser, set_number, wait_until_ready
 
@@ -98,8 +100,10 @@ def test_regenerate_adds_a_version_of_the_reply(page):
     page.locator("#regenerate").click()
     page.locator('#chatbot [data-testid="bot"] sub', has_text="/ 3 out").wait_for(timeout=90000)
     settle(page, 2)
+    # The pager already read "2 / 2" (the edited message's versions): wait for its redraw.
+    expect(page.locator("#branch-point input")).to_have_value(
+        re.compile("the reply to message 2"), timeout=30000)
     wait_position(page, "2 / 2")
-    assert "the reply to message 2" in page.locator("#branch-point input").input_value()
     page.locator("#branch-prev").click()
     wait_position(page, "1 / 2")
     assert page.locator('#chatbot [data-testid="bot"]').last.inner_text() == first_reply
