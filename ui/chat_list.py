@@ -213,8 +213,9 @@ def _wire_writes(c: dict, chats: ChatList):
     def keep_shown(chat_id, view, conversation, system_prompt, thinking, preset, browser,
                    newest, query, notice, request: gr.Request):
         """Write what the page shows into the chat shown: on the page's state, never a
-        broken copy (the chat panel refuses to send those, and so does this). Its preset
-        only into a chat not there any more: the handlers that set it write it."""
+        broken copy (the chat panel refuses to send those, and so does this). Not the preset,
+        which pick, save and delete write, except into a chat another tab deleted, which
+        this write brings back whole."""
         nothing = (gr.skip(),) * 5
         if not chat_id or view != chat_id:
             # No chat put back yet, or another chat's view still landing: these values may

@@ -118,7 +118,6 @@ def test_a_host_copy_keeps_every_weight_in_one_buffer_with_its_shape_strides_and
     assert torch.equal(model[1].transposed, before["1.transposed"])  # the views keep the memory
 
 
-
 def test_parking_the_same_request_again_releases_the_older_copys_buffer(parking):
     parking.load(cpu_request("fp32"))
     parking.load(cpu_request("bf16"))
