@@ -12,9 +12,10 @@ back saves is the reading, the quantizing and gemlite's checks.
 
 Parked are only models whose every weight is a plain tensor on one device: not the
 bitsandbytes modes (their 4-bit and 8-bit parameters carry quantization state of their own),
-not a model spread over devices or offloaded to disk. The parked total stays under the limit
-and leaves MIN_FREE_HOST_GB of host memory free; the least recently parked goes first. An
-explicit unload frees every parked model too: whoever unloads wants the memory back."""
+not a model spread over devices or offloaded to disk. The buffer of a model taken back stays,
+as a spare for the next model parked. The parked models and spare buffers stay under the limit
+and leave MIN_FREE_HOST_GB of host memory free; spares go first, then the least recently
+parked. An explicit unload frees them all: whoever unloads wants the memory back."""
 
 from __future__ import annotations
 
@@ -77,7 +78,10 @@ class HostCopy:
 
     ALIGN = 256  # bytes: each weight starts at a multiple of this from the buffer's start
 
-    def __init__(self, tensors: list[torch.Tensor]):
+    def __init__(self, tensors: list[torch.Tensor], spare: HostCopy | None = None):
+        """`spare`: the buffer of a copy whose weights went back to the GPU, reused (it must
+        hold needed_bytes(tensors)): a fresh buffer's pages are faulted in and locked one by
+        one, which takes longer than the copy itself."""
         # Offsets in the order the tensors are given: copy() is handed them in that order.
         self._places: list[tuple[int, int]] = []
         total = 0
@@ -86,8 +90,22 @@ class HostCopy:
             self._places.append((total, size))
             total += -(-size // self.ALIGN) * self.ALIGN
         self._places.reverse()
-        self.buffer = torch.empty(total, dtype=torch.uint8)
-        self.pinned = _register(self.buffer)
+        if spare is not None:
+            if spare.buffer.numel() < total:
+                raise ValueError("the spare buffer is smaller than the weights")
+            self.buffer, self.pinned = spare.buffer, spare.pinned
+            spare.buffer, spare.pinned = None, False  # handed over, not released
+        else:
+            self.buffer = torch.empty(total, dtype=torch.uint8)
+            self.pinned = _register(self.buffer)
+
+    @classmethod
+    def needed_bytes(cls, tensors: list[torch.Tensor]) -> int:
+        return sum(-(-_span(t) * t.element_size() // cls.ALIGN) * cls.ALIGN for t in tensors)
+
+    @property
+    def gb(self) -> float:
+        return self.buffer.numel() / GB if self.buffer is not None else 0.0
 
     def copy(self, tensor: torch.Tensor) -> torch.Tensor:
         """The next tensor's place in the buffer (same dtype, shape and strides), its copy
@@ -126,6 +144,10 @@ class ParkedModels:
         self.limit_gb = limit_gb
         # By repr(request): a request is frozen but holds a dict (the placement's caps).
         self._parked: OrderedDict[str, Parked] = OrderedDict()
+        # The page-locked buffers of models taken back, kept (within the limit) for the next
+        # model a switch parks: switching between two modes then parks each into the buffer
+        # it left, and only the first switches pay for fresh buffers.
+        self._spares: list[HostCopy] = []
 
     def _snapshot(self) -> tuple[Parked, ...]:
         # One C-level copy: a status poll reads this while a switch may change the dict.
@@ -133,7 +155,8 @@ class ParkedModels:
 
     @property
     def gb(self) -> float:
-        return sum(p.gb for p in self._snapshot())
+        """Host memory parking holds: the parked models and the spare buffers."""
+        return sum(p.gb for p in self._snapshot()) + sum(s.gb for s in tuple(self._spares))
 
     def names(self) -> list[str]:
         return [f"{p.loaded.display_name} ({p.loaded.mode.name})" for p in self._snapshot()]
@@ -150,30 +173,37 @@ class ParkedModels:
             return f"its {gb:.1f} GB exceed --park-gb {self.limit_gb:g}"
         if (older := self._parked.pop(repr(loaded.request), None)) is not None:
             _release(older)  # an older copy of the same request
-        while self._parked and self.gb + gb > self.limit_gb:
-            self._drop_oldest()
         device = next(loaded.model.parameters()).device
-        # A GPU model's weights are about to take host memory; a CPU model's already do, and
-        # the next load needs room of its own beside them (about as much, as a guess).
-        wanted = MIN_FREE_HOST_GB + gb
-        while self._parked and _free_host_gb() < wanted:
-            self._drop_oldest()
+        weights = _weights(loaded.model) if device.type == "cuda" else []
+        spare = self._take_spare(HostCopy.needed_bytes(weights)) if weights else None
+        while self.gb + (spare.gb if spare else gb) > self.limit_gb and self._make_room():
+            pass
+        # A GPU model's weights are about to take host memory (none more where a spare buffer
+        # takes them); a CPU model's already do, and the next load needs room of its own
+        # beside them (about as much, as a guess).
+        wanted = MIN_FREE_HOST_GB + (0.0 if spare else gb)
+        while _free_host_gb() < wanted and self._make_room():
+            pass
         if _free_host_gb() < wanted:
+            if spare is not None:
+                spare.release()
             return f"host memory too short to keep its {gb:.1f} GB"
         host = None
         if device.type == "cuda":
             start = time.perf_counter()
             try:
-                host = HostCopy(_weights(loaded.model))
+                host = HostCopy(weights, spare)
                 _move(loaded.model, host.copy)
                 torch.cuda.synchronize(device)
             except Exception as error:  # noqa: BLE001 - not parked: the model is freed as usual
-                if host is not None:
-                    host.release()
+                for buffer in (host, spare):
+                    if buffer is not None:
+                        buffer.release()
                 return f"copying it to host memory failed ({type(error).__name__}: {error})"
-            log.info("parked %s (%s) in host memory%s: %.2f GB in %.2f s", loaded.display_name,
-                     loaded.mode.name, "" if host.pinned else " (not page-locked)", gb,
-                     time.perf_counter() - start)
+            log.info("parked %s (%s) in host memory%s%s: %.2f GB in %.2f s",
+                     loaded.display_name, loaded.mode.name,
+                     "" if host.pinned else " (not page-locked)",
+                     " (a spare buffer)" if spare else "", gb, time.perf_counter() - start)
         key = folder_key(loaded.source.path, loaded.source.adapter)
         self._parked[repr(loaded.request)] = Parked(loaded, device, key, gb, host)
         return ""
@@ -196,18 +226,40 @@ class ParkedModels:
         if parked.device.type == "cuda":
             _move(loaded.model, lambda t: t.to(parked.device, non_blocking=True))
             torch.cuda.synchronize(parked.device)
+        if parked.host is not None:
+            self._spares.append(parked.host)  # no view into it is left: the weights moved
+            parked.host = None
         _release(parked)
         return replace(loaded, stages=[], ready_s=0.0, switch=None)
 
     def clear(self) -> None:
         while self._parked:
             _release(self._parked.popitem()[1])
+        while self._spares:
+            self._spares.pop().release()
 
-    def _drop_oldest(self) -> None:
-        _, parked = self._parked.popitem(last=False)
-        _release(parked)
-        log.info("dropped the parked %s (%s) to make room", parked.loaded.display_name,
-                 parked.loaded.mode.name)
+    def _take_spare(self, needed_bytes: int) -> HostCopy | None:
+        """The smallest spare buffer that holds `needed_bytes`, out of the spares."""
+        fitting = [s for s in self._spares if s.buffer.numel() >= needed_bytes]
+        if not fitting:
+            return None
+        spare = min(fitting, key=lambda s: s.buffer.numel())
+        self._spares.remove(spare)
+        return spare
+
+    def _make_room(self) -> bool:
+        """Give back a spare buffer, else the least recently parked model; False when there
+        is nothing left to give."""
+        if self._spares:
+            self._spares.pop(0).release()
+        elif self._parked:
+            _, parked = self._parked.popitem(last=False)
+            _release(parked)
+            log.info("dropped the parked %s (%s) to make room", parked.loaded.display_name,
+                     parked.loaded.mode.name)
+        else:
+            return False
+        return True
 
 
 def _free_host_gb() -> float:

@@ -22,7 +22,7 @@ def test_a_parked_model_leaves_the_gpu_and_comes_back_answering_the_same(peaked_
     engine = load_engine(peaked_gpu, "bf16", max_batch=4, park_gb=4)
     try:
         model = engine.manager.loaded.model
-        first = reply(engine)
+        first_reply = reply(engine)
         engine.load(LoadRequest(str(peaked_gpu), "int8-wo", CUDA, context_tokens=CONTEXT))
         weights = next(model.parameters())
         assert weights.device.type == "cpu" and weights.is_pinned()
@@ -38,7 +38,14 @@ def test_a_parked_model_leaves_the_gpu_and_comes_back_answering_the_same(peaked_
         assert engine.manager.loaded.model is model
         assert next(model.parameters()).device == torch.device("cuda", 0)
         assert back["last_switch"]["from_caches"][:1] == ["parked weights"]
-        assert reply(engine) == first
+        assert reply(engine) == first_reply
         assert torch.cuda.memory_allocated(0) > int8_only  # bf16's weights are back on the card
+
+        # The buffer bf16 left stays as a spare, and the next switch parks bf16 into it.
+        engine.load(LoadRequest(str(peaked_gpu), "int8-wo", CUDA, context_tokens=CONTEXT))
+        assert min(t.data_ptr() for t in model.parameters()) == first
+        assert next(model.parameters()).is_pinned()
+        engine.load(LoadRequest(str(peaked_gpu), "bf16", CUDA, context_tokens=CONTEXT))
+        assert reply(engine) == first_reply
     finally:
         engine.unload()

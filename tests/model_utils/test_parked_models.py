@@ -126,3 +126,31 @@ def test_parking_the_same_request_again_releases_the_older_copys_buffer(parking)
     host = older.host = HostCopy(_weights(older.loaded.model))  # as a GPU model's holds one
     assert parked.park(older.loaded) == ""
     assert host.buffer is None and len(parked.names()) == 1
+
+
+def test_a_spare_buffer_takes_the_next_model_parked_and_the_smallest_that_fits_is_chosen():
+    small = torch.nn.Linear(4, 4)
+    large = torch.nn.Linear(16, 16)
+    left = HostCopy(_weights(large))
+    _move(large, left.copy)
+    _move(large, lambda t: t.clone())  # taken back: no view into the buffer is left
+    place = left.buffer.data_ptr()
+
+    with pytest.raises(ValueError, match="smaller"):
+        HostCopy(_weights(torch.nn.Linear(32, 32)), left)
+    before = {name: t.clone() for name, t in small.state_dict().items()}
+    reused = HostCopy(_weights(small), left)
+    _move(small, reused.copy)
+    assert left.buffer is None and reused.buffer.data_ptr() == place
+    for name, tensor in small.state_dict().items():
+        assert torch.equal(tensor, before[name]) and tensor.data_ptr() >= place, name
+
+    parked = ParkedModels(limit_gb=1)
+    spares = [HostCopy(_weights(torch.nn.Linear(n, n))) for n in (32, 8, 16)]
+    parked._spares = list(spares)
+    assert parked.gb == pytest.approx(sum(s.buffer.numel() for s in spares) / 1024**3)
+    assert parked._take_spare(HostCopy.needed_bytes(_weights(torch.nn.Linear(6, 6)))) is spares[1]
+    assert parked._take_spare(10**9) is None
+    assert parked._make_room() and spares[0].buffer is None  # spares go first, oldest first
+    parked.clear()
+    assert spares[2].buffer is None and parked.gb == 0 and not parked._make_room()
