@@ -74,9 +74,11 @@ def one_phase(model: str, modes: list[str], cycles: int, placement: str, rows_fi
 
     process_tuning.tune_process()  # as app.py: the compile cache of TORCHINDUCTOR_CACHE_DIR
     # The load's and unload's own lines (what parking, stopping the serving and the garbage
-    # collector took) go to the phase's log.
+    # collector took) and the preparation's (each capture's seconds, which forward the one-row
+    # step kept) go to the phase's log, time-stamped to the millisecond.
     logging.basicConfig(format="%(asctime)s %(name)s: %(message)s")
-    logging.getLogger("model_utils.loading").setLevel(logging.INFO)
+    for package in ("model_utils.loading", "model_utils.runtime"):
+        logging.getLogger(package).setLevel(logging.INFO)
     engine = build_engine(EngineConfig(park_gb=park_gb))
     if model != "demo":
         engine.registry.allow_root(model)  # a folder given on the command line, as the bench
