@@ -32,6 +32,9 @@ import torch
 KEPT_KINDS = 4
 
 _kept: list[str] = []  # kinds whose code dynamo holds now, the most recently used last
+# Per kept kind, which forward each compiled shape's graph kept (cuda_graphs.GraphedBatchStep's
+# `chosen`): a later load of the kind captures that one alone instead of timing both again.
+_choices: dict[str, dict[int, dict]] = {}
 _forget_at_next_load = False  # a kind thought kept compiled again (see recompiled)
 _lock = threading.Lock()
 
@@ -68,6 +71,18 @@ def reuse_or_make_room(kind: str) -> bool:
         return False
 
 
+def known_choices(kind: str) -> dict[int, dict]:
+    with _lock:
+        return dict(_choices.get(kind, {})) if kind in _kept else {}
+
+
+def remember_choices(kind: str, chosen: dict[int, dict]) -> None:
+    with _lock:
+        if kind in _kept and chosen:
+            _choices[kind] = {rows: {k: v for k, v in record.items() if k != "timed_before"}
+                              for rows, record in chosen.items()}
+
+
 def graphs_compiled() -> int:
     """How many graphs dynamo has compiled in this process (to tell a kept kind's load that
     compiled nothing from one that did)."""
@@ -93,6 +108,7 @@ def forget_compiled_code() -> int:
 
     torch._dynamo.reset()
     _kept.clear()
+    _choices.clear()
     gc.disable()  # a collection now could run a finalizer and change the registry mid-copy
     try:
         registry = list(weakref.finalize._registry.items())  # noqa: SLF001 - no API for it

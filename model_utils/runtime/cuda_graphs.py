@@ -132,7 +132,10 @@ class GraphedBatchStep:
     replays_graphs = True  # see BatchRunner.tail_rows
 
     def __init__(self, model: PreTrainedModel, inductor_mode: str = "default",
-                 compiled_rows: int = 1):
+                 compiled_rows: int = 1, known_choices: dict[int, dict] | None = None):
+        """`known_choices`: `chosen` of an earlier load of the same kind of model (same class,
+        configuration and mode, its compiled code kept): those shapes capture the forward kept
+        then, without timing both again."""
         self.model = model
         self.compiled = compile_forward(model, inductor_mode)
         self.compiled_batched = compile_forward(model, inductor_mode, dynamic=None) \
@@ -142,6 +145,7 @@ class GraphedBatchStep:
         self.capture = GraphCapture()  # shared with the prefill graphs (runtime/preparation.py)
         self.failed: str | None = None
         self.chosen: dict[int, dict] = {}  # rows -> which forward was kept, and both times
+        self._known = known_choices or {}
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
 
     def __call__(self, kv: PagedKV, b: int) -> torch.Tensor:
@@ -164,11 +168,16 @@ class GraphedBatchStep:
         which, with both times): compiling is expected to win, and a compiled step that loses
         (a kernel of a new torch or Triton, a mode that compiles badly) costs nothing but the
         timing. Any other shape captures the plain forward alone: a new compilation (43-53 s on
-        the H200) would stall every reply decoding.
+        the H200) would stall every reply decoding. A shape timed at an earlier load of the
+        same kind (known_choices) captures the forward kept then.
         """
         compiles = b <= self.compiled_rows and kv.may_compile
         compiled = self.compiled if b == 1 else self.compiled_batched
         forwards = [compiled, self.model] if compiles else [self.model]
+        known = self._known.get(b) if compiles else None
+        if known:  # the forward an earlier load kept, alone; the other only if it fails
+            first = compiled if known["kept"] == "compiled" else self.model
+            forwards = [first] + [f for f in forwards if f is not first]
         captured = []
         reason = ""
         for forward in forwards:
@@ -177,6 +186,10 @@ class GraphedBatchStep:
             except Exception as error:  # noqa: BLE001 - serve eagerly rather than fail
                 log.exception("capturing the batched step (%d rows) failed", b)
                 reason = f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"
+            if known and captured:
+                if forward is forwards[0]:
+                    self.chosen[b] = {**known, "timed_before": True}
+                break
         if not captured and b > self.compiled_rows and kv.may_compile:  # as a last resort
             try:
                 captured.append((self.compiled_batched,

@@ -65,8 +65,10 @@ class DecodePreparation:
                                             f"{self.config.compile_mode}, {rows} rows")
             serving.compiled_code_kept = self.worker.call(
                 lambda: compiled_code.reuse_or_make_room(kind))
+            known = compiled_code.known_choices(kind) if serving.compiled_code_kept else {}
             step = cuda_graphs.GraphedBatchStep(loaded.model, self.config.compile_mode,
-                                                compiled_rows=rows)
+                                                compiled_rows=rows, known_choices=known)
+            serving.model_kind = kind
             path = "paged-kv+cuda-graphs (batched)"
             why = "compiled path: batched paged KV cache + CUDA graphs" + \
                   "".join(f", {what}" for what in fused)
@@ -100,7 +102,8 @@ class DecodePreparation:
         if chosen:
             serving.decode_path_reason += (
                 f"; one-reply step: {chosen['kept']} forward kept (compiled "
-                f"{chosen['compiled_ms']} ms, plain {chosen['plain_ms']} ms a step)")
+                f"{chosen['compiled_ms']} ms, plain {chosen['plain_ms']} ms a step"
+                f"{', timed at an earlier load' if chosen.get('timed_before') else ''})")
         if self.config.max_batch > 1:
             progress(0.9, f"capturing the decode step for 2-{self.config.max_batch} replies at "
                            "once")
@@ -126,6 +129,7 @@ class DecodePreparation:
                         "kept; all kept code goes at the next load", serving.loaded.display_name)
             compiled_code.recompiled()
             serving.compiled_code_kept = False
+        compiled_code.remember_choices(serving.model_kind, runner.step_fn.chosen)
         serving.compiled_graphs = {**compile_cache.since(cached_before),
                                    "kept": int(serving.compiled_code_kept)}
         keep_gemlite_tuning(serving.loaded.model)  # what the captures tuned, for the next load

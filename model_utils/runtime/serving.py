@@ -33,6 +33,7 @@ class Serving:
     # The decode step's code was compiled in this process for an earlier load of the same kind
     # and found again (runtime/compiled_code.py): no tracing or compiling this time.
     compiled_code_kept: bool = False
+    model_kind: str = ""  # compiled_code.model_kind, where the step is compiled
 
     def held_gb(self) -> dict[str, float]:
         """Per device, the memory serving holds beside the weights (the batch KV cache): a

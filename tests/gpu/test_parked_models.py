@@ -38,6 +38,8 @@ def test_a_parked_model_leaves_the_gpu_and_comes_back_answering_the_same(peaked_
         assert engine.manager.loaded.model is model
         assert next(model.parameters()).device == torch.device("cuda", 0)
         assert back["last_switch"]["from_caches"][:1] == ["parked weights"]
+        # Its compiled code was kept, and so was which one-row forward its first load timed.
+        assert "timed at an earlier load" in engine.status()["decode_path_reason"]
         assert reply(engine) == first_reply
         assert torch.cuda.memory_allocated(0) > int8_only  # bf16's weights are back on the card
 

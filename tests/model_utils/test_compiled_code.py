@@ -140,3 +140,17 @@ def test_a_later_load_s_paged_decode_step_runs_the_code_compiled_for_the_earlier
         gc.collect()
         assert pool() is None  # the kept code holds no cache of an unloaded model
     assert compiles[0] >= 1 and compiles[1] == 0
+
+
+def test_which_forward_a_kind_kept_is_known_while_its_code_is_kept():
+    compiled_code.forget_compiled_code()
+    chosen = {1: {"kept": "compiled", "compiled_ms": 5.0, "plain_ms": 7.0, "timed_before": True}}
+    compiled_code.remember_choices("not kept", chosen)
+    assert compiled_code.known_choices("not kept") == {}
+
+    assert compiled_code.reuse_or_make_room("kind a") is False
+    compiled_code.remember_choices("kind a", chosen)
+    assert compiled_code.known_choices("kind a") == {
+        1: {"kept": "compiled", "compiled_ms": 5.0, "plain_ms": 7.0}}
+    compiled_code.forget_compiled_code()
+    assert compiled_code.known_choices("kind a") == {}
