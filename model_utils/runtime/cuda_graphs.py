@@ -78,21 +78,28 @@ class GraphCapture:
     allocator), and cuBLAS keeps a workspace for every stream it has run on until the workspaces
     are cleared (the engine does at unload): a new side stream per capture held a workspace more
     per graph, most of a GB over the graphs of a 32-row 7B model, measured on an H200.
+
+    `warmups`: runs before each capture. Three as torch's own make_graphed_callables does, for
+    a model whose code is new to the process (kernels compiled and autotuned at their first
+    runs); one where the code compiled for an earlier load of the same kind is kept (its kernels
+    are compiled and tuned already; the run makes cuBLAS's workspace and the allocator's
+    blocks), which shortens a switch back by two runs of every shape captured.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, warmups: int = 3) -> None:
         self.pool = torch.cuda.graph_pool_handle()
         self.side = torch.cuda.Stream()
+        self.warmups = warmups
 
     def __call__(self, run: Callable[[], torch.Tensor],
                  restore: Callable[[], None]) -> Captured:
         """(graph, output) of `run` captured as one CUDA graph.
 
-        Three warm-up runs first; `restore` then puts back what they changed (the rows'
-        positions) before the capture records the real step."""
+        Warm-up runs first; `restore` then puts back what they changed (the rows' positions)
+        before the capture records the real step."""
         self.side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(self.side):
-            for _ in range(3):
+            for _ in range(self.warmups):
                 run()
         torch.cuda.current_stream().wait_stream(self.side)
         restore()
@@ -142,7 +149,9 @@ class GraphedBatchStep:
             if compiled_rows > 1 else self.compiled
         self.compiled_rows = compiled_rows
         self._graphs: dict[tuple[int, int], Captured | None] = {}
-        self.capture = GraphCapture()  # shared with the prefill graphs (runtime/preparation.py)
+        # Shared with the prefill graphs (runtime/preparation.py); one warm-up run a capture
+        # where an earlier load of this kind ran every kernel already (known_choices).
+        self.capture = GraphCapture(warmups=1 if known_choices else 3)
         self.failed: str | None = None
         self.chosen: dict[int, dict] = {}  # rows -> which forward was kept, and both times
         self._known = known_choices or {}
