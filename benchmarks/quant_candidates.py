@@ -208,6 +208,7 @@ def measure(engine: Engine, folder: str, candidate: str, args, prompts, referenc
               "decode_path_reason": status["decode_path_reason"],
               "load_and_compile_s": round(time.perf_counter() - start, 1),
               "footprint_gb": status["footprint_gb"], **seen}
+    engine.settle()  # the graphs the load left for idle time, before anything is timed
     if swap is not None and mode == "bf16":
         result["footprint_gb"] = None  # the table's count is the bf16 one; see weights_gb
     engine_decode(engine, prompts[0], 8)  # first reply after the load

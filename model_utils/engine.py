@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -137,6 +138,8 @@ class Engine:
         if self._grammar_cache is not None:
             self._kept_grammars = self._grammar_cache[1]
         self._grammar_cache = None
+        if self._serving is not None:
+            self._serving.closed.set()  # no more graphs captured for it while idle
         self._serving = None  # its scheduler, runner and KV cache go with it
         # Wait for the decode loop to let go of the unloaded model's batch cache.
         self.worker.call(lambda: None)
@@ -169,6 +172,17 @@ class Engine:
         if report:
             status["unloaded"] = report.as_dict()
         return status
+
+    def settle(self, timeout_s: float = 300.0) -> None:
+        """Wait until what the load left for the worker's idle time (prefill graphs) is done,
+        for measurements of steady serving (the benchmarks); the app never waits for it."""
+        serving = self._serving
+        runner = serving.scheduler.runner if serving and serving.scheduler else None
+        padded = getattr(runner, "padded_prefill", None)
+        deadline = time.monotonic() + timeout_s
+        while padded is not None and padded.pending() and time.monotonic() < deadline:
+            self.worker.call(lambda: None)  # behind the next job that sets up a shape
+            time.sleep(0.01)
 
     def queue_status(self) -> dict | None:
         """{active, waiting, max_batch, max_queue} of the loaded model's batch, or None."""

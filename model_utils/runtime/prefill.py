@@ -91,12 +91,33 @@ class PaddedPrefill:
         entry.last[:len(prompts)].copy_(torch.tensor(lengths) - 1, non_blocking=True)
         return entry.run()[:len(prompts)]
 
-    def warm_up(self) -> float:
-        """Capture every shape now (load time), so that no reply waits for it."""
+    def warm_up(self, shapes: list[tuple[int, int]] | None = None) -> float:
+        """Capture `shapes` (by default every shape) now, so that no reply waits for them;
+        returns the seconds it took."""
         start = time.perf_counter()
-        for shape in self.shapes:
+        for shape in self.shapes if shapes is None else shapes:
             self._entry(shape)
         return time.perf_counter() - start
+
+    def largest_shapes(self) -> list[tuple[int, int]]:
+        """The shapes of the most tokens at once. Captured first: their activations are the
+        most the graphs' shared pool must hold, so the shapes captured after them fit in it."""
+        most = max(rows * size for rows, size in self.shapes)
+        return [(rows, size) for rows, size in self.shapes if rows * size == most]
+
+    def pending(self) -> list[tuple[int, int]]:
+        """The shapes not set up (captured) yet: one prompt before several, a first reply's
+        shape being one prompt's."""
+        return sorted((s for s in self.shapes if s not in self._entries),
+                      key=lambda shape: (shape[0] > 1, shape))
+
+    def capture_next(self) -> bool:
+        """Set up (capture) the first pending shape; True while more are pending."""
+        pending = self.pending()
+        if pending:
+            with torch.inference_mode():
+                self._entry(pending[0])
+        return len(pending) > 1
 
     def _shape(self, lengths: list[int]) -> tuple[int, int]:
         return bucket(len(lengths), PREFILL_ROWS), bucket(max(lengths), self.buckets)

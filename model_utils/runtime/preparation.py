@@ -24,6 +24,7 @@ from model_utils.memory import torch_cuda_gb
 
 from . import compile_cache, compiled_code, cuda_graphs, kv_cache, paged_attention
 from .linear_states import linear_layers
+from .prefill import PaddedPrefill
 from .runner import BatchRunner, EagerStep
 from .scheduler import Scheduler
 from .serving import Serving
@@ -113,12 +114,17 @@ class DecodePreparation:
         self._record_memory(serving, "decode graphs")
         progress(0.95, "preparing the prefill of prompts")
         capture = runner.step_fn.capture  # the decode steps' pool and warm-up stream
-        self.worker.call(lambda: runner.use_padded_prefill(capture))
+        # The largest shapes now (the pool's size), the others once the model is ready, while
+        # no reply is decoding (_capture_rest): each takes about a tenth of a second, twenty of
+        # them most of a switch back to a mode used before. A prompt of a shape not captured
+        # yet has it captured on the spot.
+        self.worker.call(lambda: runner.use_padded_prefill(capture, largest_only=True))
         self.worker.call(runner.warm_up_tail)  # a next turn's new tokens
         padded = runner.padded_prefill
         if padded:
             note = (f"; prompts up to {padded.buckets[-1]} tokens prefilled by CUDA graphs, "
-                    f"up to {max(rows for rows, _ in padded.shapes)} at once")
+                    f"up to {max(rows for rows, _ in padded.shapes)} at once (the smaller "
+                    "shapes captured while no reply decodes)")
             if padded.uncaptured:
                 shapes = ", ".join(f"{r}x{n}" for r, n in padded.uncaptured)
                 note += f" (prompts x tokens {shapes} failed to capture: eager)"
@@ -142,6 +148,15 @@ class DecodePreparation:
         # so that the memory panels show what serving holds (graph pools stay reserved).
         torch.cuda.empty_cache()
         self._record_memory(serving, "ready")
+        if padded:
+            self._capture_rest(serving, padded)
+
+    def _capture_rest(self, serving: Serving, padded: PaddedPrefill) -> None:
+        """The prefill shapes not captured at load, one a job on the worker while no reply
+        decodes, until done or the model is unloaded."""
+        queue = serving.scheduler.queue
+        self.worker.post_while_idle(padded.capture_next, busy=lambda: any(queue.counts()),
+                                    cancelled=serving.closed)
 
     def _compiled_rows(self, loaded: LoadedModel) -> int:
         """The configured --compiled-rows, or by default: every batch size for a model with

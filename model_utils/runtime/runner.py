@@ -119,10 +119,10 @@ class BatchRunner:
                 self.step_fn(kv, b)
             kv.pad_rows(0, kv.rows)
 
-    def use_padded_prefill(self, capture: GraphCapture | None = None) -> float:
-        """Prefill short prompts through prefill.PaddedPrefill, or left_padded_prefill's on a
-        model with linear-attention layers (captured as CUDA graphs by `capture`, a
-        cuda_graphs.GraphCapture; eager without), set up now; returns the seconds it took. On the worker thread, after warm_up (which allocates the cache)."""
+    def use_padded_prefill(self, capture: GraphCapture | None = None,
+                           largest_only: bool = False) -> float:
+        """Prompts prefilled by PaddedPrefill (LeftPaddedPrefill with linear layers), shapes
+        captured by `capture` now: all, or the largest. Seconds taken; on the worker, after warm_up."""
         kv = self._cache()
         seconds = 0.0
         if kv.states is not None:  # right padding would run into a linear layer's state
@@ -133,7 +133,7 @@ class BatchRunner:
         if not padded.buckets:  # a context shorter than the smallest bucket
             return seconds
         with torch.inference_mode():
-            seconds += padded.warm_up()
+            seconds += padded.warm_up(padded.largest_shapes() if largest_only else None)
         self.padded_prefill = padded
         return seconds
 

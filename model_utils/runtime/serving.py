@@ -9,6 +9,7 @@ loaded model and drops it with that model's unload.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -34,6 +35,8 @@ class Serving:
     # and found again (runtime/compiled_code.py): no tracing or compiling this time.
     compiled_code_kept: bool = False
     model_kind: str = ""  # compiled_code.model_kind, where the step is compiled
+    # Set when the model is unloaded: work left for later (graphs captured while idle) stops.
+    closed: threading.Event = field(default_factory=threading.Event)
 
     def held_gb(self) -> dict[str, float]:
         """Per device, the memory serving holds beside the weights (the batch KV cache): a

@@ -42,6 +42,22 @@ class DecodeWorker:
         """Queue fn to run on the worker thread and return at once; fn handles its own errors."""
         self._jobs.put(fn)
 
+    def post_while_idle(self, step: Callable[[], bool], busy: Callable[[], bool],
+                        cancelled: threading.Event) -> None:
+        """Work that may wait and must not hold up replies (graphs captured after a load):
+        step() runs on the worker, one call per job, until it returns False or `cancelled` is
+        set. A job that finds busy() true goes back in the queue behind the work that made it
+        busy (a reply's batch loop runs as one job for as long as replies decode), so a
+        request that comes waits for one step at most."""
+
+        def job():
+            if cancelled.is_set():
+                return
+            if busy() or step():
+                self.post(job)  # busy: after the replies; else the next step
+
+        self.post(job)
+
     def call(self, fn: Callable[[], T]) -> T:
         """Run fn on the worker thread and return its result (re-raising its exception)."""
         if threading.current_thread() is self._thread:

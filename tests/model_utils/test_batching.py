@@ -404,3 +404,36 @@ def test_a_next_turn_decoded_as_rows_gets_the_reply_it_gets_alone(load_demo):
         assert again == alone(serving, follow, greedy(16))
     finally:
         runner.tail_rows = saved
+
+
+def test_prefill_shapes_left_for_later_are_set_up_one_a_job_while_the_worker_is_idle(small_engine):
+    """A load sets up the largest prefill shapes (the graphs' pool at its size) and leaves the
+    others to the worker's idle time: one prompt's shapes first, nothing while busy, nothing
+    once the model is unloaded (the CPU runs them eagerly; a GPU captures them)."""
+    runner = small_engine.serving.scheduler.runner
+    worker = small_engine.worker
+    worker.call(runner.warm_up)  # allocates the batch cache
+    try:
+        worker.call(lambda: runner.use_padded_prefill(largest_only=True))
+        padded = runner.padded_prefill
+        assert padded.largest_shapes() == [(8, 128), (4, 256), (2, 512), (1, 1024)]
+        assert padded.pending()[:4] == [(1, 64), (1, 128), (1, 256), (1, 512)]
+        assert len(padded.pending()) == len(padded.shapes) - 4
+
+        busy, cancelled = threading.Event(), threading.Event()
+        busy.set()
+        worker.post_while_idle(padded.capture_next, busy.is_set, cancelled)
+        worker.call(lambda: None)
+        assert len(padded.pending()) == len(padded.shapes) - 4  # nothing while busy
+        busy.clear()
+        small_engine.settle(timeout_s=60)  # what the benchmarks wait for
+        assert padded.pending() == []
+
+        worker.call(lambda: runner.use_padded_prefill(largest_only=True))
+        left = runner.padded_prefill.pending()
+        cancelled.set()
+        worker.post_while_idle(runner.padded_prefill.capture_next, busy.is_set, cancelled)
+        worker.call(lambda: None)
+        assert runner.padded_prefill.pending() == left  # the model went: nothing more
+    finally:
+        runner.padded_prefill = None
