@@ -86,6 +86,11 @@ def wire_presets(c: dict, chats: ChatList) -> None:
     def picked(name: str | None, chat_id, view, opened, browser, newest, presets,
                newest_presets, request: gr.Request):
         library = chats.library(request, browser, presets, newest, newest_presets)
+        chat = chats.get(library, chat_id) if chat_id else None
+        if name and chat is not None and chat["preset"] == name:
+            # The chat's own preset again: the picker losing focus, not a pick. Applying it
+            # again would undo every setting changed since it was picked.
+            return (gr.skip(),) * (len(chats.copies) + 1 + len(setting_names))
         updates = preset_updates(engine, library.presets(), name, setting_names)
         fields = {"preset": name or ""}
         if isinstance(updates[0], str):

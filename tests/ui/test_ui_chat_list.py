@@ -197,3 +197,19 @@ def test_a_preset_saved_just_before_a_switch_stays_with_the_chat_it_was_saved_in
 
     preset_kept_after_reload(page, opened=SECOND, opened_preset=MODEL_PRESET, saved_in=FIRST,
                              saved_in_title="Modes talk", saved="brisk", prompt="Be brisk.")
+
+
+def test_leaving_the_preset_picker_keeps_the_settings_changed_since_the_pick(page):
+    """The page sends the picker's value again whenever it loses focus: not a pick, so the
+    settings changed since the chat's preset was picked stay ("Modes talk", with "brisk" and
+    top_k 5 from the test before)."""
+    preset_shown(page, "brisk")
+    set_number(page, "top_k", 3)
+    page.locator("#preset input").first.click()
+    page.keyboard.press("Escape")
+    page.locator("#system-prompt textarea").click()  # the picker loses focus
+    # A save runs on the same queue after that event, so its name lands after it.
+    page.locator("#preset-name input, #preset-name textarea").first.fill("after a blur")
+    page.locator("#preset-save").click()
+    preset_shown(page, "after a blur")
+    assert slider(page, "top_k") == 3
