@@ -173,14 +173,21 @@ class Engine:
             status["unloaded"] = report.as_dict()
         return status
 
-    def settle(self, timeout_s: float = 300.0) -> None:
+    def settle(self, stall_s: float = 60.0) -> None:
         """Wait until what the load left for the worker's idle time (prefill graphs) is done,
-        for measurements of steady serving (the benchmarks); the app never waits for it."""
+        for measurements of steady serving (the benchmarks); the app never waits for it.
+        Gives up after `stall_s` without progress (a job that failed is logged)."""
         serving = self._serving
         runner = serving.scheduler.runner if serving and serving.scheduler else None
         padded = getattr(runner, "padded_prefill", None)
-        deadline = time.monotonic() + timeout_s
-        while padded is not None and padded.pending() and time.monotonic() < deadline:
+        left, since = None, time.monotonic()
+        while padded is not None and padded.pending():
+            if len(padded.pending()) != left:
+                left, since = len(padded.pending()), time.monotonic()
+            elif time.monotonic() - since > stall_s:
+                log.warning("%d prefill shapes were not set up: serving goes on without them",
+                            left)
+                return
             self.worker.call(lambda: None)  # behind the next job that sets up a shape
             time.sleep(0.01)
 
