@@ -76,9 +76,11 @@ def test_the_single_stream_decoder_follows_the_constraint_too(load_demo):
 def test_json_object_and_forced_tool_calls(load_demo):
     engine = load_demo("fp32")
     assert_json_object(reply(engine, OutputFormat("json_object")))
-    text, calls = parse_tool_calls(reply(engine, OutputFormat(tools=TOOLS,
-                                                              tool_choice="required")).answer)
+    required = reply(engine, OutputFormat(tools=TOOLS, tool_choice="required"))
+    text, calls = parse_tool_calls(required.answer)
     assert len(calls) >= 1 and calls[0].name in ("get_weather", "get_time"), text
+    # Nothing but the calls, and then the end of the turn (not text up to the token limit).
+    assert text == "" and required.stats.finish_reason == "eos", required.answer
     named = {"type": "function", "function": {"name": "get_weather"}}
     text, calls = parse_tool_calls(reply(engine, OutputFormat(tools=TOOLS,
                                                               tool_choice=named)).answer)
