@@ -6,7 +6,7 @@ questions (each answered with its own answer); then checks that LoRA still teach
 facts. Prints a table and writes JSON.
 
     python benchmarks/demo_quality.py --out benchmarks/cpu-2026-12-05/demo-quality.json
-    python benchmarks/demo_quality.py --model ~/.cache/qwen-chat/demo-qwen3-v3-... --seeds 0
+    python benchmarks/demo_quality.py --model ~/.cache/qwen-chat/demo-qwen3-v4-... --seeds 0
 """
 
 from __future__ import annotations

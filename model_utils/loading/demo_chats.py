@@ -4,7 +4,7 @@
 
 Each topic is a few hand-written phrasings of one question and one answer; every phrasing is
 used as written and once more in a varied form (lower case, a greeting in front, ...), some with
-a system prompt. Then come the topic's other wordings (data/demo_wordings.json: about seventy a
+a system prompt. Then come the topic's other wordings (data/demo_wordings.json: about ninety a
 topic, everyday words, keyword queries, longer conversational questions, some with topic-free
 words around them), and the topic asked after one or two other topics' turns. Topics with a
 `reasoning` line put it in the assistant's <think> block, so the Thinking switch shows real

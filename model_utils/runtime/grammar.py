@@ -71,10 +71,11 @@ def structural_tag(fmt: OutputFormat, reasoning: Reasoning):
     from xgrammar import structural_tag as st
 
     if fmt.response_format is None:
-        return xgr.get_model_structural_tag("qwen_3", tools=list(fmt.tools),
-                                            tool_choice=fmt.tool_choice, reasoning=reasoning,
-                                            max_whitespace_cnt=MAX_WHITESPACE,
-                                            parallel_tool_calls=fmt.parallel_tool_calls)
+        tag = xgr.get_model_structural_tag("qwen_3", tools=list(fmt.tools),
+                                           tool_choice=fmt.tool_choice, reasoning=reasoning,
+                                           max_whitespace_cnt=MAX_WHITESPACE,
+                                           parallel_tool_calls=fmt.parallel_tool_calls)
+        return _calls_only(tag) if fmt.tool_choice == "required" else tag
     schema = fmt.schema if fmt.response_format == "json_schema" else {"type": "object"}
     # No `excludes` of the think tags here: xgrammar then drops the schema's string lengths;
     # a reply without a reasoning block is not split at "</think>" (chat/reply_stream.py).
@@ -88,6 +89,26 @@ def structural_tag(fmt: OutputFormat, reasoning: Reasoning):
     if reasoning == "auto":
         thought = st.OptionalFormat(content=thought)
     return st.StructuralTag(format=st.SequenceFormat(elements=[thought, body]))
+
+
+def _calls_only(tag):
+    """qwen_3's "required" format with nothing but the calls after the reasoning block.
+
+    xgrammar's builder allows free text before, between and after the calls (a
+    TriggeredTagsFormat with at_least_one); a model may then write on after its last call up to
+    the token limit, and the reply ends "length" instead of "tool_calls". The same tool tags,
+    one call or more, joined by the newline Qwen's chat template puts between calls, and then
+    only the end of the turn."""
+    from xgrammar import structural_tag as st
+
+    body = tag.format
+    head = body.elements[:-1] if isinstance(body, st.SequenceFormat) else []
+    calls = body.elements[-1] if isinstance(body, st.SequenceFormat) else body
+    if not isinstance(calls, st.TriggeredTagsFormat):
+        raise TypeError(f"xgrammar's qwen_3 tool format changed: {type(calls).__name__}")
+    calls = st.TagsWithSeparatorFormat(tags=calls.tags, separator="\n", at_least_one=True,
+                                       stop_after_first=calls.stop_after_first)
+    return st.StructuralTag(format=st.SequenceFormat(elements=[*head, calls]) if head else calls)
 
 
 class Grammars:

@@ -57,6 +57,9 @@ class TrainConfig:
     progress: bool = True
     keep_checkpoint: bool = False
     cpu: bool = False  # train on the CPU even with a GPU (the demo build: same result anywhere)
+    # AdamW's fused kernel on the CPU as well (it is always used on CUDA): the same update in
+    # one pass over the weights. Off by default so that a CPU run keeps the numbers it had.
+    fused_cpu_adamw: bool = False
     stop_after: int | None = None  # stop as if interrupted after this many steps
     handle_signals: bool = True  # Ctrl-C / SIGTERM save a checkpoint (off inside a server)
     extra_manifest: dict = field(default_factory=dict)
@@ -167,9 +170,10 @@ def run(config: TrainConfig, examples: list[Example], tokenizer,
     if varlen:
         packed_attention.use_packed_varlen(model)
     loss_module = TokenLoss(model, varlen=varlen)
+    device = accelerator.device.type
+    fused = device == "cuda" or (device == "cpu" and config.fused_cpu_adamw)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad],
-                                  lr=config.lr, weight_decay=0.0,
-                                  fused=accelerator.device.type == "cuda")
+                                  lr=config.lr, weight_decay=0.0, fused=fused)
     scheduler = get_scheduler("cosine", optimizer, num_warmup_steps=warmup,
                               num_training_steps=steps)
     loss_module, optimizer, scheduler = accelerator.prepare(loss_module, optimizer, scheduler)

@@ -132,15 +132,36 @@ def test_counted_once_typing_stops_and_the_count_is_what_is_sent(page, app):
     assert f"{typed} in /" in stats  # the count is the prompt the reply was given
 
 
-def test_the_warning_comes_before_the_oldest_turns_are_left_out(page):
+def fitting_alone(app) -> str:
+    """The longest message of words that fits the window alone with the room for the reply
+    (the last word typed apart as "end"), counted by the app: how many tokens a word takes
+    is the model's tokenizer's business. Any earlier turn then leaves no room for it, whatever
+    the model replied: the user's own message and the template's markers are tokens too."""
+    client = Client(app.url, verbose=False)
+
+    def fits(words: int) -> bool:
+        counted = client.predict("word " * words + "end", [], {"max_new_tokens": REPLY}, "",
+                                 True, api_name="/count_tokens")
+        return counted["dropped_messages"] == 0 and not counted["error"] and \
+            counted["prompt_tokens"] + REPLY <= CONTEXT
+
+    low, high = 1, CONTEXT  # fits(low); a word is at least one token, so not fits(high)
+    assert fits(low) and not fits(high)
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (middle, high) if fits(middle) else (low, middle)
+    return "word " * low
+
+
+def test_the_warning_comes_before_the_oldest_turns_are_left_out(page, app):
     for i, text in enumerate(["What are the modes?", "What is int8?"], start=2):
         page.locator("#message textarea").fill(text)
         page.locator("#message textarea").press("Enter")
         page.wait_for_function(SETTLED, arg=i, timeout=90000)
     short = line(page)
     assert "⚠" not in short
-    # About 950 tokens: fits alone, not after the three turns and the room for the reply.
-    long_message = "word " * 475
+    # Fits alone, not after the three turns and the room for the reply.
+    long_message = fitting_alone(app)
     page.locator("#message textarea").fill(long_message)
     page.locator("#message textarea").press("End")
     page.locator("#message textarea").press_sequentially("end")
