@@ -13,9 +13,11 @@ small ones (the scales as gemlite reads them, its metadata); no copy of the weig
 
 Only decode rows take it (fewer than GEMLITE_BELOW_ROWS): prompts keep each layer's own
 path, whose speed reading weights matters less. gemlite tunes each matrix shape and row count at
-its first use (tens of seconds each) unless a tuned config is known: the H200's for the shapes
-measured are shipped (gemlite_configs/h200.json), gemlite's own cover the GPUs it names, and
-what a load tunes is kept beside torch.compile's cache (save_tuned), so it is tuned once.
+its first use (tens of seconds each) unless a tuned config is known: the H200's and the H100's
+for the shapes measured are shipped (gemlite_configs/, added to gemlite's own for the GPUs it
+names), and what a load tunes is kept beside torch.compile's cache (save_tuned), so it is tuned
+once. (gemlite keys a config by shape, rows and input type, not the weight's type: int8 and fp8
+weights of a shape share one; check_kernels repairs one that does not fit.)
 
 Its split-K kernels add partial sums atomically, in an order that varies from run to run: the
 same greedy reply in an 8-bit mode may part at a near-tie between runs (the logprob checks, not
@@ -71,6 +73,15 @@ def _tuned_file() -> Path | None:
     return Path(folder) / f"gemlite-{gpu}.json"
 
 
+def shipped_configs(device_name: str) -> Path | None:
+    """The configs this app ships for a GPU (tuned on one like it), None for other GPUs."""
+    for tag in ("H200", "H100"):
+        if tag in device_name:
+            path = CONFIGS / f"{tag.lower()}.json"
+            return path if path.exists() else None
+    return None
+
+
 def _load_configs() -> None:
     """The tuned configs of this GPU: the shipped ones, then what earlier loads tuned."""
     import gemlite.core as core
@@ -79,8 +90,8 @@ def _load_configs() -> None:
     sources = []
     if core.selected_tag is not None:  # gemlite loaded its own for this GPU at import
         sources.append(f"gemlite's ({core.selected_tag})")
-    shipped = CONFIGS / "h200.json"
-    if "H200" in name and shipped.exists():
+    shipped = shipped_configs(name)
+    if shipped is not None:
         core.GemLiteLinear.load_config(str(shipped))
         sources.append(str(shipped))
     kept = _tuned_file()

@@ -88,3 +88,18 @@ def test_layers_whose_sizes_scaled_mm_cannot_take_keep_their_weights():
 
 def test_the_cpu_can_run_it():
     assert unavailable_reason("cpu") is None
+
+
+def test_the_shipped_gemlite_configs_are_picked_by_the_gpu_they_were_tuned_on():
+    import json
+
+    from model_utils.layers.gemlite_8bit import shipped_configs
+
+    assert shipped_configs("NVIDIA H200").name == "h200.json"
+    assert shipped_configs("NVIDIA H100 80GB HBM3").name == "h100.json"
+    assert shipped_configs("NVIDIA A100-SXM4-80GB") is None
+    for name in ("NVIDIA H200", "NVIDIA H100 80GB HBM3"):
+        table = json.loads(shipped_configs(name).read_text())
+        # gemlite's table: kernel kind -> "(rows, N, K, ...)" -> the launch settings
+        assert table and all(key.startswith("(") and "num_warps" in config
+                             for kind in table.values() for key, config in kind.items())
