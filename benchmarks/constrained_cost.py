@@ -22,6 +22,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from model_utils.bench.inputs import build_random_model  # noqa: E402
+from model_utils.bench.measure import settle  # noqa: E402
 from model_utils.engine_config import EngineConfig  # noqa: E402
 from model_utils.engine_factory import build_engine  # noqa: E402
 from model_utils.loading.loaded_model import LoadRequest
@@ -79,7 +80,7 @@ def main(argv=None) -> int:
     if model != "demo":
         engine.registry.allow_root(model)
     engine.load(LoadRequest(model, args.mode, Placement(args.placement)))
-    engine.settle()  # the graphs the load left for idle time, before anything is timed
+    settle(engine)  # the graphs the load left for idle time, before anything is timed
     fmt = OutputFormat("json_schema", SCHEMA)
     one(engine, 8, None), one(engine, 8, fmt)  # warm-up: compile the grammar's tokenizer info
     rows = {}

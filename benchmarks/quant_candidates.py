@@ -59,7 +59,13 @@ from quant_swaps import (  # beside this script
 
 from model_utils.bench import quality
 from model_utils.bench.inputs import build_random_model, random_prompts
-from model_utils.bench.measure import engine_concurrent, engine_decode, reset_peaks, sync
+from model_utils.bench.measure import (
+    engine_concurrent,
+    engine_decode,
+    reset_peaks,
+    settle,
+    sync,
+)
 from model_utils.bench.run import quality_reference
 from model_utils.engine import Engine
 from model_utils.layers.decode_fusions import fuse_for_decoding
@@ -208,7 +214,7 @@ def measure(engine: Engine, folder: str, candidate: str, args, prompts, referenc
               "decode_path_reason": status["decode_path_reason"],
               "load_and_compile_s": round(time.perf_counter() - start, 1),
               "footprint_gb": status["footprint_gb"], **seen}
-    engine.settle()  # the graphs the load left for idle time, before anything is timed
+    settle(engine)  # the graphs the load left for idle time, before anything is timed
     if swap is not None and mode == "bf16":
         result["footprint_gb"] = None  # the table's count is the bf16 one; see weights_gb
     engine_decode(engine, prompts[0], 8)  # first reply after the load

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -155,6 +154,7 @@ class Engine:
 
     # -- models -------------------------------------------------------------------------------
     def load(self, request: LoadRequest, progress: Progress | None = None) -> dict:
+        self._stop_idle_work()
         try:
             self.manager.load(request, progress)
         finally:
@@ -163,6 +163,7 @@ class Engine:
         return self.status()
 
     def unload(self) -> dict:
+        self._stop_idle_work()
         try:
             report = self.manager.unload()
         finally:
@@ -173,31 +174,24 @@ class Engine:
             status["unloaded"] = report.as_dict()
         return status
 
-    def settle(self, stall_s: float = 60.0) -> None:
-        """Wait until what the load left for the worker's idle time (prefill graphs) is done,
-        for measurements of steady serving (the benchmarks); the app never waits for it.
-        Gives up after `stall_s` without progress (a job that failed is logged)."""
-        serving = self._serving
-        runner = serving.scheduler.runner if serving and serving.scheduler else None
-        padded = getattr(runner, "padded_prefill", None)
-        left, since = None, time.monotonic()
-        while padded is not None and padded.pending():
-            if len(padded.pending()) != left:
-                left, since = len(padded.pending()), time.monotonic()
-            elif time.monotonic() - since > stall_s:
-                log.warning("%d prefill shapes were not set up: serving goes on without them",
-                            left)
-                return
-            self.worker.call(lambda: None)  # behind the next job that sets up a shape
-            time.sleep(0.01)
-
     def queue_status(self) -> dict | None:
         """{active, waiting, max_batch, max_queue} of the loaded model's batch, or None."""
         serving = self._serving
         return serving.queue_status() if serving is not None else None
 
     def estimate(self, request: LoadRequest) -> FitEstimate:
-        return self.manager.estimate(request)
+        with self.worker.idle_lock:  # it asks CUDA for free memory: not during a capture
+            return self.manager.estimate(request)
+
+    def _stop_idle_work(self) -> None:
+        """Before a load or unload touches the GPU from this thread (free memory, host
+        buffers): the work the load before left for idle time stops, and its step under way,
+        if any, ends first (DecodeWorker.post_while_idle). What it did not capture is captured
+        when a prompt needs it."""
+        if self._serving is not None:
+            self._serving.closed.set()
+        with self.worker.idle_lock:
+            pass
 
     def status(self) -> dict:
         status = self.manager.status()

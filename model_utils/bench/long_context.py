@@ -45,7 +45,7 @@ from model_utils.runtime.reply_stats import ReplyStats
 
 from .inputs import build_random_model, random_prompts
 from .logprob_runs import greedy_settings as greedy
-from .measure import sync
+from .measure import settle, sync
 
 log = logging.getLogger(__name__)
 
@@ -292,7 +292,7 @@ def run(args) -> dict:
                          f"{max(lengths)} prompt tokens and {args.new_tokens * 3} new")
     status = engine.load(LoadRequest(model_name, args.mode, placement,
                                      context_tokens=args.context_tokens))
-    engine.settle()  # the graphs a load leaves for idle time: steady serving is measured
+    settle(engine)  # the graphs a load leaves for idle time: steady serving is measured
     loaded = engine.manager.loaded
     path = str(loaded.source.path)
     vocab = loaded.model.config.get_text_config().vocab_size

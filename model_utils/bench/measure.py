@@ -227,3 +227,21 @@ def measure_peer(model, prompts: list[list[int]], batches: list[int], new_tokens
             _, ttft, tok_s = gen(prompts[:b])
             runs_by_batch[b] = {"ttft_ms": ttft, "tok_s": tok_s, "aggregate": tok_s * b}
     return runs_by_batch
+
+
+def settle(engine: Engine, stall_s: float = 60.0) -> None:
+    """Wait until what the load left for the decode worker's idle time (prefill graphs) is
+    done: measurements of steady serving start after it (the app never waits for it). Gives
+    up after `stall_s` without progress (a job that failed is logged)."""
+    serving = engine.serving
+    runner = serving.scheduler.runner if serving and serving.scheduler else None
+    padded = getattr(runner, "padded_prefill", None)
+    left, since = None, time.monotonic()
+    while padded is not None and padded.pending():
+        if len(padded.pending()) != left:
+            left, since = len(padded.pending()), time.monotonic()
+        elif time.monotonic() - since > stall_s:
+            log.warning("%d prefill shapes were not set up: measuring without them", left)
+            return
+        engine.worker.call(lambda: None)  # behind the next job that sets up a shape
+        time.sleep(0.01)

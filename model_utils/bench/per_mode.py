@@ -27,6 +27,7 @@ from .measure import (
     measure_peer,
     peaks_gb,
     reset_peaks,
+    settle,
 )
 from .report import BenchRow
 
@@ -99,7 +100,7 @@ def bench_mode(engine: Engine, model_name: str, mode: str, placement: Placement,
     reset_peaks()
     status = engine.load(LoadRequest(model_name, mode, placement,
                                      context_tokens=max(prompt_tokens + new_tokens + 64, 1024)))
-    engine.settle()  # the graphs a load leaves for idle time: steady serving is measured
+    settle(engine)  # the graphs a load leaves for idle time: steady serving is measured
     loaded = engine.manager.loaded
     vocab = loaded.model.config.get_text_config().vocab_size
     prompts = random_prompts(max(max(batches), match_prompts), prompt_tokens, vocab)

@@ -80,9 +80,7 @@ class ModelManager:
         self.busy_timeout_s = busy_timeout_s
         self._lock = threading.RLock()  # one load/unload/switch at a time
         self._users = 0  # replies streaming from the current model
-        # Set while a load/unload waits for replies to end: new replies wait instead of
-        # starting, so a busy server cannot starve a switch.
-        self._switching = False
+        self._switching = False  # while a load/unload waits for replies, new ones wait (no starving)
         self._users_changed = threading.Condition()
         self._loaded: LoadedModel | None = None
         self.last_unload: UnloadReport | None = None
@@ -208,8 +206,9 @@ class ModelManager:
 
     def unload(self) -> UnloadReport | None:
         with self._lock, self._switch():
+            report = self._unload_locked()  # the serving stops first: no GPU work left on it
             self.parked.clear()  # an unload asked for is memory asked back
-            return self._unload_locked()
+            return report
 
     def estimate(self, request: LoadRequest) -> FitEstimate:
         try:

@@ -24,6 +24,7 @@ _DONE = object()  # the end of a stream's items
 class DecodeWorker:
     def __init__(self, name: str = "decode-worker"):
         self._jobs: queue.Queue[Callable[[], Any]] = queue.Queue()
+        self.idle_lock = threading.Lock()  # see post_while_idle
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
 
@@ -46,15 +47,24 @@ class DecodeWorker:
                         cancelled: threading.Event) -> None:
         """Work that may wait and must not hold up replies (graphs captured after a load):
         step() runs on the worker, one call per job, until it returns False or `cancelled` is
-        set. A job that finds busy() true goes back in the queue behind the work that made it
-        busy (a reply's batch loop runs as one job for as long as replies decode), so a
-        request that comes waits for one step at most."""
+        set. A job that finds busy() true is posted again a moment later: a reply's batch loop,
+        queued behind it, then runs first (for as long as replies decode), so a request that
+        comes waits for one step at most. Each step holds `idle_lock`: another thread's GPU
+        call that must not meet a graph capture (CUDA refuses other threads' unsafe calls
+        while one is under way) takes the lock first (engine.Engine)."""
 
         def job():
             if cancelled.is_set():
                 return
-            if busy() or step():
-                self.post(job)  # busy: after the replies; else the next step
+            if busy():
+                later = threading.Timer(0.05, self.post, (job,))
+                later.daemon = True
+                later.start()
+                return
+            with self.idle_lock:
+                more = not cancelled.is_set() and step()
+            if more and not cancelled.is_set():
+                self.post(job)
 
         self.post(job)
 

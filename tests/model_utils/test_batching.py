@@ -12,6 +12,7 @@ import time
 import pytest
 import torch
 
+from model_utils.bench.measure import settle
 from model_utils.engine import Engine, eos_ids
 from model_utils.errors import ModelBusy, QueueFull
 from model_utils.runtime.decoders import EagerDecoder
@@ -422,11 +423,17 @@ def test_prefill_shapes_left_for_later_are_set_up_one_a_job_while_the_worker_is_
 
         busy, cancelled = threading.Event(), threading.Event()
         busy.set()
-        worker.post_while_idle(padded.capture_next, busy.is_set, cancelled)
-        worker.call(lambda: None)
+        asked = []
+        worker.post_while_idle(padded.capture_next, lambda: asked.append(1) or busy.is_set(),
+                               cancelled)
+        time.sleep(0.5)
         assert len(padded.pending()) == len(padded.shapes) - 4  # nothing while busy
-        busy.clear()
-        small_engine.settle()  # what the benchmarks wait for
+        assert 3 <= len(asked) <= 20  # asked again every 50 ms or so: no spinning
+        with worker.idle_lock:  # another thread's GPU call: no step while it runs
+            busy.clear()
+            time.sleep(0.2)
+            assert len(padded.pending()) == len(padded.shapes) - 4
+        settle(small_engine)  # what the benchmarks wait for
         assert padded.pending() == []
 
         worker.call(lambda: runner.use_padded_prefill(largest_only=True))
@@ -435,7 +442,7 @@ def test_prefill_shapes_left_for_later_are_set_up_one_a_job_while_the_worker_is_
         worker.post_while_idle(runner.padded_prefill.capture_next, busy.is_set, cancelled)
         worker.call(lambda: None)
         assert runner.padded_prefill.pending() == left  # the model went: nothing more
-        small_engine.settle(stall_s=0.3)  # nothing sets them up: the wait gives up
+        settle(small_engine, stall_s=0.3)  # nothing sets them up: the wait gives up
         assert runner.padded_prefill.pending() == left
     finally:
         runner.padded_prefill = None
