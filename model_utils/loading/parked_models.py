@@ -37,6 +37,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 MIN_FREE_HOST_GB = 4.0  # what parking leaves to the rest of the machine
+SPARE_SLACK = 1.5  # a spare buffer takes a model of at least 1/SPARE_SLACK of its size
 
 
 @dataclass(frozen=True)
@@ -105,7 +106,8 @@ class HostCopy:
 
     @property
     def gb(self) -> float:
-        return self.buffer.numel() / GB if self.buffer is not None else 0.0
+        buffer = self.buffer  # read once: a switch may release it while a status poll reads
+        return buffer.numel() / GB if buffer is not None else 0.0
 
     def copy(self, tensor: torch.Tensor) -> torch.Tensor:
         """The next tensor's place in the buffer (same dtype, shape and strides), its copy
@@ -188,6 +190,7 @@ class ParkedModels:
             if spare is not None:
                 spare.release()
             return f"host memory too short to keep its {gb:.1f} GB"
+        key = folder_key(loaded.source.path, loaded.source.adapter)  # before any buffer
         host = None
         if device.type == "cuda":
             start = time.perf_counter()
@@ -204,8 +207,9 @@ class ParkedModels:
                      loaded.display_name, loaded.mode.name,
                      "" if host.pinned else " (not page-locked)",
                      " (a spare buffer)" if spare else "", gb, time.perf_counter() - start)
-        key = folder_key(loaded.source.path, loaded.source.adapter)
-        self._parked[repr(loaded.request)] = Parked(loaded, device, key, gb, host)
+        # What it holds of host memory: a spare buffer may be somewhat larger than its weights.
+        held = max(gb, host.gb) if host is not None else gb
+        self._parked[repr(loaded.request)] = Parked(loaded, device, key, held, host)
         return ""
 
     def take(self, request: LoadRequest, progress=None) -> LoadedModel | None:
@@ -239,8 +243,10 @@ class ParkedModels:
             self._spares.pop().release()
 
     def _take_spare(self, needed_bytes: int) -> HostCopy | None:
-        """The smallest spare buffer that holds `needed_bytes`, out of the spares."""
-        fitting = [s for s in self._spares if s.buffer.numel() >= needed_bytes]
+        """The smallest spare buffer that holds `needed_bytes` and is not much larger (the
+        rest would sit idle), out of the spares."""
+        fitting = [s for s in self._spares
+                   if needed_bytes <= s.buffer.numel() <= SPARE_SLACK * needed_bytes]
         if not fitting:
             return None
         spare = min(fitting, key=lambda s: s.buffer.numel())

@@ -151,6 +151,7 @@ def test_a_spare_buffer_takes_the_next_model_parked_and_the_smallest_that_fits_i
     assert parked.gb == pytest.approx(sum(s.buffer.numel() for s in spares) / 1024**3)
     assert parked._take_spare(HostCopy.needed_bytes(_weights(torch.nn.Linear(6, 6)))) is spares[1]
     assert parked._take_spare(10**9) is None
+    assert parked._take_spare(300) is None  # every spare left is over 1.5x that: idle room
     assert parked._make_room() and spares[0].buffer is None  # spares go first, oldest first
     parked.clear()
     assert spares[2].buffer is None and parked.gb == 0 and not parked._make_room()
