@@ -67,10 +67,7 @@ def wire_presets(c: dict, chats: ChatList) -> None:
     and presets (ui/chat_list.py), and each writes its pick into the chat it was made in
     (nothing else writes a chat's preset). Each leaves the view alone where a switch of chat
     the page sent right behind it ran first (ChatList.still_shown): its outputs would land on
-    the chat opened. A save's name landed in that chat's picker; and a pick is sent again
-    whenever the picker loses focus (gradio sends a dropdown's `input` on every blur), so a
-    click on another chat sends one along with the switch: run after it, the settings of the
-    chat before landed on the chat opened, under that chat's own preset name."""
+    the chat opened (a save's name landed in that chat's picker)."""
     engine, setting_names = chats.engine, chats.setting_names
     widgets = [c[name] for name in setting_names]
     shown = [c["chat_id"], c["chat_view"], c["chat_opened"], *chats.copies,
@@ -83,14 +80,10 @@ def wire_presets(c: dict, chats: ChatList) -> None:
             return chats.kept(library)
         return (gr.skip(),) * 2
 
-    def picked(name: str | None, chat_id, view, opened, browser, newest, presets,
-               newest_presets, request: gr.Request):
+    def picked(chat_id, view, opened, browser, newest, presets, newest_presets,
+               chosen: gr.SelectData, request: gr.Request):
+        name = chosen.value
         library = chats.library(request, browser, presets, newest, newest_presets)
-        chat = chats.get(library, chat_id) if chat_id else None
-        if name and chat is not None and chat["preset"] == name:
-            # The chat's own preset again: the picker losing focus, not a pick. Applying it
-            # again would undo every setting changed since it was picked.
-            return (gr.skip(),) * (len(chats.copies) + 1 + len(setting_names))
         updates = preset_updates(engine, library.presets(), name, setting_names)
         fields = {"preset": name or ""}
         if isinstance(updates[0], str):
@@ -99,8 +92,9 @@ def wire_presets(c: dict, chats: ChatList) -> None:
             updates = [gr.skip()] * len(updates)
         return *written(library, chat_id, view, **fields), *updates
 
-    c["preset"].input(picked, [c["preset"], *shown],
-                      [*chats.copies, c["system_prompt"], *widgets], **quiet)
+    # `select`, not `input`: gradio sends a dropdown's input again whenever it loses focus,
+    # which applied the chat's preset again and undid every setting changed since the pick.
+    c["preset"].select(picked, shown, [*chats.copies, c["system_prompt"], *widgets], **quiet)
 
     def picker(library, chat_id, opened, value):
         """The picker with the presets now, showing `value` if the chat the event was sent

@@ -213,3 +213,16 @@ def test_leaving_the_preset_picker_keeps_the_settings_changed_since_the_pick(pag
     page.locator("#preset-save").click()
     preset_shown(page, "after a blur")
     assert slider(page, "top_k") == 3
+    # A pick of the chat's preset, even the one shown, applies it.
+    set_number(page, "top_k", 9)
+    page.locator("#preset input").first.click()
+    page.get_by_role("option", name="brisk").click()
+    page.wait_for_function("""() => Number(document.querySelector(
+        'input[aria-label^="number input for top_k"]').value) === 5""")
+    page.locator("#preset input").first.click()
+    page.get_by_role("option", name="brisk").click()  # the same again, after a change
+    set_number(page, "top_k", 9)
+    page.locator("#preset input").first.click()
+    page.get_by_role("option", name="brisk").click()
+    page.wait_for_function("""() => Number(document.querySelector(
+        'input[aria-label^="number input for top_k"]').value) === 5""")
