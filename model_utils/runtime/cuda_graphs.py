@@ -104,11 +104,28 @@ class GraphCapture:
         torch.cuda.current_stream().wait_stream(self.side)
         restore()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            output = run()
+        try:
+            # "thread_local": the CUDA calls a capture cannot take (cudaMalloc among them) are
+            # refused in this thread alone. Under torch's default, "global", another thread's
+            # allocation fails while a graph is captured and breaks the capture too; idle
+            # captures run on the decode worker while other threads may allocate (another
+            # engine's load in the same process).
+            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+                output = run()
+        except Exception:
+            _stop_recording_to(self.pool)
+            raise
         return graph, output
 
 
+def _stop_recording_to(pool: tuple[int, int]) -> None:
+    """After a failed capture: torch's capture_end raised before it told the allocator to stop
+    sending the capture's allocations to `pool`, and every later capture into the pool then
+    failed ("beginAllocateToPool: already recording to mempool_id", seen with torch 2.11)."""
+    try:
+        torch._C._cuda_endAllocateToPool(torch.cuda.current_device(), pool)
+    except RuntimeError:
+        pass  # the failed capture had ended it
 
 
 class GraphedBatchStep:
