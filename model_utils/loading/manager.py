@@ -45,18 +45,12 @@ from .memory_accounting import (
 from .modes import get_mode, quantization_config, torch_dtype, unpackable_linears
 from .modes import unavailable_reason as mode_unavailable
 from .parked_models import ParkedModels
-from .placement import (
-    FitEstimate,
-    check_placement,
-    device_map_kwargs,
-    may_offload_to_cpu,
-)
+from .placement import FitEstimate, check_placement, device_map_kwargs, may_offload_to_cpu
 from .placement import unavailable_reason as placement_unavailable
 from .registry import ModelRegistry, ModelSource
 from .tokenizer_reuse import KeptTokenizer, tokenizer_key
 
 log = logging.getLogger(__name__)
-
 
 
 def text_only_note(config, model) -> str:
@@ -206,8 +200,12 @@ class ModelManager:
 
     def unload(self) -> UnloadReport | None:
         with self._lock, self._switch():
+            # An unload asked for is memory asked back. The parked models go before the
+            # unload's collection: one in reference cycles, dropped after it, stayed.
+            self.parked.clear()
             report = self._unload_locked()  # the serving stops first: no GPU work left on it
-            self.parked.clear()  # an unload asked for is memory asked back
+            if report is None:  # nothing was loaded, so nothing collected
+                _release_freed_memory()
             return report
 
     def estimate(self, request: LoadRequest) -> FitEstimate:

@@ -3,6 +3,9 @@ comes back on a switch back without the checkpoint being read, and answers as be
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import torch
 
 from model_utils.loading.loaded_model import LoadRequest
@@ -51,3 +54,62 @@ def test_a_parked_model_leaves_the_gpu_and_comes_back_answering_the_same(peaked_
         assert reply(engine) == first_reply
     finally:
         engine.unload()
+
+
+def holders(target, depth: int = 6) -> list[str]:
+    """What keeps `target` alive: the chain of referrers (types, and names where modules)
+    from it outwards, breadth first, frames and this test's own lists left out."""
+    import types
+
+    seen, chains, frontier = {id(target)}, [], [(target, type(target).__name__)]
+    for _ in range(depth):
+        nxt = []
+        for obj, path in frontier:
+            for ref in gc.get_referrers(obj):
+                if id(ref) in seen or isinstance(ref, types.FrameType) or ref is frontier:
+                    continue
+                seen.add(id(ref))
+                name = getattr(ref, "__qualname__", None) or getattr(ref, "__name__", None)
+                step = f"{path} <- {type(ref).__name__}{f' {name}' if name else ''}"
+                nxt.append((ref, step))
+                chains.append(step)
+        frontier = nxt[:40]
+    return chains[-40:]
+
+
+def test_an_unload_frees_the_models_parked_after_switches_back_and_forth(peaked_gpu, monkeypatch):
+    """As in a tuned process (the app's): what is alive after each load is frozen out of the
+    garbage collector's passes, and here no automatic pass runs, so only the engine's own
+    collections free the models (on this path they are held in reference cycles)."""
+    from model_utils import process_tuning
+
+    monkeypatch.setattr(process_tuning, "_tuned", True)
+    gc.disable()
+    try:
+        unload_after_switches(peaked_gpu)
+    finally:
+        gc.enable()
+        gc.unfreeze()
+
+
+def unload_after_switches(peaked_gpu):
+    engine = load_engine(peaked_gpu, "bf16", max_batch=4, park_gb=4)
+    bf16 = weakref.ref(engine.manager.loaded.model)
+    spans = []  # the host buffers the parked weights lay in
+    for mode in ("int8-wo", "bf16", "int8-wo"):
+        before = engine.manager.loaded.model
+        engine.load(LoadRequest(str(peaked_gpu), mode, CUDA, context_tokens=CONTEXT))
+        parked = list(before.parameters())
+        spans.append((min(t.data_ptr() for t in parked),
+                      max(t.data_ptr() + t.numel() * t.element_size() for t in parked)))
+        del before, parked
+        reply(engine)
+    int8 = weakref.ref(engine.manager.loaded.model)
+    engine.unload()
+    alive = {name: ref() for name, ref in (("bf16", bf16), ("int8-wo", int8)) if ref() is not None}
+    assert not alive, {name: holders(model) for name, model in alive.items()}
+    assert engine.manager.parked.gb == 0.0
+    left = [t for t in gc.get_objects() if type(t) in (torch.Tensor, torch.nn.Parameter)
+            and t.device.type == "cpu"
+            and any(lo <= t.data_ptr() < hi for lo, hi in spans)]
+    assert not left, [holders(t) for t in left[:2]]
