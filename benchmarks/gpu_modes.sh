@@ -11,7 +11,7 @@
 #            lm_head in int8 too, and fp8; any other mode or variant by QUANT_CANDIDATES; one
 #            stream and 32 streams, TTFT, KL against fp32
 #   switch   benchmarks/switch_times.py on the Qwen2.5-7B shape (SWITCH_MODES, SWITCH_CYCLES;
-#            SWITCH_PARK_GB: the engine's --park-gb)
+#            SWITCH_PARK_GB: the engine's --park-gb; SWITCH_ARGS: more of its flags)
 # Run from the repository root on the GPU machine, the wheels the image lacks in folders named
 # .whl* (e.g. .whl/: transformers, tokenizers; .whl-gemlite/: gemlite; .whl-bnb/:
 # bitsandbytes; one version of each package across them):
@@ -66,7 +66,7 @@ for step in $STEPS; do
       say "switch: click to first token, cold and warm, Qwen2.5-7B shape"
       timeout "${SWITCH_S:-540}" $PY benchmarks/switch_times.py --random-from-config "$CONFIG" \
           --modes "${SWITCH_MODES:-bf16,nf4,int4-wo}" --cycles "${SWITCH_CYCLES:-3}" \
-          --park-gb "${SWITCH_PARK_GB:-0}" \
+          --park-gb "${SWITCH_PARK_GB:-0}" ${SWITCH_ARGS:-} \
           --out "$OUT/switch" >"$OUT/switch.log" 2>&1
       say "switch: exit $?";;
   esac

@@ -62,7 +62,7 @@ def counters() -> dict[str, float]:
 
 
 def one_phase(model: str, modes: list[str], cycles: int, placement: str, rows_file: Path,
-              phase: str, park_gb: int = 0) -> None:
+              phase: str, park_gb: int = 0, compile_while_idle: bool = False) -> None:
     """In this process: `cycles` rounds of switching to every mode and its first token, each
     row appended to `rows_file` as soon as it is measured."""
     from model_utils import process_tuning
@@ -79,7 +79,7 @@ def one_phase(model: str, modes: list[str], cycles: int, placement: str, rows_fi
     logging.basicConfig(format="%(asctime)s %(name)s: %(message)s")
     for package in ("model_utils.loading", "model_utils.runtime"):
         logging.getLogger(package).setLevel(logging.INFO)
-    engine = build_engine(EngineConfig(park_gb=park_gb))
+    engine = build_engine(EngineConfig(park_gb=park_gb, compile_while_idle=compile_while_idle))
     if model != "demo":
         engine.registry.allow_root(model)  # a folder given on the command line, as the bench
     baseline = counters()
@@ -137,7 +137,8 @@ def run_phase(name: str, args, cache: Path) -> list[dict]:
     rows_file = args.out / "rows.jsonl"
     command = [sys.executable, __file__, "--phase", name, "--model", args.model,
                "--modes", args.modes, "--cycles", str(cycles), "--placement", args.placement,
-               "--park-gb", str(args.park_gb), "--out", str(args.out)]
+               "--park-gb", str(args.park_gb), "--out", str(args.out)] + \
+        (["--compile-while-idle"] if args.compile_while_idle else [])
     try:
         done = subprocess.run(command, env={**os.environ, **env_cache}, capture_output=True,
                               text=True, timeout=args.timeout, check=False)
@@ -231,6 +232,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--placement", default="auto", help="cpu, cuda:0, auto (default)")
     p.add_argument("--park-gb", type=int, default=0, help="the engine's --park-gb: host memory "
                    "for the models a switch replaces (default 0: off)")
+    p.add_argument("--compile-while-idle", action="store_true",
+                   help="the engine's --compile-while-idle: a step not compiled in the process "
+                        "yet is compiled after the load, while no reply decodes")
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--timeout", type=int, default=3600, help="seconds a phase may take")
     p.add_argument("--report", action="store_true", help="measure nothing: the table and JSON "
@@ -243,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
         args.placement = "cuda:0" if torch.cuda.is_available() else "cpu"
     if args.phase:
         one_phase(args.model, args.modes.split(","), args.cycles, args.placement,
-                  args.out / "rows.jsonl", args.phase, args.park_gb)
+                  args.out / "rows.jsonl", args.phase, args.park_gb, args.compile_while_idle)
         return 0
     if args.report:
         if args.out is None:

@@ -138,7 +138,7 @@ class Engine:
             self._kept_grammars = self._grammar_cache[1]
         self._grammar_cache = None
         if self._serving is not None:
-            self._serving.closed.set()  # no more graphs captured for it while idle
+            self._serving.close()  # no more graphs captured for it while idle
         self._serving = None  # its scheduler, runner and KV cache go with it
         # Wait for the decode loop to let go of the unloaded model's batch cache.
         self.worker.call(lambda: None)

@@ -230,18 +230,17 @@ def measure_peer(model, prompts: list[list[int]], batches: list[int], new_tokens
 
 
 def settle(engine: Engine, stall_s: float = 60.0) -> None:
-    """Wait until what the load left for the decode worker's idle time (prefill graphs) is
-    done: measurements of steady serving start after it (the app never waits for it). Gives
-    up after `stall_s` without progress (a job that failed is logged)."""
+    """Wait until what the load left for the decode worker's idle time (prefill graphs, a
+    deferred compile) is done: measurements of steady serving start after it (the app never
+    waits for it). Gives up after `stall_s` without progress (a job that failed is logged)."""
     serving = engine.serving
-    runner = serving.scheduler.runner if serving and serving.scheduler else None
-    padded = getattr(runner, "padded_prefill", None)
     left, since = None, time.monotonic()
-    while padded is not None and padded.pending():
-        if len(padded.pending()) != left:
-            left, since = len(padded.pending()), time.monotonic()
+    while serving is not None and (now := serving.idle_work_left()):
+        if now != left:
+            left, since = now, time.monotonic()
         elif time.monotonic() - since > stall_s:
-            log.warning("%d prefill shapes were not set up: measuring without them", left)
+            log.warning("%d graphs left for idle time were not set up: measuring without "
+                        "them", left)
             return
         engine.worker.call(lambda: None)  # behind the next job that sets up a shape
         time.sleep(0.01)

@@ -36,7 +36,8 @@ log = logging.getLogger(__name__)
 # Modes whose weights are plain Linear layers the split can cut (quantized layers are not).
 TP_MODES = ("fp32", "bf16", "fp16")
 # EngineConfig's options of the batched, compiled path, which the workers do not have.
-NOT_APPLIED = ("max_batch", "max_queue", "compile", "compile_mode", "compiled_rows")
+NOT_APPLIED = ("max_batch", "max_queue", "compile", "compile_mode", "compiled_rows",
+               "compile_while_idle")
 
 
 class TensorParallelEngine:

@@ -83,6 +83,15 @@ def remember_choices(kind: str, chosen: dict[int, dict]) -> None:
                               for rows, record in chosen.items()}
 
 
+def not_compiled(kind: str) -> None:
+    """A load of `kind` whose compiling was left for later ended before it (unloaded): the
+    kind is not kept, so that its next load compiles as a new kind would."""
+    with _lock:
+        if kind in _kept:
+            _kept.remove(kind)
+        _choices.pop(kind, None)
+
+
 def graphs_compiled() -> int:
     """How many graphs dynamo has compiled in this process (to tell a kept kind's load that
     compiled nothing from one that did)."""

@@ -156,10 +156,13 @@ class GraphedBatchStep:
     replays_graphs = True  # see BatchRunner.tail_rows
 
     def __init__(self, model: PreTrainedModel, inductor_mode: str = "default",
-                 compiled_rows: int = 1, known_choices: dict[int, dict] | None = None):
+                 compiled_rows: int = 1, known_choices: dict[int, dict] | None = None,
+                 defer_compiling: bool = False):
         """`known_choices`: `chosen` of an earlier load of the same kind of model (same class,
         configuration and mode, its compiled code kept): those shapes capture the forward kept
-        then, without timing both again."""
+        then, without timing both again. `defer_compiling`: the shapes that would compile
+        capture the plain forward for now, and compile_next() captures the compiled one and
+        keeps the faster later (EngineConfig.compile_while_idle)."""
         self.model = model
         self.compiled = compile_forward(model, inductor_mode)
         self.compiled_batched = compile_forward(model, inductor_mode, dynamic=None) \
@@ -172,6 +175,8 @@ class GraphedBatchStep:
         self.failed: str | None = None
         self.chosen: dict[int, dict] = {}  # rows -> which forward was kept, and both times
         self._known = known_choices or {}
+        self._defer = defer_compiling
+        self._deferred: list[tuple[PagedKV, int]] = []  # shapes whose compiling waits
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
 
     def __call__(self, kv: PagedKV, b: int) -> torch.Tensor:
@@ -198,9 +203,12 @@ class GraphedBatchStep:
         same kind (known_choices) captures the forward kept then.
         """
         compiles = b <= self.compiled_rows and kv.may_compile
+        known = self._known.get(b) if compiles else None
+        if compiles and self._defer and not known:
+            self._deferred.append((kv, b))
+            compiles = False  # the plain forward until compile_next
         compiled = self.compiled if b == 1 else self.compiled_batched
         forwards = [compiled, self.model] if compiles else [self.model]
-        known = self._known.get(b) if compiles else None
         if known:  # the forward an earlier load kept, alone; the other only if it fails
             first = compiled if known["kept"] == "compiled" else self.model
             forwards = [first] + [f for f in forwards if f is not first]
@@ -228,14 +236,52 @@ class GraphedBatchStep:
             return None
         if len(captured) == 1:
             return captured[0][1]
+        return self._faster(b, dict(captured))
+
+    def _faster(self, b: int, captured: dict[Callable[..., Any], Captured]) -> Captured:
+        """Of the plain forward's graph and the compiled one's, the one that replays faster
+        (noted in `chosen`)."""
         times = {("plain" if forward is self.model else "compiled"): replay_ms(graph)
-                 for forward, (graph, _) in captured}
+                 for forward, (graph, _) in captured.items()}
         kept = min(times, key=times.get)
         self.chosen[b] = {"kept": kept, **{f"{k}_ms": round(v, 3) for k, v in times.items()}}
         log.info("batched step for %d rows: compiled %.3f ms, plain forward %.3f ms a replay: "
                  "keeping the %s one", b, times["compiled"], times["plain"], kept)
-        return next(entry for forward, entry in captured
+        return next(entry for forward, entry in captured.items()
                     if (forward is not self.model) == (kept == "compiled"))
+
+    def compiles_pending(self) -> int:
+        """Shapes still decoding on the plain forward's graph until compile_next gets to them."""
+        return len(self._deferred)
+
+    def compile_next(self) -> bool:
+        """Compile and capture the next deferred shape, and keep it where it replays faster
+        than the plain forward's graph; True while more are deferred. On the worker thread,
+        while no reply decodes: the warm-up runs write the cache's rows, all pointing at the
+        null block then (as at load)."""
+        if not self._deferred:
+            return False
+        kv, b = self._deferred[0]  # still counted as pending while it compiles
+        compiled = self.compiled if b == 1 else self.compiled_batched
+        plain = self._graphs.get((id(kv), b))
+        with torch.inference_mode():
+            kv.pad_rows(0, b)
+            kv.set_lengths(b, 1, b)
+            try:
+                captured = self._capture(kv, b, compiled)
+            except Exception as error:  # noqa: BLE001 - the plain forward's graph stays
+                log.exception("compiling the batched step (%d rows) failed", b)
+                self.chosen[b] = {"kept": "plain", "compiling_failed":
+                                  f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"}
+            else:
+                if plain is None:  # the plain forward did not capture: nothing to time
+                    self.chosen[b] = {"kept": "compiled"}
+                self._graphs[(id(kv), b)] = captured if plain is None else \
+                    self._faster(b, {compiled: captured, self.model: plain})
+            finally:
+                kv.pad_rows(0, kv.rows)
+                self._deferred.pop(0)
+        return bool(self._deferred)
 
     def _capture(self, kv: PagedKV, b: int, forward: Callable[..., Any]) -> Captured:
         args = kv.decode_args(b)

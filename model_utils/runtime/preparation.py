@@ -24,7 +24,6 @@ from model_utils.memory import torch_cuda_gb
 
 from . import compile_cache, compiled_code, cuda_graphs, kv_cache, paged_attention
 from .linear_states import linear_layers
-from .prefill import PaddedPrefill
 from .runner import BatchRunner, EagerStep
 from .scheduler import Scheduler
 from .serving import Serving
@@ -35,6 +34,21 @@ if TYPE_CHECKING:
     from .worker import DecodeWorker
 
 log = logging.getLogger(__name__)
+
+# The status's note while a deferred compile waits (--compile-while-idle).
+COMPILING_LATER = "; one-reply step: the plain forward's graph until the compiled one is ready"
+
+
+def _then(step, after):
+    """`step`, then `after()` once it says it is done."""
+
+    def run() -> bool:
+        more = step()
+        if not more:
+            after()
+        return more
+
+    return run
 
 
 class DecodePreparation:
@@ -67,8 +81,9 @@ class DecodePreparation:
             serving.compiled_code_kept = self.worker.call(
                 lambda: compiled_code.reuse_or_make_room(kind))
             known = compiled_code.known_choices(kind) if serving.compiled_code_kept else {}
-            step = cuda_graphs.GraphedBatchStep(loaded.model, self.config.compile_mode,
-                                                compiled_rows=rows, known_choices=known)
+            step = cuda_graphs.GraphedBatchStep(
+                loaded.model, self.config.compile_mode, compiled_rows=rows, known_choices=known,
+                defer_compiling=self.config.compile_while_idle and not serving.compiled_code_kept)
             serving.model_kind = kind
             path = "paged-kv+cuda-graphs (batched)"
             why = "compiled path: batched paged KV cache + CUDA graphs" + \
@@ -88,37 +103,34 @@ class DecodePreparation:
     def _warm_up(self, serving: Serving, progress: Progress) -> None:
         """Compile and capture the decode step now, for one reply and for every batch size up
         to max_batch, so that no user waits for it: a shape first met while serving stalls
-        every reply decoding for as long as its capture takes (seconds for the larger shapes)."""
+        every reply decoding for as long as its capture takes (seconds for the larger shapes).
+        With --compile-while-idle, a step not compiled in this process yet is compiled later,
+        while no reply decodes (_compiled then notes what it gave)."""
         runner = serving.scheduler.runner
-        progress(0.6, "compiling the batched decode step (one reply)")
+        step = runner.step_fn
         start, cached_before = time.perf_counter(), compile_cache.counts()
         graphs_before = compiled_code.graphs_compiled()
+        progress(0.6, "capturing the decode step (one reply; compiled while idle)"
+                 if self.config.compile_while_idle and not serving.compiled_code_kept
+                 else "compiling the batched decode step (one reply)")
         self.worker.call(runner.warm_up)
-        failed = getattr(runner.step_fn, "failed", None)
-        if failed:  # the one-row step did not capture: replies run uncaptured
+        if step.failed:  # the one-row step did not capture: replies run uncaptured
             serving.decode_path = "eager"
-            serving.decode_path_reason = f"eager path: compiling failed ({failed})"
+            serving.decode_path_reason = f"eager path: compiling failed ({step.failed})"
             return
-        chosen = getattr(runner.step_fn, "chosen", {}).get(1)
-        if chosen:
-            serving.decode_path_reason += (
-                f"; one-reply step: {chosen['kept']} forward kept (compiled "
-                f"{chosen['compiled_ms']} ms, plain {chosen['plain_ms']} ms a step"
-                f"{', timed at an earlier load' if chosen.get('timed_before') else ''})")
         if self.config.max_batch > 1:
             progress(0.9, f"capturing the decode step for 2-{self.config.max_batch} replies at "
                            "once")
             self.worker.call(lambda: runner.warm_up(range(2, self.config.max_batch + 1)))
-            if getattr(runner.step_fn, "failed", None):  # those shapes decode uncaptured
-                log.warning("some batch sizes run uncaptured: %s", runner.step_fn.failed)
+            if step.failed:  # those shapes decode uncaptured
+                log.warning("some batch sizes run uncaptured: %s", step.failed)
         self._record_memory(serving, "decode graphs")
         progress(0.95, "preparing the prefill of prompts")
-        capture = runner.step_fn.capture  # the decode steps' pool and warm-up stream
         # The largest shapes now (the pool's size), the others once the model is ready, while
-        # no reply is decoding (_capture_rest): each takes about a tenth of a second, twenty of
-        # them most of a switch back to a mode used before. A prompt of a shape not captured
-        # yet has it captured on the spot.
-        self.worker.call(lambda: runner.use_padded_prefill(capture, largest_only=True))
+        # no reply is decoding (_work_while_idle): each takes about a tenth of a second, twenty
+        # of them most of a switch back to a mode used before. A prompt of a shape not
+        # captured yet has it captured on the spot.
+        self.worker.call(lambda: runner.use_padded_prefill(step.capture, largest_only=True))
         self.worker.call(runner.warm_up_tail)  # a next turn's new tokens
         padded = runner.padded_prefill
         if padded:
@@ -130,12 +142,42 @@ class DecodePreparation:
                 note += f" (prompts x tokens {shapes} failed to capture: eager)"
             serving.decode_path_reason += note
         self._record_memory(serving, "prefill graphs")
+
+        def compiled() -> None:
+            self._compiled(serving, start, cached_before, graphs_before)
+
+        if step.compiles_pending():
+            serving.decode_path_reason += COMPILING_LATER
+            compile_step = _then(step.compile_next, compiled)
+        else:
+            compiled()
+            compile_step = None
+        # The warm-up's eager forwards left blocks in the allocator's cache: give them back,
+        # so that the memory panels show what serving holds (graph pools stay reserved).
+        torch.cuda.empty_cache()
+        self._record_memory(serving, "ready")
+        self._work_while_idle(serving, [padded.capture_next if padded else None, compile_step])
+
+    def _compiled(self, serving: Serving, start: float, cached_before, graphs_before: int):
+        """What compiling the step gave, in the status and the log: which one-row forward was
+        kept, the compile cache's hits, whether the code of an earlier load served."""
+        step = serving.scheduler.runner.step_fn
+        if chosen := step.chosen.get(1):
+            note = (f"; one-reply step: {chosen['kept']} forward kept" + (
+                f" (compiling failed: {chosen['compiling_failed']})"
+                if "compiling_failed" in chosen else
+                f" (compiled {chosen['compiled_ms']} ms, plain {chosen['plain_ms']} ms a step"
+                f"{', timed at an earlier load' if chosen.get('timed_before') else ''})"
+                if "compiled_ms" in chosen else ""))
+            reason = serving.decode_path_reason
+            serving.decode_path_reason = reason.replace(COMPILING_LATER, note) \
+                if COMPILING_LATER in reason else reason + note
         if serving.compiled_code_kept and compiled_code.graphs_compiled() > graphs_before:
             log.warning("the decode step of %s was compiled again though code of its kind was "
                         "kept; all kept code goes at the next load", serving.loaded.display_name)
             compiled_code.recompiled()
             serving.compiled_code_kept = False
-        compiled_code.remember_choices(serving.model_kind, runner.step_fn.chosen)
+        compiled_code.remember_choices(serving.model_kind, step.chosen)
         serving.compiled_graphs = {**compile_cache.since(cached_before),
                                    "kept": int(serving.compiled_code_kept)}
         keep_gemlite_tuning(serving.loaded.model)  # what the captures tuned, for the next load
@@ -144,18 +186,22 @@ class DecodePreparation:
                  serving.compiled_graphs["hits"], serving.compiled_graphs["misses"],
                  "; the code compiled for an earlier load of this kind reused"
                  if serving.compiled_code_kept else "")
-        # The warm-up's eager forwards left blocks in the allocator's cache: give them back,
-        # so that the memory panels show what serving holds (graph pools stay reserved).
-        torch.cuda.empty_cache()
-        self._record_memory(serving, "ready")
-        if padded:
-            self._capture_rest(serving, padded)
 
-    def _capture_rest(self, serving: Serving, padded: PaddedPrefill) -> None:
-        """The prefill shapes not captured at load, one a job on the worker while no reply
-        decodes, until done or the model is unloaded."""
+    def _work_while_idle(self, serving: Serving, steps: list) -> None:
+        """`steps` (each returns True while it has more to do; None: nothing) one after the
+        other, a call a job on the worker while no reply decodes, until done or the model is
+        unloaded (DecodeWorker.post_while_idle)."""
+        steps = [s for s in steps if s is not None]
+        if not steps:
+            return
+
+        def next_step() -> bool:
+            if not steps[0]():
+                steps.pop(0)
+            return bool(steps)
+
         queue = serving.scheduler.queue
-        self.worker.post_while_idle(padded.capture_next, busy=lambda: any(queue.counts()),
+        self.worker.post_while_idle(next_step, busy=lambda: any(queue.counts()),
                                     cancelled=serving.closed)
 
     def _compiled_rows(self, loaded: LoadedModel) -> int:

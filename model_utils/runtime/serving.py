@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING
 
 from model_utils.memory import GB
 
+from . import compiled_code
+
 if TYPE_CHECKING:
     from model_utils.loading.loaded_model import LoadedModel
 
@@ -37,6 +39,24 @@ class Serving:
     model_kind: str = ""  # compiled_code.model_kind, where the step is compiled
     # Set when the model is unloaded: work left for later (graphs captured while idle) stops.
     closed: threading.Event = field(default_factory=threading.Event)
+
+    def close(self) -> None:
+        """At unload: the work left for idle time stops. A kind whose compiling was left for
+        idle time and never done is not kept compiled (compiled_code)."""
+        self.closed.set()
+        step = self.scheduler.runner.step_fn if self.scheduler is not None else None
+        if getattr(step, "compiles_pending", lambda: 0)():
+            compiled_code.not_compiled(self.model_kind)
+
+    def idle_work_left(self) -> int:
+        """Graphs the load left for the decode worker's idle time and not captured yet: prefill
+        shapes, and steps whose compiling was deferred (--compile-while-idle)."""
+        runner = self.scheduler.runner if self.scheduler is not None else None
+        if runner is None:
+            return 0
+        padded = getattr(runner, "padded_prefill", None)
+        compiles = getattr(runner.step_fn, "compiles_pending", lambda: 0)()
+        return (len(padded.pending()) if padded else 0) + compiles
 
     def held_gb(self) -> dict[str, float]:
         """Per device, the memory serving holds beside the weights (the batch KV cache): a

@@ -96,3 +96,32 @@ def plain_model(folder):
     if folder not in _PLAIN:  # one plain fp32 copy for the parametrized cases
         _PLAIN[folder] = plain(folder, "fp32")
     return _PLAIN[folder]
+
+
+def test_a_step_compiled_while_idle_takes_over_and_decodes_the_same(peaked_gpu, fp32_eager):
+    """--compile-while-idle: the load is ready on the plain forward's graph, the step is
+    compiled once no reply decodes, the faster graph is kept, and the replies are the eager
+    path's before and after."""
+    from model_utils.bench.measure import settle
+    from model_utils.runtime import compiled_code
+
+    from .conftest import load_engine
+
+    compiled_code.forget_compiled_code()  # a kind no earlier test of this process compiled
+    engine = load_engine(peaked_gpu, "fp32", max_batch=4, compile_while_idle=True)
+    try:
+        status = engine.status()
+        assert "until the compiled one is ready" in status["decode_path_reason"]
+        assert any(s["stage"].startswith("capturing the decode step (one reply")
+                   for s in status["load_stages"])
+        prompts = sample_prompts(peaked_gpu, 2, 40)
+        eager = [s.tokens for s in engine_greedy(fp32_eager, prompts, 48)]
+        assert [s.tokens for s in engine_greedy(engine, prompts, 48)] == eager
+        settle(engine)
+        assert engine.serving.idle_work_left() == 0
+        reason = engine.status()["decode_path_reason"]
+        assert "until the compiled one" not in reason and "one-reply step: " in reason, reason
+        assert engine.serving.scheduler.runner.step_fn.chosen[1]["kept"] in ("compiled", "plain")
+        assert [s.tokens for s in engine_greedy(engine, prompts, 48)] == eager
+    finally:
+        engine.unload()

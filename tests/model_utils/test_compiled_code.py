@@ -154,3 +154,16 @@ def test_which_forward_a_kind_kept_is_known_while_its_code_is_kept():
         1: {"kept": "compiled", "compiled_ms": 5.0, "plain_ms": 7.0}}
     compiled_code.forget_compiled_code()
     assert compiled_code.known_choices("kind a") == {}
+
+
+def test_a_kind_unloaded_before_its_deferred_compiling_is_not_kept(fresh):
+    """--compile-while-idle: a load registers its kind before compiling; unloaded before the
+    idle compile ran, the kind is not kept, so its next load compiles (and times) anew rather
+    than take a step it never compiled for kept code."""
+    assert compiled_code.reuse_or_make_room("other kind") is False
+    assert compiled_code.reuse_or_make_room("deferred kind") is False
+    compiled_code.remember_choices("deferred kind", {1: {"kept": "plain"}})
+    compiled_code.not_compiled("deferred kind")
+    assert compiled_code.known_choices("deferred kind") == {}
+    assert compiled_code.reuse_or_make_room("deferred kind") is False
+    assert compiled_code.reuse_or_make_room("other kind") is True  # the others stay
