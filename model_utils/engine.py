@@ -75,7 +75,7 @@ class Engine:
         self._version_lock = threading.Lock()
         # Every forward pass (warm-up and replies) runs on this one thread.
         self.worker = DecodeWorker()
-        self._prepare_decoding = DecodePreparation(config, self.worker)
+        self._prepare_decoding = DecodePreparation(config, self.worker, self._status_changed)
         self.manager.on_loaded = self._on_loaded
         self.manager.on_unloaded = self._forget_compiled
         self.manager.held_beside = lambda: self._serving.held_gb() if self._serving else {}
@@ -154,12 +154,15 @@ class Engine:
 
     # -- models -------------------------------------------------------------------------------
     def load(self, request: LoadRequest, progress: Progress | None = None) -> dict:
+        serving = self._serving
         self._stop_idle_work()
         try:
             self.manager.load(request, progress)
         finally:
             self._kept_grammars = None  # taken by the load, or nothing is loaded to take it
             self._status_changed()
+            if serving is not None and serving is self._serving:  # refused: it serves on
+                serving.resume_idle_work()
         return self.status()
 
     def unload(self) -> dict:

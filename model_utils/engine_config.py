@@ -62,8 +62,9 @@ class EngineConfig:
     compile_while_idle: bool = field(default=False, metadata=_flag(
         "a load whose decode step was not compiled in this process yet is ready before the "
         "compiling: replies decode on CUDA graphs of the plain forward at first, and the "
-        "compiled step is built and captured while no reply decodes (a load or unload "
-        "meanwhile waits for it to end), then kept where it is faster"))
+        "compiled step is built and captured while no reply decodes (a reply, a load, an "
+        "unload or a fit estimate that comes meanwhile waits for it to end), then kept where "
+        "it is faster"))
     park_gb: int = field(default=0, metadata=_flag(
         "host memory (GB) where a mode switch keeps the model it replaces, so that switching "
         "back takes its weights from there instead of reading the checkpoint again; not the "

@@ -204,9 +204,8 @@ class GraphedBatchStep:
         """
         compiles = b <= self.compiled_rows and kv.may_compile
         known = self._known.get(b) if compiles else None
-        if compiles and self._defer and not known:
-            self._deferred.append((kv, b))
-            compiles = False  # the plain forward until compile_next
+        deferred = compiles and self._defer and not known
+        compiles = compiles and not deferred  # deferred: the plain forward until compile_next
         compiled = self.compiled if b == 1 else self.compiled_batched
         forwards = [compiled, self.model] if compiles else [self.model]
         if known:  # the forward an earlier load kept, alone; the other only if it fails
@@ -224,10 +223,12 @@ class GraphedBatchStep:
                 if forward is forwards[0]:
                     self.chosen[b] = {**known, "timed_before": True}
                 break
-        if not captured and b > self.compiled_rows and kv.may_compile:  # as a last resort
-            try:
-                captured.append((self.compiled_batched,
-                                 self._capture(kv, b, self.compiled_batched)))
+        if captured and deferred:
+            self._deferred.append((kv, b))
+        elif not captured and kv.may_compile and (deferred or b > self.compiled_rows):
+            fallback = compiled if deferred else self.compiled_batched
+            try:  # as a last resort, compiled now
+                captured.append((fallback, self._capture(kv, b, fallback)))
             except Exception as error:  # noqa: BLE001
                 log.exception("capturing the compiled batched step (%d rows) failed", b)
                 reason = f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"
@@ -269,15 +270,12 @@ class GraphedBatchStep:
             kv.set_lengths(b, 1, b)
             try:
                 captured = self._capture(kv, b, compiled)
+                self._graphs[(id(kv), b)] = self._faster(b, {compiled: captured,
+                                                             self.model: plain})
             except Exception as error:  # noqa: BLE001 - the plain forward's graph stays
                 log.exception("compiling the batched step (%d rows) failed", b)
                 self.chosen[b] = {"kept": "plain", "compiling_failed":
                                   f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"}
-            else:
-                if plain is None:  # the plain forward did not capture: nothing to time
-                    self.chosen[b] = {"kept": "compiled"}
-                self._graphs[(id(kv), b)] = captured if plain is None else \
-                    self._faster(b, {compiled: captured, self.model: plain})
             finally:
                 kv.pad_rows(0, kv.rows)
                 self._deferred.pop(0)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -52,8 +53,11 @@ def _then(step, after):
 
 
 class DecodePreparation:
-    def __init__(self, config: EngineConfig, worker: DecodeWorker):
-        self.config, self.worker = config, worker
+    def __init__(self, config: EngineConfig, worker: DecodeWorker,
+                 status_changed: Callable[[], None] = lambda: None):
+        """`status_changed`: told when the status changes after the load (a step compiled
+        while idle), so that open pages fetch it again."""
+        self.config, self.worker, self.status_changed = config, worker, status_changed
 
     def __call__(self, loaded: LoadedModel, progress: Progress) -> Serving:
         serving = Serving(loaded)
@@ -146,9 +150,15 @@ class DecodePreparation:
         def compiled() -> None:
             self._compiled(serving, start, cached_before, graphs_before)
 
+        def compiled_while_idle() -> None:
+            compiled()
+            torch.cuda.empty_cache()
+            self._record_memory(serving, "ready")  # the compiled graphs included
+            self.status_changed()
+
         if step.compiles_pending():
             serving.decode_path_reason += COMPILING_LATER
-            compile_step = _then(step.compile_next, compiled)
+            compile_step = _then(step.compile_next, compiled_while_idle)
         else:
             compiled()
             compile_step = None
@@ -196,13 +206,23 @@ class DecodePreparation:
             return
 
         def next_step() -> bool:
-            if not steps[0]():
+            try:
+                more = steps[0]()
+            except Exception:  # noqa: BLE001 - the next kind of work still gets its turn
+                log.exception("work left for idle time failed")
+                more = False
+            if not more:
                 steps.pop(0)
             return bool(steps)
 
         queue = serving.scheduler.queue
-        self.worker.post_while_idle(next_step, busy=lambda: any(queue.counts()),
-                                    cancelled=serving.closed)
+
+        def post() -> None:
+            self.worker.post_while_idle(next_step, busy=lambda: any(queue.counts()),
+                                        cancelled=serving.closed)
+
+        serving.repost_idle_work = post
+        post()
 
     def _compiled_rows(self, loaded: LoadedModel) -> int:
         """The configured --compiled-rows, or by default: every batch size for a model with

@@ -10,6 +10,7 @@ loaded model and drops it with that model's unload.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -39,6 +40,8 @@ class Serving:
     model_kind: str = ""  # compiled_code.model_kind, where the step is compiled
     # Set when the model is unloaded: work left for later (graphs captured while idle) stops.
     closed: threading.Event = field(default_factory=threading.Event)
+    # Posts that work again (preparation sets it): a load that was refused had stopped it.
+    repost_idle_work: Callable[[], None] | None = None
 
     def close(self) -> None:
         """At unload: the work left for idle time stops. A kind whose compiling was left for
@@ -47,6 +50,12 @@ class Serving:
         step = self.scheduler.runner.step_fn if self.scheduler is not None else None
         if getattr(step, "compiles_pending", lambda: 0)():
             compiled_code.not_compiled(self.model_kind)
+
+    def resume_idle_work(self) -> None:
+        """The model serves on after a load was refused: the work left for idle time goes on."""
+        if self.repost_idle_work is not None and self.idle_work_left():
+            self.closed.clear()
+            self.repost_idle_work()
 
     def idle_work_left(self) -> int:
         """Graphs the load left for the decode worker's idle time and not captured yet: prefill

@@ -164,6 +164,6 @@ def test_a_kind_unloaded_before_its_deferred_compiling_is_not_kept(fresh):
     assert compiled_code.reuse_or_make_room("deferred kind") is False
     compiled_code.remember_choices("deferred kind", {1: {"kept": "plain"}})
     compiled_code.not_compiled("deferred kind")
-    assert compiled_code.known_choices("deferred kind") == {}
     assert compiled_code.reuse_or_make_room("deferred kind") is False
+    assert compiled_code.known_choices("deferred kind") == {}  # kept again, its choice gone
     assert compiled_code.reuse_or_make_room("other kind") is True  # the others stay
