@@ -141,24 +141,15 @@ class DecodePreparation:
             note = (f"; prompts up to {padded.buckets[-1]} tokens prefilled by CUDA graphs, "
                     f"up to {max(rows for rows, _ in padded.shapes)} at once (the smaller "
                     "shapes captured while no reply decodes)")
-            if padded.uncaptured:
-                shapes = ", ".join(f"{r}x{n}" for r, n in padded.uncaptured)
-                note += f" (prompts x tokens {shapes} failed to capture: eager)"
-            serving.decode_path_reason += note
+            serving.decode_path_reason += note  # shapes that fail to capture: Serving.status
         self._record_memory(serving, "prefill graphs")
 
         def compiled() -> None:
             self._compiled(serving, start, cached_before, graphs_before)
 
-        def compiled_while_idle() -> None:
-            compiled()
-            torch.cuda.empty_cache()
-            self._record_memory(serving, "ready")  # the compiled graphs included
-            self.status_changed()
-
         if step.compiles_pending():
             serving.decode_path_reason += COMPILING_LATER
-            compile_step = _then(step.compile_next, compiled_while_idle)
+            compile_step = _then(step.compile_next, compiled)
         else:
             compiled()
             compile_step = None
@@ -213,6 +204,10 @@ class DecodePreparation:
                 more = False
             if not more:
                 steps.pop(0)
+            if not steps:  # what serving holds now, the graphs captured while idle included
+                torch.cuda.empty_cache()
+                self._record_memory(serving, "ready")
+                self.status_changed()
             return bool(steps)
 
         queue = serving.scheduler.queue

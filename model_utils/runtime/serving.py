@@ -83,7 +83,12 @@ class Serving:
 
     def status(self) -> dict:
         """The decode path and what serving holds, as the status endpoint and the page show."""
-        status = {"decode_path": self.decode_path, "decode_path_reason": self.decode_path_reason}
+        reason = self.decode_path_reason
+        padded = getattr(self.scheduler.runner, "padded_prefill", None) if self.scheduler else None
+        if padded is not None and (failed := tuple(padded.uncaptured)):  # captured at load or later
+            shapes = ", ".join(f"{rows}x{tokens}" for rows, tokens in failed)
+            reason += f" (prompts x tokens {shapes} failed to capture: eager)"
+        status = {"decode_path": self.decode_path, "decode_path_reason": reason}
         if self.compiled_graphs:
             status["compiled_graphs"] = dict(self.compiled_graphs)
         if self.scheduler is not None:
