@@ -38,6 +38,7 @@ def test_padded_prefill_graph_equals_eager_prefill(peaked_gpu, fp32_graphed):
     while padded.pending() and time.monotonic() < deadline:
         time.sleep(0.1)
     assert padded is not None and not padded.pending() and not padded.uncaptured
+    assert "failed to capture" not in fp32_graphed.status()["decode_path_reason"]
     prompts = [p[:n] for p, n in zip(sample_prompts(peaked_gpu, 3, 100), (100, 37, 64))]
 
     def run():
