@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import weakref
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -154,15 +155,17 @@ class Engine:
 
     # -- models -------------------------------------------------------------------------------
     def load(self, request: LoadRequest, progress: Progress | None = None) -> dict:
-        serving = self._serving
+        before = weakref.ref(self._serving) if self._serving else None  # not kept alive here
         self._stop_idle_work()
         try:
             self.manager.load(request, progress)
         finally:
             self._kept_grammars = None  # taken by the load, or nothing is loaded to take it
             self._status_changed()
-            if serving is not None and serving is self._serving:  # refused: it serves on
-                serving.resume_idle_work()
+            # Refused: the model serves on. No local holds a serving (the raised error's
+            # frame would keep a replaced one alive).
+            if before is not None and self._serving is not None and before() is self._serving:
+                self._serving.resume_idle_work()
         return self.status()
 
     def unload(self) -> dict:
