@@ -197,6 +197,8 @@ class DecodePreparation:
             return
 
         def next_step() -> bool:
+            if not steps:  # a second chain (resumed after a refused load) found it done
+                return False
             try:
                 more = steps[0]()
             except Exception:  # noqa: BLE001 - the next kind of work still gets its turn
