@@ -340,6 +340,7 @@ class ModelManager:
                     self.on_unloaded()  # what the preparation built goes with it
                 raise
         loaded.stages, loaded.ready_s = clock.finish(), clock.elapsed
+        self.parked.reserve_for(loaded)  # its parking buffer, made while it serves
         after = memory_counters()
         log.info("loaded %s mode=%s placement=%s in %.2f s; from_pretrained(%s, %s); "
                  "footprint %.3f GB; device map %s; memory before %s after %s",

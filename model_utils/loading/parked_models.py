@@ -15,11 +15,17 @@ bitsandbytes modes (their 4-bit and 8-bit parameters carry quantization state of
 not a model spread over devices or offloaded to disk. The buffer of a model taken back stays,
 as a spare for the next model parked. The parked models and spare buffers stay under the limit
 and leave MIN_FREE_HOST_GB of host memory free; spares go first, then the least recently
-parked. An explicit unload frees them all: whoever unloads wants the memory back."""
+parked. An explicit unload frees them all: whoever unloads wants the memory back.
+
+Locking a fresh buffer takes seconds (its pages are faulted in and pinned), longer than the copy
+into it; so once a GPU model is loaded, a spare buffer of its size is made on a thread of its own
+(reserve_for) while the model serves, within the limit, and the switch away from it copies into
+that buffer instead of waiting for a new one."""
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, replace
@@ -101,6 +107,14 @@ class HostCopy:
             self.pinned = _register(self.buffer)
 
     @classmethod
+    def blank(cls, nbytes: int) -> HostCopy:
+        """A page-locked buffer of `nbytes` holding nothing yet: a spare made ahead of need."""
+        copy = cls([])
+        copy.buffer = torch.empty(nbytes, dtype=torch.uint8)
+        copy.pinned = _register(copy.buffer)
+        return copy
+
+    @classmethod
     def needed_bytes(cls, tensors: list[torch.Tensor]) -> int:
         return sum(-(-_span(t) * t.element_size() // cls.ALIGN) * cls.ALIGN for t in tensors)
 
@@ -150,6 +164,7 @@ class ParkedModels:
         # model a switch parks: switching between two modes then parks each into the buffer
         # it left, and only the first switches pay for fresh buffers.
         self._spares: list[HostCopy] = []
+        self._reserving: threading.Thread | None = None  # a spare being made (reserve_for)
 
     def _snapshot(self) -> tuple[Parked, ...]:
         # One C-level copy: a status poll reads this while a switch may change the dict.
@@ -163,11 +178,58 @@ class ParkedModels:
     def names(self) -> list[str]:
         return [f"{p.loaded.display_name} ({p.loaded.mode.name})" for p in self._snapshot()]
 
+    def reserve_for(self, loaded: LoadedModel) -> None:
+        """Start making a spare buffer for the weights of `loaded` (just loaded, on a GPU), so
+        that parking it later copies at once: only when none fits already and it fits the
+        limit and the free host memory as they are (a spare made ahead of need drops nothing).
+        The buffer is made on a thread of its own; park and clear wait for it."""
+        if self.limit_gb <= 0 or unparkable_reason(loaded):
+            return
+        if next(loaded.model.parameters()).device.type != "cuda":
+            return  # a CPU model parks as it is: no buffer
+        self.wait()
+        self._reserving = self.reserve(HostCopy.needed_bytes(_weights(loaded.model)))
+
+    def reserve(self, nbytes: int) -> threading.Thread | None:
+        """A thread making a spare buffer of `nbytes` (started), or None when one of the spares
+        fits already or there is no room for it."""
+        gb = nbytes / GB
+        room = self.limit_gb - self.gb
+        if (any(nbytes <= s.buffer.numel() <= SPARE_SLACK * nbytes for s in self._spares)
+                or gb > room or _free_host_gb() < MIN_FREE_HOST_GB + gb):
+            return None
+
+        def make() -> None:
+            start = time.perf_counter()
+            try:
+                spare = HostCopy.blank(nbytes)
+            except Exception as error:  # noqa: BLE001 - no spare: a park makes its own buffer
+                log.warning("no spare host buffer of %.2f GB made ahead: %s", gb, error)
+                return
+            self._spares.append(spare)
+            log.info("a spare host buffer of %.2f GB made ahead for parking in %.2f s%s", gb,
+                     time.perf_counter() - start, "" if spare.pinned else " (not page-locked)")
+
+        thread = threading.Thread(target=make, name="park-buffer", daemon=True)
+        thread.start()
+        return thread
+
+    def wait(self) -> None:
+        """Until a spare being made is made."""
+        if (thread := self._reserving) is not None:
+            thread.join()
+            self._reserving = None
+
+    def reserving(self) -> bool:
+        thread = self._reserving
+        return thread is not None and thread.is_alive()
+
     def park(self, loaded: LoadedModel) -> str:
         """Keep `loaded` (already detached from serving) with its weights in host memory:
         "" when parked, else why not (it is then freed as usual)."""
         if self.limit_gb <= 0:
             return "parking is off (--park-gb 0)"
+        self.wait()  # the spare made for it, if one is being made
         if reason := unparkable_reason(loaded):
             return reason
         gb = loaded.footprint_gb
@@ -237,6 +299,7 @@ class ParkedModels:
         return replace(loaded, stages=[], ready_s=0.0, switch=None)
 
     def clear(self) -> None:
+        self.wait()
         while self._parked:
             _release(self._parked.popitem()[1])
         while self._spares:
@@ -280,12 +343,23 @@ def _release(parked: Parked) -> None:
 
 def _register(buffer: torch.Tensor) -> bool:
     """Page-lock `buffer` in place; False (it stays pageable, the copies synchronous) where
-    CUDA refuses, e.g. a locked-memory limit."""
+    CUDA refuses, e.g. a locked-memory limit.
+
+    The pages are faulted in first, by torch's threads writing them all at once: cudaHostRegister
+    would fault them in one by one on a single thread, the slower part of locking a fresh buffer
+    (torch's own host allocator does the same with `pinned_use_cuda_host_register`)."""
     if not torch.cuda.is_available() or buffer.numel() == 0:
         return False
+    start = time.perf_counter()
+    buffer.zero_()  # a parallel fill: every page faulted in, on all of torch's threads
+    faulted = time.perf_counter()
     error = int(torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), buffer.numel(), 0))
     if error:
         log.warning("parked weights are not page-locked (cudaHostRegister error %d)", error)
+    else:
+        log.info("a host buffer of %.2f GB: pages faulted in %.2f s (%d threads), locked in "
+                 "%.2f s", buffer.numel() / GB, faulted - start, torch.get_num_threads(),
+                 time.perf_counter() - faulted)
     return error == 0
 
 

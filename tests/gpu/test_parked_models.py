@@ -26,12 +26,20 @@ def test_a_parked_model_leaves_the_gpu_and_comes_back_answering_the_same(peaked_
     try:
         model = engine.manager.loaded.model
         first_reply = reply(engine)
+        # While it serves, a page-locked buffer of its size is made for parking it.
+        engine.manager.parked.wait()
+        (reserved,) = engine.manager.parked._spares
+        assert reserved.pinned and reserved.buffer.numel() >= sum(
+            t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+        made_ahead = reserved.buffer.data_ptr()
         engine.load(LoadRequest(str(peaked_gpu), "int8-wo", CUDA, context_tokens=CONTEXT))
         weights = next(model.parameters())
         assert weights.device.type == "cpu" and weights.is_pinned()
-        # One registered buffer holds them all, not a pinned block per weight.
+        # One registered buffer holds them all, not a pinned block per weight: the one made
+        # ahead.
         parked = list(model.parameters())
         first = min(t.data_ptr() for t in parked)
+        assert first == made_ahead
         last = max(t.data_ptr() + t.numel() * t.element_size() for t in parked)
         assert last - first <= sum(t.numel() * t.element_size() for t in parked) + 256 * len(parked)
         int8_only = torch.cuda.memory_allocated(0)

@@ -176,3 +176,30 @@ def test_a_spare_buffer_takes_the_next_model_parked_and_the_smallest_that_fits_i
     assert parked._make_room() and spares[0].buffer is None  # spares go first, oldest first
     parked.clear()
     assert spares[2].buffer is None and parked.gb == 0 and not parked._make_room()
+
+
+def test_a_spare_made_ahead_fits_the_limit_and_takes_the_weights_parked_later():
+    model = torch.nn.Linear(16, 16)
+    needed = HostCopy.needed_bytes(_weights(model))
+    parked = ParkedModels(limit_gb=1)
+    parked._reserving = parked.reserve(needed)
+    parked.wait()
+    (spare,) = parked._spares
+    assert spare.buffer.numel() == needed and parked.gb == pytest.approx(needed / 1024**3)
+    assert parked.reserve(needed) is None  # one that fits is there already
+    assert parked.reserve(2 * 1024**3) is None  # over the limit: nothing is dropped for it
+
+    place = spare.buffer.data_ptr()
+    before = {name: t.clone() for name, t in model.state_dict().items()}
+    host = HostCopy(_weights(model), parked._take_spare(needed))
+    _move(model, host.copy)
+    assert host.buffer.data_ptr() == place and not parked._spares
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(tensor, before[name]), name
+    host.release()
+
+
+def test_a_cpu_model_gets_no_spare_buffer_made_ahead(parking):
+    parking.load(cpu_request("fp32"))
+    parked = parking.manager.parked
+    assert parked._reserving is None and not parked._spares and not parked.reserving()
