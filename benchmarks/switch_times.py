@@ -3,7 +3,9 @@ the memory each switch leaves behind over many cycles.
 
 Each phase runs in a new process (the app's own situation after a restart), through the engine
 as the Model tab drives it: a load while another mode is loaded (the switch unloads it first),
-then one greedy token:
+then one greedy token; the next click waits until the work the load left for idle time is
+done (with --compile-while-idle, the compiled decode step), as a user reading the reply would,
+and that moment is a column of its own ("idle work done", from the click):
 
     cold    an empty compile cache: every mode compiles afresh
     warm    the same cache, a new process: "a mode used before, any earlier process"
@@ -66,6 +68,7 @@ def one_phase(model: str, modes: list[str], cycles: int, placement: str, rows_fi
     """In this process: `cycles` rounds of switching to every mode and its first token, each
     row appended to `rows_file` as soon as it is measured."""
     from model_utils import process_tuning
+    from model_utils.bench.measure import settle
     from model_utils.engine_config import EngineConfig
     from model_utils.engine_factory import build_engine
     from model_utils.loading.loaded_model import LoadRequest
@@ -98,6 +101,11 @@ def one_phase(model: str, modes: list[str], cycles: int, placement: str, rows_fi
                                  GenerationSettings.greedy(max_new_tokens=1)):
                 break  # the first update: the first token is on its way to the page
             first_token_s = time.perf_counter() - start
+            # What the load left for idle time (--compile-while-idle: the compiled step) ends
+            # before the next click, as it would while a user reads the reply: the next
+            # switch measures its own wait, not this one's leftovers.
+            settle(engine)
+            settled_s = time.perf_counter() - start
             unload = engine.manager.last_unload  # the switch's own, when it replaced a mode
             switch = status.get("last_switch", {})
             # Beside the load's own stages (ready_s): the unload of the mode it replaced (with
@@ -107,6 +115,7 @@ def one_phase(model: str, modes: list[str], cycles: int, placement: str, rows_fi
                    "ready_s": status.get("ready_s"), "unload_s": switch.get("unload_s"),
                    "load_returned_s": round(loaded_s, 2),
                    "first_token_after_load_s": round(first_token_s - loaded_s, 2),
+                   "settled_s": round(settled_s, 2),
                    "stages": status.get("load_stages"),
                    "compiled_graphs": status.get("compiled_graphs", {}),
                    "from_caches": switch.get("from_caches", []),
@@ -168,8 +177,9 @@ def _seconds(value: float | None) -> str:
 
 def report(rows: list[dict]) -> str:
     lines = ["| phase | cycle | mode | click to first token (s) | unload (s) | ready (s) | "
-             "first token after the load (s) | graphs cached / compiled | longest stages |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "first token after the load (s) | idle work done (s) | graphs cached / compiled | "
+             "longest stages |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     switches = [r for r in rows if "click_to_first_token_s" in r]
     last_cycle = max((r["cycle"] for r in switches), default=0)
     for row in switches:
@@ -183,7 +193,7 @@ def report(rows: list[dict]) -> str:
         lines.append(f"| {row['phase']} | {row['cycle']} | {row['mode']} | "
                      f"{row['click_to_first_token_s']:.2f} | {_seconds(row.get('unload_s'))} | "
                      f"{row['ready_s']:.2f} | {_seconds(row.get('first_token_after_load_s'))} | "
-                     f"{cached} | {longest} |")
+                     f"{_seconds(row.get('settled_s'))} | {cached} | {longest} |")
     unloads = [r for r in rows if r["mode"] == "(unloaded)"]
     if unloads:  # a run killed or failed mid-phase has none for that phase
         lines.append("")

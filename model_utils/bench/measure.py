@@ -231,8 +231,10 @@ def measure_peer(model, prompts: list[list[int]], batches: list[int], new_tokens
 
 def settle(engine: Engine, stall_s: float = 60.0) -> None:
     """Wait until what the load left for the decode worker's idle time (prefill graphs, a
-    deferred compile) is done: measurements of steady serving start after it (the app never
-    waits for it). Gives up after `stall_s` without progress (a job that failed is logged)."""
+    deferred compile) and the spare parking buffer it started (--park-gb) are done:
+    measurements of steady serving start after it (the app never waits for it). Gives up after
+    `stall_s` without progress (a job that failed is logged)."""
+    engine.manager.parked.wait()
     serving = engine.serving
     left, since = None, time.monotonic()
     while serving is not None and (now := serving.idle_work_left()):
