@@ -5,7 +5,8 @@
 #   tests    the CUDA tests of every mode and the packed attention (needs bitsandbytes:
 #            tests/gpu/test_batches_and_modes.py, test_packed_attention.py)
 #   memory   the switching memory over 20 cycles (tests/gpu/test_switch_memory.py; it prints
-#            each switch's seconds and counters as it goes; QWEN_SWITCH_CYCLES runs fewer)
+#            each switch's seconds and counters as it goes; QWEN_SWITCH_CYCLES runs fewer,
+#            QWEN_SWITCH_MODES other modes than bf16,int8-wo)
 #   quant    benchmarks/quant_candidates.py on the Qwen2.5-7B shape: by default bf16, the app's
 #            int8-wo (gemlite's kernels for decode rows when gemlite is installed), the same with
 #            lm_head in int8 too, and fp8; any other mode or variant by QUANT_CANDIDATES; one

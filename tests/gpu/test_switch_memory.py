@@ -44,7 +44,9 @@ MB = 1024**2
 # QWEN_SWITCH_CYCLES runs fewer, to time a cycle on a new machine before a full run.
 CYCLES = int(os.environ.get("QWEN_SWITCH_CYCLES", "20"))
 # int8-wo is the mode whose unload once left its whole model referenced on the card.
-MODES = ("bf16", "int8-wo")
+# QWEN_SWITCH_MODES cycles through others too (every GPU mode: bf16,int4-wo,int8-wo,fp8,nf4,
+# int8; the bitsandbytes ones need it installed).
+MODES = tuple(os.environ.get("QWEN_SWITCH_MODES", "bf16,int8-wo").split(","))
 BOUNDS_MB = {"allocated": 64, "nvml": 128, "rss": 256}
 # The first cycle's one-time growth (see above; measured in BENCHMARKS.md, "Switching modes"):
 # the compilers' and kernels' code, gemlite's tuning of int8-wo's shapes among it.
