@@ -43,13 +43,29 @@ def compile_forward(model: PreTrainedModel, inductor_mode: str,
     (weight_only.inductor_options). torch.compile takes a mode or options, not both: a named mode
     is spelled out as its options then."""
     options = inductor_options(model)
-    if not options:
-        return torch.compile(model.forward, mode=inductor_mode, fullgraph=True, dynamic=dynamic)
-    if inductor_mode != "default":
+    if options and inductor_mode != "default":
         from torch._inductor import list_mode_options
 
         options = {**list_mode_options(inductor_mode), **options}
-    return torch.compile(model.forward, options=options, fullgraph=True, dynamic=dynamic)
+    backend = _inductor_backend(None if options else inductor_mode, options, dynamic)
+    return torch._dynamo.optimize(backend, nopython=True, dynamic=dynamic)(model.forward)
+
+
+_backends: dict[str, Any] = {}  # inductor's backend per (mode, options, dynamic), made once
+
+
+def _inductor_backend(mode: str | None, options: dict, dynamic: bool | None):
+    """Inductor's backend as torch.compile(mode=..., options=...) makes it, one object per
+    setting for the life of the process. Why not torch.compile itself: it makes a new backend
+    object at every call, and dynamo keeps every backend it is given until torch._dynamo.reset()
+    (eval_frame.cached_backends), so each load of a model added one to the process for good
+    (found by tests/gpu/test_switch_memory.py counting live objects). torch's own advice for this
+    (its BACKEND_MATCH message) is to reuse one backend; compiled code made with an equal one
+    (the same settings) serves either."""
+    key = repr((mode, sorted(options.items()), dynamic))
+    if key not in _backends:
+        _backends[key] = torch._TorchCompileInductorWrapper(mode, options or None, dynamic)
+    return _backends[key]
 
 
 def support(loaded: LoadedModel) -> tuple[bool, str]:

@@ -167,3 +167,20 @@ def test_a_kind_unloaded_before_its_deferred_compiling_is_not_kept(fresh):
     assert compiled_code.reuse_or_make_room("deferred kind") is False
     assert compiled_code.known_choices("deferred kind") == {}  # kept again, its choice gone
     assert compiled_code.reuse_or_make_room("other kind") is True  # the others stay
+
+
+def test_loads_share_one_inductor_backend_that_dynamo_keeps():
+    """Dynamo keeps every backend torch.compile hands it until a reset: a new one per load
+    was an object left in the process by every switch. One per setting is made (compiling is
+    not run here: it needs a C++ compiler on a CPU)."""
+    from torch._dynamo.eval_frame import cached_backends
+
+    from model_utils.runtime.cuda_graphs import compile_forward
+
+    compile_forward(torch.nn.Linear(4, 4), "default")
+    before = len(cached_backends)
+    for _ in range(3):
+        compiled = compile_forward(torch.nn.Linear(4, 4), "default")
+    compile_forward(torch.nn.Linear(4, 4), "default", dynamic=None)  # another setting
+    assert len(cached_backends) == before + 1
+    assert callable(compiled) and getattr(compiled, "_torchdynamo_orig_callable", None)
