@@ -99,11 +99,14 @@ class PaddedPrefill:
             self._entry(shape)
         return time.perf_counter() - start
 
-    def largest_shapes(self) -> list[tuple[int, int]]:
-        """The shapes of the most tokens at once. Captured first: their activations are the
-        most the graphs' shared pool must hold, so the shapes captured after them fit in it."""
+    def pool_shape(self) -> tuple[int, int]:
+        """The shape captured first, at load: of the most tokens at once, whose activations are
+        about the most the graphs' shared pool must hold, so that the shapes captured after it
+        fit in what it left there; the one of a single prompt (a first reply's). Only one: the
+        other shapes of as many tokens need about as much, and each capture is a whole prefill
+        of them (1.4 s for tinygemm's int4 layers on the 7B shape, BENCHMARKS.md)."""
         most = max(rows * size for rows, size in self.shapes)
-        return [(rows, size) for rows, size in self.shapes if rows * size == most]
+        return min((rows, size) for rows, size in self.shapes if rows * size == most)
 
     def pending(self) -> list[tuple[int, int]]:
         """The shapes not set up (captured) yet: one prompt before several, a first reply's

@@ -130,7 +130,7 @@ class DecodePreparation:
                 log.warning("some batch sizes run uncaptured: %s", step.failed)
         self._record_memory(serving, "decode graphs")
         progress(0.95, "preparing the prefill of prompts")
-        # The largest shapes now (the pool's size), the others once the model is ready, while
+        # The largest shape now (the pool's size), the others once the model is ready, while
         # no reply is decoding (_work_while_idle): each takes about a tenth of a second, twenty
         # of them most of a switch back to a mode used before. A prompt of a shape not
         # captured yet has it captured on the spot.

@@ -122,7 +122,8 @@ class BatchRunner:
     def use_padded_prefill(self, capture: GraphCapture | None = None,
                            largest_only: bool = False) -> float:
         """Prompts prefilled by PaddedPrefill (LeftPaddedPrefill with linear layers), shapes
-        captured by `capture` now: all, or the largest. Seconds taken; on the worker, after warm_up."""
+        captured by `capture` now: all, or the one that sizes the graphs' pool. Seconds taken;
+        on the worker, after warm_up."""
         kv = self._cache()
         seconds = 0.0
         if kv.states is not None:  # right padding would run into a linear layer's state
@@ -133,7 +134,7 @@ class BatchRunner:
         if not padded.buckets:  # a context shorter than the smallest bucket
             return seconds
         with torch.inference_mode():
-            seconds += padded.warm_up(padded.largest_shapes() if largest_only else None)
+            seconds += padded.warm_up([padded.pool_shape()] if largest_only else None)
         self.padded_prefill = padded
         return seconds
 
