@@ -29,7 +29,11 @@ LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
 LOCAL_MODEL_FLAGS = ("model", "mode", "placement", "context_tokens", "compile_cache",
                      "compile_mode", "models_dir", "trust_remote_code")
 APP_ENGINE_FLAGS = ("models_dir", "log_prompts", "trust_remote_code", "max_queue", "max_batch",
-                    "compile_mode", "park_gb")
+                    "compile_mode", "compile_while_idle", "park_gb")
+# The app's own defaults for engine options. Compiling while idle: a switch is ready in seconds
+# instead of waiting for torch.compile (BENCHMARKS.md, "Switching modes"); the engine's own
+# default (a library user's, the tests') compiles at load.
+APP_ENGINE_DEFAULTS = {"compile_while_idle": (True, None)}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -63,7 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with logins, the SQLite file that keeps each user's chats and presets "
                         "(default: chats.sqlite3 in $QWEN_CHAT_CACHE, else ~/.cache/qwen-chat); "
                         "without logins each browser keeps its own")
-    EngineConfig.add_cli_args(p, only=APP_ENGINE_FLAGS)
+    EngineConfig.add_cli_args(p, only=APP_ENGINE_FLAGS, defaults=APP_ENGINE_DEFAULTS)
     add_backend_flags(p)
     return p
 

@@ -25,8 +25,11 @@ read -r device mode placement < <("$python" -c "import torch; print(*(('cuda', '
 "$python" -c "from pathlib import Path; from model_utils.bench.run import build_random_model; \
 build_random_model(Path('$config'), Path('$model'), '$device')"
 
+# Steady serving is measured: the decode step compiled before the first request (the app's
+# default compiles it while idle, after the page answers, and the first requests would wait).
 "$python" app.py --model "$model" --mode "$mode" --placement "$placement" --port "$port" \
-    --max-batch 32 --max-queue 64 --log-file "$out/server.log" "$@" > "$out/console.txt" 2>&1 &
+    --max-batch 32 --max-queue 64 --no-compile-while-idle --log-file "$out/server.log" "$@" \
+    > "$out/console.txt" 2>&1 &
 app=$!
 for _ in $(seq 600); do  # loading includes compiling the decode step (about a minute on a GPU)
     curl -s -o /dev/null "http://127.0.0.1:$port/" && break

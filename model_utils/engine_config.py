@@ -90,8 +90,12 @@ class EngineConfig:
             value, shown = (defaults or {}).get(name, (spec.default, own_shown))
             if spec.type in (bool, "bool"):
                 # Off unless given (--trust-remote-code), or on unless turned off (--no-compile).
+                help = spec.metadata["help"]
+                if value and not flag.startswith("--no-"):  # a tool's own default: on
+                    flag, help = "--no-" + flag[2:], f"turn off what is on by default: {help}"
                 action = "store_false" if flag.startswith("--no-") else "store_true"
-                parser.add_argument(flag, dest=name, action=action, help=spec.metadata["help"])
+                parser.add_argument(flag, dest=name, action=action, default=bool(value),
+                                    help=help)
                 continue
             kind = int if spec.type in (int, "int", "int | None") else str
             shown = shown or ("none" if value is None else str(value))

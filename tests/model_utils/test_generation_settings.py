@@ -167,6 +167,18 @@ def test_engine_config_from_flags():
         parser.parse_args(["--compile-mode", "fastest"])
 
 
+def test_a_tool_that_turns_an_option_on_by_default_offers_the_flag_that_turns_it_off():
+    sys.path.insert(0, str(REPO_ROOT))
+    import app
+
+    assert EngineConfig().compile_while_idle is False  # the engine's own: compile at load
+    assert EngineConfig.from_args(app.parse_args([])).compile_while_idle is True
+    config = EngineConfig.from_args(app.parse_args(["--no-compile-while-idle"]))
+    assert config.compile_while_idle is False
+    with pytest.raises(SystemExit):  # the flag of the engine's default is not the app's
+        app.parse_args(["--compile-while-idle"])
+
+
 def _helps(parser: argparse.ArgumentParser) -> dict[str, str]:
     out = {}
     for action in parser._actions:
