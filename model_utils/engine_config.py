@@ -93,6 +93,8 @@ class EngineConfig:
                 help = spec.metadata["help"]
                 if value and not flag.startswith("--no-"):  # a tool's own default: on
                     flag, help = "--no-" + flag[2:], f"turn off what is on by default: {help}"
+                elif not value and flag.startswith("--no-"):  # its help says what --no- does
+                    raise ValueError(f"{name}: a tool default of off needs a flag of its own")
                 action = "store_false" if flag.startswith("--no-") else "store_true"
                 parser.add_argument(flag, dest=name, action=action, default=bool(value),
                                     help=help)

@@ -44,6 +44,7 @@ log = logging.getLogger(__name__)
 
 MIN_FREE_HOST_GB = 4.0  # what parking leaves to the rest of the machine
 SPARE_SLACK = 1.5  # a spare buffer takes a model of at least 1/SPARE_SLACK of its size
+CUDA_HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable
 
 
 @dataclass(frozen=True)
@@ -182,13 +183,18 @@ class ParkedModels:
         """Start making a spare buffer for the weights of `loaded` (just loaded, on a GPU), so
         that parking it later copies at once: only when none fits already and it fits the
         limit and the free host memory as they are (a spare made ahead of need drops nothing).
-        The buffer is made on a thread of its own; park and clear wait for it."""
-        if self.limit_gb <= 0 or unparkable_reason(loaded):
-            return
-        if next(loaded.model.parameters()).device.type != "cuda":
-            return  # a CPU model parks as it is: no buffer
-        self.wait()
-        self._reserving = self.reserve(HostCopy.needed_bytes(_weights(loaded.model)))
+        The buffer is made on a thread of its own; park and clear wait for it. Never raises:
+        the load it follows is done, and without a spare a park makes its own buffer."""
+        try:
+            if self.limit_gb <= 0 or unparkable_reason(loaded):
+                return
+            if next(loaded.model.parameters()).device.type != "cuda":
+                return  # a CPU model parks as it is: no buffer
+            self.wait()
+            self._reserving = self.reserve(HostCopy.needed_bytes(_weights(loaded.model)))
+        except Exception:  # noqa: BLE001 - see above
+            log.warning("no parking buffer made ahead for %s", loaded.display_name,
+                        exc_info=True)
 
     def reserve(self, nbytes: int) -> threading.Thread | None:
         """A thread making a spare buffer of `nbytes` (started), or None when one of the spares
@@ -218,7 +224,8 @@ class ParkedModels:
         """Until a spare being made is made."""
         if (thread := self._reserving) is not None:
             thread.join()
-            self._reserving = None
+            if self._reserving is thread:  # not one a load started meanwhile (a bench's wait)
+                self._reserving = None
 
     def reserving(self) -> bool:
         thread = self._reserving
@@ -353,7 +360,9 @@ def _register(buffer: torch.Tensor) -> bool:
     start = time.perf_counter()
     buffer.zero_()  # a parallel fill: every page faulted in, on all of torch's threads
     faulted = time.perf_counter()
-    error = int(torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), buffer.numel(), 0))
+    # Portable: page-locked for every device's context, not only the current one's.
+    error = int(torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), buffer.numel(),
+                                                     CUDA_HOST_REGISTER_PORTABLE))
     if error:
         log.warning("parked weights are not page-locked (cudaHostRegister error %d)", error)
     else:

@@ -13,6 +13,7 @@ eager path is used and the status says why.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -52,6 +53,7 @@ def compile_forward(model: PreTrainedModel, inductor_mode: str,
 
 
 _backends: dict[str, Any] = {}  # inductor's backend per (mode, options, dynamic), made once
+_backends_lock = threading.Lock()  # a load and an idle compile may ask at once
 
 
 def _inductor_backend(mode: str | None, options: dict, dynamic: bool | None):
@@ -63,9 +65,10 @@ def _inductor_backend(mode: str | None, options: dict, dynamic: bool | None):
     (its BACKEND_MATCH message) is to reuse one backend; compiled code made with an equal one
     (the same settings) serves either."""
     key = repr((mode, sorted(options.items()), dynamic))
-    if key not in _backends:
-        _backends[key] = torch._TorchCompileInductorWrapper(mode, options or None, dynamic)
-    return _backends[key]
+    with _backends_lock:
+        if key not in _backends:
+            _backends[key] = torch._TorchCompileInductorWrapper(mode, options or None, dynamic)
+        return _backends[key]
 
 
 def support(loaded: LoadedModel) -> tuple[bool, str]:

@@ -177,6 +177,10 @@ def test_a_tool_that_turns_an_option_on_by_default_offers_the_flag_that_turns_it
     assert config.compile_while_idle is False
     with pytest.raises(SystemExit):  # the flag of the engine's default is not the app's
         app.parse_args(["--compile-while-idle"])
+    # The other way round has no flag whose help says what it does: refused, not a dead flag.
+    with pytest.raises(ValueError, match="compile"):
+        EngineConfig.add_cli_args(argparse.ArgumentParser(), only=("compile",),
+                                  defaults={"compile": (False, None)})
 
 
 def _helps(parser: argparse.ArgumentParser) -> dict[str, str]:
