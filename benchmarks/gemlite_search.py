@@ -1,0 +1,208 @@
+"""gemlite's split-K GEMM for decode batches of 5-63 rows, tuned among a wider grid of configs
+than its own "fast" list, shape by shape, against bf16's cuBLAS on the same shape and rows.
+
+Why: at 32 rows int8-wo's linear layers read their int8 weights at 1.42 TB/s where bf16's
+cuBLAS reads bf16 at 2.58 (H100, BENCHMARKS.md, "Where int8-wo's step goes"), which is the
+8-bit modes' 32-stream gap. gemlite tunes a shape and row bucket among about twenty configs, so
+a better one may exist. Its own "max" list holds 7 500 (each a Triton compile), too many for a
+GPU call; GRID is a middle way (below).
+
+Per linear shape of the model config (the app's fused q/k/v and gate/up, o, down) and per row
+count: bf16 F.linear, gemlite with the config it holds now (shipped, or tuned by its fast list
+here), then gemlite tuned among GRID. Each is timed as CUDA-graph replays (as the engine runs
+them). Writes OUT/gemlite_search.json and .md as it goes, and OUT/gemlite-configs.json: gemlite's
+tuned configs in its own format, the faster of the two for each shape and bucket, to ship as
+model_utils/layers/gemlite_configs/<gpu>.json.
+
+    python benchmarks/gemlite_search.py --config benchmarks/configs/qwen2.5-7b-instruct.config.json \
+        --rows 32,16 --weights int8 --out "$OUT"     # on the GPU host, gemlite installed
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+MATMUL_TYPE = "GEMM_SPLITK"  # gemlite's kernel for 5-63 rows
+
+
+def grid(rows: int) -> list:
+    """The configs to search: tiles as high as the bucket's rows (16 or 32), 64-256 wide and
+    deep, split-K 1-8, 4 or 8 warps, 4 or 5 stages (gemlite's pruner lowers the stages where
+    shared memory is short): 144, about as many Triton compiles."""
+    import triton
+
+    high = 32 if rows > 16 else 16
+    return [triton.Config({"BLOCK_SIZE_M": high, "BLOCK_SIZE_N": n, "BLOCK_SIZE_K": k,
+                           "SPLIT_K": split, "GROUP_SIZE_M": 8, "A_load_order": 0},
+                          num_warps=warps, num_stages=stages)
+            for n in (64, 128, 256) for k in (64, 128, 256) for split in (1, 2, 4, 8)
+            for warps in (4, 8) for stages in (4, 5)]
+
+
+def linear_shapes(config: dict) -> dict[str, tuple[int, int]]:
+    """(out features, in features) of each linear layer a decode step runs, as the app fuses
+    them (layers/fused_qkv.py, fused_mlp.py)."""
+    hidden, inner = config["hidden_size"], config["intermediate_size"]
+    heads = config["num_attention_heads"]
+    kv_heads = config.get("num_key_value_heads", heads)
+    head_dim = config.get("head_dim") or hidden // heads
+    return {"qkv": ((heads + 2 * kv_heads) * head_dim, hidden), "o": (hidden, heads * head_dim),
+            "gate_up": (2 * inner, hidden), "down": (hidden, inner)}
+
+
+def replay_us(fn, reps: int = 50, rounds: int = 5) -> float:
+    """Microseconds a call of fn takes, replayed from a CUDA graph of `reps` calls (the best of
+    `rounds`): no launch or Python overhead, as in the engine's captured step."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(reps):
+            fn()
+    best = float("inf")
+    for _ in range(rounds):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) * 1000 / reps)
+    return best
+
+
+def tuned_key(layer, rows: int) -> str:
+    from model_utils.layers import gemlite_8bit
+
+    _, bucket, shape = gemlite_8bit._signature(layer, rows)
+    return str((bucket, *shape))
+
+
+def config_in_use(layer, rows: int) -> dict | None:
+    """The config gemlite runs for `layer` at `rows` rows: the one its autotuner chose in this
+    process, else the one its table holds (as GemLiteLinear.cache_config merges them)."""
+    import gemlite.core as core
+
+    key = tuned_key(layer, rows)
+    chosen = core.cache_kernel_config(core.GEMLITE_TRITON_MAPPING[MATMUL_TYPE].kernel[0], 6)
+    return chosen.get(key) or core.GEMLITE_TRITON_CONFIG_CACHE.get(MATMUL_TYPE, {}).get(key)
+
+
+def search(layer, x2, rows: int):
+    """gemlite's product for `layer` at x2's rows: (µs with the config it holds, that config,
+    µs tuned among GRID, that config). Leaves the faster of the two to be written."""
+    import gemlite.core as core
+
+    from model_utils.layers import gemlite_8bit
+
+    def run():
+        gemlite_8bit.product(layer, x2)
+
+    held_us = replay_us(run)  # tunes among gemlite's own list first if it holds no config
+    held = config_in_use(layer, rows)
+    autotuner = core.GEMLITE_TRITON_MAPPING[MATMUL_TYPE].kernel[0]  # the INT kernel's
+    own_configs = autotuner.configs
+    gemlite_8bit._forget_tuned(layer, rows)  # from its table and its autotuner's choices
+    autotuner.configs = grid(rows)
+    try:
+        wide_us = replay_us(run)
+    finally:
+        autotuner.configs = own_configs
+    wide = config_in_use(layer, rows)
+    if held is not None and held_us < wide_us:  # the table's entry is what gets written
+        gemlite_8bit._forget_tuned(layer, rows)
+        core.GEMLITE_TRITON_CONFIG_CACHE.setdefault(MATMUL_TYPE, {})[tuned_key(layer, rows)] = held
+    return held_us, held, wide_us, wide
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", required=True, help="config.json of the model shape")
+    parser.add_argument("--rows", default="32,16", help="row counts, each standing for its "
+                        "gemlite bucket (17-32, 9-16, ...)")
+    parser.add_argument("--weights", default="int8", choices=("int8", "fp8"))
+    parser.add_argument("--budget-s", type=float, default=500,
+                        help="start no new shape after this many seconds")
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("gemlite_search needs a CUDA GPU")
+        return 2
+    from model_utils.layers import gemlite_8bit
+    from model_utils.layers.fp8_weights import Fp8Linear
+    from model_utils.layers.weight_only import Int8WeightOnlyLinear
+
+    if problem := gemlite_8bit.unavailable_reason(torch.device("cuda"), torch.bfloat16):
+        print(problem)
+        return 2
+    import gemlite.core as core
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+            "config": Path(args.config).name, "weights": args.weights}
+    rows_list = [int(r) for r in args.rows.split(",")]
+    results = []
+    for name, (n, k) in linear_shapes(json.loads(Path(args.config).read_text())).items():
+        if time.perf_counter() - start > args.budget_s:
+            results.append({"layer": name, "skipped": "time"})
+            continue
+        linear = torch.nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16)
+        with torch.no_grad():
+            layer = Int8WeightOnlyLinear(linear) if args.weights == "int8" else Fp8Linear(linear)
+        if not gemlite_8bit.attach(layer):
+            results.append({"layer": name, "skipped": "gemlite does not take this shape"})
+            continue
+        for rows in rows_list:
+            x2 = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+            bf16_us = replay_us(functools.partial(F.linear, x2, linear.weight))
+            held_us, held, wide_us, wide = search(layer, x2, rows)
+            weight_gb = n * k * layer.qweight.element_size() / 1e9
+            row = {"layer": name, "n": n, "k": k, "rows": rows, "bf16_us": round(bf16_us, 1),
+                   "gemlite_us": round(held_us, 1), "gemlite_config": held,
+                   "wide_us": round(wide_us, 1), "wide_config": wide,
+                   "wide_tb_s": round(weight_gb / wide_us * 1e6 / 1e3, 2),
+                   "bf16_tb_s": round(2 * n * k / 1e9 / bf16_us * 1e6 / 1e3, 2)}
+            results.append(row)
+            print(json.dumps({key: v for key, v in row.items() if "config" not in key}),
+                  flush=True)
+            core.GemLiteLinear.cache_config(str(out / "gemlite-configs.json"))
+            meta["elapsed_s"] = round(time.perf_counter() - start, 1)
+            (out / "gemlite_search.json").write_text(json.dumps({"meta": meta,
+                                                                  "results": results}, indent=2))
+        del layer, linear
+    (out / "gemlite_search.md").write_text(table(results, meta))
+    print(table(results, meta))
+    return 0
+
+
+def table(results: list[dict], meta: dict) -> str:
+    lines = [f"{meta['gpu']}, {meta['config']}, {meta['weights']} weights, torch {meta['torch']}",
+             "", "| layer | N x K | rows | bf16 µs | gemlite µs (held config) | "
+             "gemlite µs (wider search) | the faster x bf16 | weights TB/s (wider) |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        if "skipped" in r:
+            lines.append(f"| {r['layer']} | skipped: {r['skipped']} |||||||")
+            continue
+        lines.append(f"| {r['layer']} | {r['n']} x {r['k']} | {r['rows']} | {r['bf16_us']} | "
+                     f"{r['gemlite_us']} | {r['wide_us']} | "
+                     f"{r['bf16_us'] / min(r['wide_us'], r['gemlite_us']):.2f}x | "
+                     f"{r['wide_tb_s']} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
