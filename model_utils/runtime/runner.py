@@ -122,8 +122,7 @@ class BatchRunner:
     def use_padded_prefill(self, capture: GraphCapture | None = None,
                            largest_only: bool = False) -> float:
         """Prompts prefilled by PaddedPrefill (LeftPaddedPrefill with linear layers), shapes
-        captured by `capture` now: all, or the one that sizes the graphs' pool. Seconds taken;
-        on the worker, after warm_up."""
+        captured by `capture` now: all, or the pool's (pool_shape). Seconds; after warm_up."""
         kv = self._cache()
         seconds = 0.0
         if kv.states is not None:  # right padding would run into a linear layer's state
