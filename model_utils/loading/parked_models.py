@@ -227,10 +227,6 @@ class ParkedModels:
             if self._reserving is thread:  # not one a load started meanwhile (a bench's wait)
                 self._reserving = None
 
-    def reserving(self) -> bool:
-        thread = self._reserving
-        return thread is not None and thread.is_alive()
-
     def park(self, loaded: LoadedModel) -> str:
         """Keep `loaded` (already detached from serving) with its weights in host memory:
         "" when parked, else why not (it is then freed as usual)."""

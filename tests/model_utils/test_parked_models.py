@@ -202,4 +202,4 @@ def test_a_spare_made_ahead_fits_the_limit_and_takes_the_weights_parked_later():
 def test_a_cpu_model_gets_no_spare_buffer_made_ahead(parking):
     parking.load(cpu_request("fp32"))
     parked = parking.manager.parked
-    assert parked._reserving is None and not parked._spares and not parked.reserving()
+    assert parked._reserving is None and not parked._spares
