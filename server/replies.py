@@ -53,6 +53,16 @@ def stats_line(stats: ReplyStats | None, mode: str, *, no_answer: bool = False) 
     return line
 
 
+def waiting_notice(status: dict) -> str:
+    """What a reply sent now waits for, in words ("" for nothing the page should name): the
+    compile a load left for idle time (--compile-while-idle) runs to its end before a reply's
+    first token."""
+    if (seconds := status.get("compiling_for_s")) is None:
+        return ""
+    return (f"The model is compiling its faster decode step (started {seconds:.0f} s ago, left "
+            "for idle time after the load); the reply starts once that is done.")
+
+
 def stream(engine: Engine, messages: list[dict], settings: GenerationSettings, *,
            system_prompt: str, thinking: bool, stop: threading.Event) -> Iterator[ChatUpdate]:
     """engine.chat with errors made presentable. Closing this generator (Stop via cancel, a

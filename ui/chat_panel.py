@@ -31,7 +31,7 @@ from server.conversation import (
     without_last_turn,
 )
 from server.queue_gone import SESSIONS
-from server.replies import StopSignals, make_settings, stats_line, stream
+from server.replies import StopSignals, make_settings, stats_line, stream, waiting_notice
 
 from .branch_controls import build_branch_controls, wire_branch_controls
 from .chat_list import build_chat_list, wire_chat_list
@@ -147,11 +147,12 @@ def _wire(c: dict, engine: Engine, signals: StopSignals, export_dir: Path, demo:
         put back when the reply cannot be made. Yields (chatbot, conversation, message box,
         notice, Send, Stop, Regenerate). The conversation in the browser is written as the
         reply grows, so a reload keeps the turn as far as it got."""
+        status = engine.status()
         try:  # bad values: gr.Error before anything changes
-            settings = make_settings(left_to_the_server(values, engine.status()))
+            settings = make_settings(left_to_the_server(values, status))
         except InvalidParameter as error:
             raise user_error(str(error)) from error
-        mode = engine.status().get("mode", "?")
+        mode = status.get("mode", "?")
         session = getattr(request, "session_hash", None)
         stop = signals.start(session)
         log.info("chat: session %s, %d earlier messages, new message of %d chars, settings %s",
@@ -163,8 +164,9 @@ def _wire(c: dict, engine: Engine, signals: StopSignals, export_dir: Path, demo:
         # A tab closed mid-reply sets `stop` as its event stream closes (queue_gone.py).
         SESSIONS.add(session, stop)
         try:
-            yield (chatbot_messages(turns, {"content": ""}), saved({"content": ""}), "", "",
-                   *buttons(generating=True))
+            # Said until the first token's update replaces it.
+            yield (chatbot_messages(turns, {"content": ""}), saved({"content": ""}), "",
+                   waiting_notice(status), *buttons(generating=True))
             update, last_save = None, time.monotonic()
             try:
                 for update in stream(engine, engine_messages(turns), settings,

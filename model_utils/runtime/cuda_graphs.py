@@ -196,6 +196,9 @@ class GraphedBatchStep:
         self._known = known_choices or {}
         self._defer = defer_compiling
         self._deferred: list[tuple[PagedKV, int]] = []  # shapes whose compiling waits
+        # When the compile under way began (time.monotonic), None when none is: a reply sent
+        # meanwhile waits for it, and the chat page says why (Serving.status).
+        self.compiling_since: float | None = None
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
 
     def __call__(self, kv: PagedKV, b: int) -> torch.Tensor:
@@ -284,6 +287,7 @@ class GraphedBatchStep:
         kv, b = self._deferred[0]  # still counted as pending while it compiles
         compiled = self.compiled if b == 1 else self.compiled_batched
         plain = self._graphs.get((id(kv), b))
+        self.compiling_since = time.monotonic()
         with torch.inference_mode():
             kv.pad_rows(0, b)
             kv.set_lengths(b, 1, b)
@@ -298,6 +302,7 @@ class GraphedBatchStep:
             finally:
                 kv.pad_rows(0, kv.rows)
                 self._deferred.pop(0)
+                self.compiling_since = None
         return bool(self._deferred)
 
     def _capture(self, kv: PagedKV, b: int, forward: Callable[..., Any]) -> Captured:

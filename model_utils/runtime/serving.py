@@ -10,6 +10,7 @@ loaded model and drops it with that model's unload.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -97,4 +98,7 @@ class Serving:
                 status["kv_blocks"] = blocks
         if self.memory_stages:
             status["memory_stages"] = dict(self.memory_stages)
+        step = self.scheduler.runner.step_fn if self.scheduler is not None else None
+        if (since := getattr(step, "compiling_since", None)) is not None:
+            status["compiling_for_s"] = round(time.monotonic() - since, 1)
         return status

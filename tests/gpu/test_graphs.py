@@ -118,6 +118,13 @@ def test_a_step_compiled_while_idle_takes_over_and_decodes_the_same(peaked_gpu, 
         # The stage as the clock names it: the progress line's words before their brackets
         # ("capturing the decode step (one reply; compiled while idle)").
         assert "capturing the decode step" in [s["stage"] for s in status["load_stages"]]
+        # While the compile runs, the status says for how long (the chat page's notice:
+        # server.replies.waiting_notice).
+        deadline = time.monotonic() + 120
+        while "compiling_for_s" not in status and time.monotonic() < deadline:
+            time.sleep(0.02)
+            status = engine.status()
+        assert status.get("compiling_for_s", -1) >= 0, status
         # A refused load stops the idle work for a moment; the model serves on, and so does it.
         with pytest.raises(LoadError):
             engine.load(LoadRequest("/nonexistent/model", "fp32", CUDA))

@@ -15,7 +15,7 @@ from server.conversation import (
     without_last_reply,
     without_last_turn,
 )
-from server.replies import make_settings, stats_line
+from server.replies import make_settings, stats_line, waiting_notice
 
 TURNS = [
     {"role": "user", "content": "2+2?"},
@@ -91,3 +91,9 @@ def test_stats_line_says_when_a_reply_was_cut():
     full = ReplyStats(new_tokens=5, finish_reason="length")
     assert "hit max_new_tokens" in stats_line(full, "bf16")
     assert "while reasoning: no answer yet" in stats_line(full, "bf16", no_answer=True)
+
+
+def test_a_reply_sent_during_the_idle_compile_is_told_why_it_waits():
+    assert waiting_notice({"mode": "bf16"}) == ""
+    notice = waiting_notice({"mode": "bf16", "compiling_for_s": 12.4})
+    assert "compiling" in notice and "started 12 s ago" in notice
