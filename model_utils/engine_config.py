@@ -67,8 +67,8 @@ class EngineConfig:
         "it is faster"))
     park_gb: int = field(default=0, metadata=_flag(
         "host memory (GB) where a mode switch keeps the model it replaces, so that switching "
-        "back takes its weights from there instead of reading the checkpoint again; not the "
-        "bitsandbytes modes; an unload frees them; 0: off", metavar="GB"))
+        "back takes its weights from there instead of reading the checkpoint again; not "
+        "LLM.int8 (int8); an unload frees them; 0: off", metavar="GB"))
     tp: int = field(default=1, metadata=_flag(
         "split the model over N worker processes that the engine starts itself (tensor "
         "parallelism: attention heads and MLP columns; gloo on the CPU, NCCL with one GPU per "

@@ -10,9 +10,10 @@ instead of reading the checkpoint. The engine then prepares the model as after a
 compiled code is kept per kind of model: model_utils.runtime.compiled_code), so what a switch
 back saves is the reading, the quantizing and gemlite's checks.
 
-Parked are only models whose every weight is a plain tensor on one device: not the
-bitsandbytes modes (their 4-bit and 8-bit parameters carry quantization state of their own),
-not a model spread over devices or offloaded to disk. The buffer of a model taken back stays,
+Parked are only models whose every weight is on one device, as a plain tensor or as a
+bitsandbytes 4-bit parameter (whose quantization state's tensors move with it): not LLM.int8
+(`int8`: its layers keep state of their own), not a model spread over devices or offloaded to
+disk. The buffer of a model taken back stays,
 as a spare for the next model parked. The parked models and spare buffers stay under the limit
 and leave MIN_FREE_HOST_GB of host memory free; spares go first, then the least recently
 parked. An explicit unload frees them all: whoever unloads wants the memory back.
@@ -37,6 +38,8 @@ import torch
 
 from model_utils.memory import GB
 
+from .host_copy import HostCopy, is_4bit, model_weights, move_weights
+
 if TYPE_CHECKING:
     from .loaded_model import LoadedModel, LoadRequest
 
@@ -44,7 +47,6 @@ log = logging.getLogger(__name__)
 
 MIN_FREE_HOST_GB = 4.0  # what parking leaves to the rest of the machine
 SPARE_SLACK = 1.5  # a spare buffer takes a model of at least 1/SPARE_SLACK of its size
-CUDA_HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable
 
 
 @dataclass(frozen=True)
@@ -75,84 +77,17 @@ class Parked:
     host: HostCopy | None = None  # a GPU model's weights while parked
 
 
-class HostCopy:
-    """Every weight of a GPU model in one host buffer, page-locked by registering it with CUDA.
-
-    Not torch's pinned tensors: its pinned-memory cache rounds each block up to a power of two
-    (up to twice a weight's size) and keeps freed blocks for the life of the process, so the
-    host memory of parked models stayed taken after they were dropped (BENCHMARKS.md,
-    "Switching modes"). A registered buffer holds what the weights need and goes back to the
-    system with the last view into it."""
-
-    ALIGN = 256  # bytes: each weight starts at a multiple of this from the buffer's start
-
-    def __init__(self, tensors: list[torch.Tensor], spare: HostCopy | None = None):
-        """`spare`: the buffer of a copy whose weights went back to the GPU, reused (it must
-        hold needed_bytes(tensors)): a fresh buffer's pages are faulted in and locked one by
-        one, which takes longer than the copy itself."""
-        # Offsets in the order the tensors are given: copy() is handed them in that order.
-        self._places: list[tuple[int, int]] = []
-        total = 0
-        for tensor in tensors:
-            size = _span(tensor) * tensor.element_size()
-            self._places.append((total, size))
-            total += -(-size // self.ALIGN) * self.ALIGN
-        self._places.reverse()
-        if spare is not None:
-            if spare.buffer.numel() < total:
-                raise ValueError("the spare buffer is smaller than the weights")
-            self.buffer, self.pinned = spare.buffer, spare.pinned
-            spare.buffer, spare.pinned = None, False  # handed over, not released
-        else:
-            self.buffer = torch.empty(total, dtype=torch.uint8)
-            self.pinned = _register(self.buffer)
-
-    @classmethod
-    def blank(cls, nbytes: int) -> HostCopy:
-        """A page-locked buffer of `nbytes` holding nothing yet: a spare made ahead of need."""
-        copy = cls([])
-        copy.buffer = torch.empty(nbytes, dtype=torch.uint8)
-        copy.pinned = _register(copy.buffer)
-        return copy
-
-    @classmethod
-    def needed_bytes(cls, tensors: list[torch.Tensor]) -> int:
-        return sum(-(-_span(t) * t.element_size() // cls.ALIGN) * cls.ALIGN for t in tensors)
-
-    @property
-    def gb(self) -> float:
-        buffer = self.buffer  # read once: a switch may release it while a status poll reads
-        return buffer.numel() / GB if buffer is not None else 0.0
-
-    def copy(self, tensor: torch.Tensor) -> torch.Tensor:
-        """The next tensor's place in the buffer (same dtype, shape and strides), its copy
-        under way."""
-        start, size = self._places.pop()
-        if size != _span(tensor) * tensor.element_size():
-            raise RuntimeError("a weight changed size between sizing and copying")
-        host = self.buffer[start:start + size].view(tensor.dtype).as_strided(
-            tensor.shape, tensor.stride())
-        return host.copy_(tensor, non_blocking=self.pinned)
-
-    def release(self) -> None:
-        """Unregister the buffer: after the weights left it, or before a dropped model's views
-        into it go (the memory itself goes with the last of them)."""
-        if self.pinned:
-            torch.cuda.cudart().cudaHostUnregister(self.buffer.data_ptr())
-            self.pinned = False
-        self.buffer = None
-
-
 def unparkable_reason(loaded: LoadedModel) -> str:
     """Why this model cannot be parked ("" when it can)."""
-    if loaded.mode.uses_bitsandbytes:
-        return f"{loaded.mode.name} weights carry bitsandbytes' quantization state"
+    if loaded.mode.quantization == "int8":
+        return "LLM.int8's layers keep quantization state of their own"
     tensors = [*loaded.model.parameters(), *loaded.model.buffers()]
     devices = {t.device for t in tensors}
     if len(devices) != 1 or next(iter(devices)).type == "meta":
         return "the model is spread over devices or offloaded"
-    if any(type(t) not in (torch.Tensor, torch.nn.Parameter) for t in tensors):
-        return "some weights are not plain tensors"
+    if any(type(t) not in (torch.Tensor, torch.nn.Parameter) and not is_4bit(t)
+           for t in tensors):
+        return "some weights are neither plain tensors nor bitsandbytes 4-bit ones"
     return ""
 
 
@@ -191,7 +126,7 @@ class ParkedModels:
             if next(loaded.model.parameters()).device.type != "cuda":
                 return  # a CPU model parks as it is: no buffer
             self.wait()
-            self._reserving = self.reserve(HostCopy.needed_bytes(_weights(loaded.model)))
+            self._reserving = self.reserve(HostCopy.needed_bytes(model_weights(loaded.model)))
         except Exception:  # noqa: BLE001 - see above
             log.warning("no parking buffer made ahead for %s", loaded.display_name,
                         exc_info=True)
@@ -241,7 +176,7 @@ class ParkedModels:
         if (older := self._parked.pop(repr(loaded.request), None)) is not None:
             _release(older)  # an older copy of the same request
         device = next(loaded.model.parameters()).device
-        weights = _weights(loaded.model) if device.type == "cuda" else []
+        weights = model_weights(loaded.model) if device.type == "cuda" else []
         spare = self._take_spare(HostCopy.needed_bytes(weights)) if weights else None
         while self.gb + (spare.gb if spare else gb) > self.limit_gb and self._make_room():
             pass
@@ -261,7 +196,7 @@ class ParkedModels:
             start = time.perf_counter()
             try:
                 host = HostCopy(weights, spare)
-                _move(loaded.model, host.copy)
+                move_weights(loaded.model, host.copy)
                 torch.cuda.synchronize(device)
             except Exception as error:  # noqa: BLE001 - not parked: the model is freed as usual
                 for buffer in (host, spare):
@@ -293,7 +228,7 @@ class ParkedModels:
             progress(0.3, f"taking the parked {loaded.display_name} in {loaded.mode.name} "
                           f"back{where} ({parked.gb:.1f} GB)")
         if parked.device.type == "cuda":
-            _move(loaded.model, lambda t: t.to(parked.device, non_blocking=True))
+            move_weights(loaded.model, lambda t: t.to(parked.device, non_blocking=True))
             torch.cuda.synchronize(parked.device)
         if parked.host is not None:
             self._spares.append(parked.host)  # no view into it is left: the weights moved
@@ -342,52 +277,3 @@ def _release(parked: Parked) -> None:
     if parked.host is not None:
         parked.host.release()
         parked.host = None
-
-
-def _register(buffer: torch.Tensor) -> bool:
-    """Page-lock `buffer` in place; False (it stays pageable, the copies synchronous) where
-    CUDA refuses, e.g. a locked-memory limit.
-
-    The pages are faulted in first, by torch's threads writing them all at once: cudaHostRegister
-    would fault them in one by one on a single thread, the slower part of locking a fresh buffer
-    (torch's own host allocator does the same with `pinned_use_cuda_host_register`)."""
-    if not torch.cuda.is_available() or buffer.numel() == 0:
-        return False
-    start = time.perf_counter()
-    buffer.zero_()  # a parallel fill: every page faulted in, on all of torch's threads
-    faulted = time.perf_counter()
-    # Portable: page-locked for every device's context, not only the current one's.
-    error = int(torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), buffer.numel(),
-                                                     CUDA_HOST_REGISTER_PORTABLE))
-    if error:
-        log.warning("parked weights are not page-locked (cudaHostRegister error %d)", error)
-    else:
-        log.info("a host buffer of %.2f GB: pages faulted in %.2f s (%d threads), locked in "
-                 "%.2f s", buffer.numel() / GB, faulted - start, torch.get_num_threads(),
-                 time.perf_counter() - faulted)
-    return error == 0
-
-
-def _span(tensor: torch.Tensor) -> int:
-    """Elements from a tensor's first to its last, whatever its strides (non-negative)."""
-    if tensor.numel() == 0:
-        return 0
-    return 1 + sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride()))
-
-
-def _weights(model: torch.nn.Module) -> list[torch.Tensor]:
-    """What _move will hand its function, in the same order."""
-    return [p.data for p in model.parameters()] + [
-        b for m in model.modules() for b in m._buffers.values() if b is not None]
-
-
-def _move(model: torch.nn.Module, to) -> None:
-    """Every parameter and buffer of `model` to to(tensor), in place: the modules keep their
-    Parameter objects (tied weights stay tied) and their buffers' names."""
-    with torch.no_grad():
-        for parameter in model.parameters():
-            parameter.data = to(parameter.data)
-        for module in model.modules():
-            for name, buffer in module._buffers.items():
-                if buffer is not None:
-                    module._buffers[name] = to(buffer)

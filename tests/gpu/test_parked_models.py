@@ -6,6 +6,7 @@ from __future__ import annotations
 import gc
 import weakref
 
+import pytest
 import torch
 
 from model_utils.loading.loaded_model import LoadRequest
@@ -121,3 +122,25 @@ def unload_after_switches(peaked_gpu):
             and t.device.type == "cpu"
             and any(lo <= t.data_ptr() < hi for lo, hi in spans)]
     assert not left, [holders(t) for t in left[:2]]
+
+
+def test_an_nf4_model_parks_with_its_quantization_state_and_answers_the_same(peaked_gpu):
+    pytest.importorskip("bitsandbytes")
+    engine = load_engine(peaked_gpu, "nf4", max_batch=4, park_gb=4)
+    try:
+        model = engine.manager.loaded.model
+        first_reply = reply(engine)
+        engine.load(LoadRequest(str(peaked_gpu), "bf16", CUDA, context_tokens=CONTEXT))
+        assert engine.manager.last_unload.leftover == {}, engine.manager.last_unload
+        states = [p.quant_state for p in model.parameters() if type(p).__name__ == "Params4bit"]
+        assert states and all(s.absmax.device.type == "cpu" and s.absmax.is_pinned()
+                              for s in states)
+        assert all(p.device.type == "cpu" for p in model.parameters())
+
+        back = engine.load(LoadRequest(str(peaked_gpu), "nf4", CUDA, context_tokens=CONTEXT))
+        assert engine.manager.loaded.model is model
+        assert back["last_switch"]["from_caches"][:1] == ["parked weights"]
+        assert all(s.absmax.device.type == "cuda" for s in states)
+        assert reply(engine) == first_reply
+    finally:
+        engine.unload()

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from model_utils.engine import Engine
-from model_utils.loading.parked_models import HostCopy, ParkedModels, _move, _weights
+from model_utils.loading.host_copy import HostCopy, model_weights, move_weights
+from model_utils.loading.parked_models import ParkedModels, unparkable_reason
 from model_utils.runtime.generation_settings import GenerationSettings
 
 from .helpers import copy_demo, cpu_request
@@ -125,8 +126,8 @@ def test_a_host_copy_keeps_every_weight_in_one_buffer_with_its_shape_strides_and
     before = {name: t.clone() for name, t in model.state_dict().items()}
     strides = {name: t.stride() for name, t in model.state_dict().items()}
 
-    host = HostCopy(_weights(model))
-    _move(model, host.copy)
+    host = HostCopy(model_weights(model))
+    move_weights(model, host.copy)
 
     assert model[1].weight is model[0].weight
     start, end = host.buffer.data_ptr(), host.buffer.data_ptr() + host.buffer.numel()
@@ -144,7 +145,7 @@ def test_parking_the_same_request_again_releases_the_older_copys_buffer(parking)
     parking.load(cpu_request("bf16"))
     parked = parking.manager.parked
     (older,) = parked._parked.values()
-    host = older.host = HostCopy(_weights(older.loaded.model))  # as a GPU model's holds one
+    host = older.host = HostCopy(model_weights(older.loaded.model))  # as a GPU model's holds one
     assert parked.park(older.loaded) == ""
     assert host.buffer is None and len(parked.names()) == 1
 
@@ -152,25 +153,25 @@ def test_parking_the_same_request_again_releases_the_older_copys_buffer(parking)
 def test_a_spare_buffer_takes_the_next_model_parked_and_the_smallest_that_fits_is_chosen():
     small = torch.nn.Linear(4, 4)
     large = torch.nn.Linear(16, 16)
-    left = HostCopy(_weights(large))
-    _move(large, left.copy)
-    _move(large, lambda t: t.clone())  # taken back: no view into the buffer is left
+    left = HostCopy(model_weights(large))
+    move_weights(large, left.copy)
+    move_weights(large, lambda t: t.clone())  # taken back: no view into the buffer is left
     place = left.buffer.data_ptr()
 
     with pytest.raises(ValueError, match="smaller"):
-        HostCopy(_weights(torch.nn.Linear(32, 32)), left)
+        HostCopy(model_weights(torch.nn.Linear(32, 32)), left)
     before = {name: t.clone() for name, t in small.state_dict().items()}
-    reused = HostCopy(_weights(small), left)
-    _move(small, reused.copy)
+    reused = HostCopy(model_weights(small), left)
+    move_weights(small, reused.copy)
     assert left.buffer is None and reused.buffer.data_ptr() == place
     for name, tensor in small.state_dict().items():
         assert torch.equal(tensor, before[name]) and tensor.data_ptr() >= place, name
 
     parked = ParkedModels(limit_gb=1)
-    spares = [HostCopy(_weights(torch.nn.Linear(n, n))) for n in (32, 8, 16)]
+    spares = [HostCopy(model_weights(torch.nn.Linear(n, n))) for n in (32, 8, 16)]
     parked._spares = list(spares)
     assert parked.gb == pytest.approx(sum(s.buffer.numel() for s in spares) / 1024**3)
-    assert parked._take_spare(HostCopy.needed_bytes(_weights(torch.nn.Linear(6, 6)))) is spares[1]
+    assert parked._take_spare(HostCopy.needed_bytes(model_weights(torch.nn.Linear(6, 6)))) is spares[1]
     assert parked._take_spare(10**9) is None
     assert parked._take_spare(300) is None  # every spare left is over 1.5x that: idle room
     assert parked._make_room() and spares[0].buffer is None  # spares go first, oldest first
@@ -180,7 +181,7 @@ def test_a_spare_buffer_takes_the_next_model_parked_and_the_smallest_that_fits_i
 
 def test_a_spare_made_ahead_fits_the_limit_and_takes_the_weights_parked_later():
     model = torch.nn.Linear(16, 16)
-    needed = HostCopy.needed_bytes(_weights(model))
+    needed = HostCopy.needed_bytes(model_weights(model))
     parked = ParkedModels(limit_gb=1)
     parked._reserving = parked.reserve(needed)
     parked.wait()
@@ -191,8 +192,8 @@ def test_a_spare_made_ahead_fits_the_limit_and_takes_the_weights_parked_later():
 
     place = spare.buffer.data_ptr()
     before = {name: t.clone() for name, t in model.state_dict().items()}
-    host = HostCopy(_weights(model), parked._take_spare(needed))
-    _move(model, host.copy)
+    host = HostCopy(model_weights(model), parked._take_spare(needed))
+    move_weights(model, host.copy)
     assert host.buffer.data_ptr() == place and not parked._spares
     for name, tensor in model.state_dict().items():
         assert torch.equal(tensor, before[name]), name
@@ -203,3 +204,59 @@ def test_a_cpu_model_gets_no_spare_buffer_made_ahead(parking):
     parking.load(cpu_request("fp32"))
     parked = parking.manager.parked
     assert parked._reserving is None and not parked._spares
+
+
+def reachable_storages(root) -> dict[int, str]:
+    """data_ptr -> a path to it, of every tensor reachable from `root` through modules,
+    containers, tensors' own attributes and bitsandbytes' objects: found without the walk
+    the parking code uses, so that a tensor it misses shows here."""
+    found, seen, stack = {}, set(), [(root, "model")]
+    while stack:
+        obj, path = stack.pop()
+        if id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, dict):
+            stack += [(value, f"{path}[{key}]") for key, value in obj.items()]
+        elif isinstance(obj, list | tuple):
+            stack += [(value, f"{path}[]") for value in obj]
+        elif isinstance(obj, torch.Tensor | torch.nn.Module) or \
+                type(obj).__module__.startswith("bitsandbytes"):
+            if isinstance(obj, torch.Tensor) and obj.numel():
+                found.setdefault(obj.data_ptr(), path)
+            stack += [(value, f"{path}.{key}") for key, value in vars(obj).items()]
+    return found
+
+
+def test_a_4bit_model_moves_whole_with_its_quantization_state(demo_path):
+    """nf4 parks: every tensor of its weights, bitsandbytes' quantization state included,
+    goes where parking moves it (on a GPU: host memory), and the model answers as before."""
+    engine = Engine()
+    try:
+        engine.load(cpu_request("nf4"))
+        model = engine.manager.loaded.model
+        assert any(type(p).__name__ == "Params4bit" for p in model.parameters())
+        before_reply, before = reply(engine), reachable_storages(model)
+        assert HostCopy.needed_bytes(model_weights(model)) >= sum(
+            t.numel() * t.element_size() for t in model_weights(model))
+        moved = []  # the originals, kept alive so that their addresses are not reused
+        move_weights(model, lambda t: moved.append(t) or t.clone())
+        left = {ptr: path for ptr, path in reachable_storages(model).items() if ptr in before}
+        assert not left, left  # nothing of the model stayed where it was
+        assert {t.data_ptr() for t in moved if t.numel()} >= set(before)
+        assert reply(engine) == before_reply
+    finally:
+        engine.unload()
+
+
+def test_a_switch_back_to_nf4_takes_it_parked_and_llm_int8_is_not_parked(parking):
+    parking.load(cpu_request("nf4"))
+    model, fresh = parking.manager.loaded.model, reply(parking)
+    parking.load(cpu_request("int8"))
+    assert parking.manager.parked.names()[0].endswith("(nf4)")
+    assert "LLM.int8" in unparkable_reason(parking.manager.loaded)
+    back = parking.load(cpu_request("nf4"))
+    assert parking.manager.loaded.model is model
+    assert back["last_switch"]["from_caches"] == ["parked weights"]
+    assert reply(parking) == fresh
+    assert parking.manager.parked.names() == []  # nf4 taken back, int8 freed
