@@ -7,7 +7,9 @@ torchao's defaults slower than bf16, BENCHMARKS.md). Here:
 
 - int4: asymmetric, one bf16 scale and one bf16 zero point per `group` weights of a row, the
   scheme of PyTorch's own tinygemm kernel (torch.ops.aten._weight_int4pack_mm, the kernel of
-  gpt-fast and of torchao's int4 "tile_packed_to_4d"): w = (q - 8) * scale + zero, q in 0..15.
+  gpt-fast and of torchao's int4 "tile_packed_to_4d"): w = (q - 8) * scale + zero, q in 0..15;
+  each group's range is its min-max or a few clippings of it, whichever rounds it with the
+  least squared error (INT4_RANGE_FRACTIONS).
   On a CUDA GPU with bf16 compute the weights are kept in tinygemm's packed layout and every
   forward is one tinygemm call, eager, compiled or captured alike. Elsewhere (the CPU, other
   compute dtypes) they are kept two to a byte and dequantized in the forward: slow, but the same
@@ -43,20 +45,52 @@ TINYGEMM_N_MULTIPLE = 8
 
 
 # -- the numbers ---------------------------------------------------------------------------------
+# Each group's range is searched among these fractions of its own (shrunk about its middle):
+# clipping a group's few outermost weights makes the step finer for all the others. The
+# fraction with the least squared error over the group is kept; no calibration data is needed.
+INT4_RANGE_FRACTIONS = (1.0, 0.9, 0.85, 0.8)
+QUANTIZE_ROWS = 2048  # rows quantized at once: the search's fp32 temporaries stay small
+
+
 def quantize_int4(weight: torch.Tensor, group: int):
     """(q uint8 [N, K] in 0..15, scales bf16 [N, K/group], zeros bf16 [N, K/group]).
 
     Computed in fp32, then q is taken against the bf16-rounded scale and zero that are stored,
     so that dequantizing from what is stored is exact to what the kernels read."""
+    parts = [_quantize_int4_rows(rows, group) for rows in weight.detach().split(QUANTIZE_ROWS)]
+    return tuple(torch.cat(tensors) for tensors in zip(*parts))
+
+
+def _quantize_int4_rows(weight: torch.Tensor, group: int):
     n, k = weight.shape
-    w = weight.detach().float().reshape(n, k // group, group)
+    w = weight.float().reshape(n, k // group, group)
     low, high = w.amin(-1), w.amax(-1)
+    middle, half = (high + low) / 2, (high - low) / 2
+    best = None
+    for fraction in INT4_RANGE_FRACTIONS:
+        q, scales, zeros = _int4_grid(w, middle - fraction * half, middle + fraction * half)
+        s, z = scales.float().unsqueeze(-1), zeros.float().unsqueeze(-1)
+        error = ((q.float() - 8) * s + z - w).square().sum(-1)
+        if best is None:
+            best = [error, q, scales, zeros]
+            continue
+        better = error < best[0]
+        best[0] = torch.where(better, error, best[0])
+        best[1] = torch.where(better.unsqueeze(-1), q, best[1])
+        best[2] = torch.where(better, scales, best[2])
+        best[3] = torch.where(better, zeros, best[3])
+    _, q, scales, zeros = best
+    return q.reshape(n, k), scales, zeros
+
+
+def _int4_grid(w: torch.Tensor, low: torch.Tensor, high: torch.Tensor):
+    """w's groups rounded to 16 levels from `low` to `high` (one per group)."""
     scales = ((high - low) / 15).clamp(min=torch.finfo(torch.bfloat16).smallest_normal)
     zeros = low + 8 * scales
     scales, zeros = scales.to(torch.bfloat16), zeros.to(torch.bfloat16)
     s, z = scales.float().unsqueeze(-1), zeros.float().unsqueeze(-1)
     q = torch.clamp(torch.round((w - (z - 8 * s)) / s), 0, 15).to(torch.uint8)
-    return q.reshape(n, k), scales, zeros
+    return q, scales, zeros
 
 
 def dequantize_int4(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
