@@ -66,31 +66,31 @@ def _quantize_int4_rows(weight: torch.Tensor, group: int):
     w = weight.float().reshape(n, k // group, group)
     low, high = w.amin(-1), w.amax(-1)
     middle, half = (high + low) / 2, (high - low) / 2
-    best = None
+    best = None  # (squared error, scales, zeros) per group
+    x = torch.empty_like(w)
     for fraction in INT4_RANGE_FRACTIONS:
-        q, scales, zeros = _int4_grid(w, middle - fraction * half, middle + fraction * half)
-        s, z = scales.float().unsqueeze(-1), zeros.float().unsqueeze(-1)
-        error = ((q.float() - 8) * s + z - w).square().sum(-1)
+        scales, zeros = _int4_range(middle - fraction * half, middle + fraction * half)
+        s = scales.float().unsqueeze(-1)
+        # The weights in steps of the grid (in place: a load quantizes billions of them), and
+        # their distance to the level they round to, in weight units squared.
+        torch.sub(w, zeros.float().unsqueeze(-1) - 8 * s, out=x).div_(s)
+        error = x.round().clamp_(0, 15).sub_(x).square_().sum(-1) * s.squeeze(-1).square()
         if best is None:
-            best = [error, q, scales, zeros]
+            best = (error, scales, zeros)
             continue
         better = error < best[0]
-        best[0] = torch.where(better, error, best[0])
-        best[1] = torch.where(better.unsqueeze(-1), q, best[1])
-        best[2] = torch.where(better, scales, best[2])
-        best[3] = torch.where(better, zeros, best[3])
-    _, q, scales, zeros = best
-    return q.reshape(n, k), scales, zeros
+        best = (torch.where(better, error, best[0]), torch.where(better, scales, best[1]),
+                 torch.where(better, zeros, best[2]))
+    _, scales, zeros = best
+    s = scales.float().unsqueeze(-1)
+    q = torch.sub(w, zeros.float().unsqueeze(-1) - 8 * s, out=x).div_(s).round_().clamp_(0, 15)
+    return q.to(torch.uint8).reshape(n, k), scales, zeros
 
 
-def _int4_grid(w: torch.Tensor, low: torch.Tensor, high: torch.Tensor):
-    """w's groups rounded to 16 levels from `low` to `high` (one per group)."""
+def _int4_range(low: torch.Tensor, high: torch.Tensor):
+    """The stored (bf16) scale and zero point of 16 levels from `low` to `high`."""
     scales = ((high - low) / 15).clamp(min=torch.finfo(torch.bfloat16).smallest_normal)
-    zeros = low + 8 * scales
-    scales, zeros = scales.to(torch.bfloat16), zeros.to(torch.bfloat16)
-    s, z = scales.float().unsqueeze(-1), zeros.float().unsqueeze(-1)
-    q = torch.clamp(torch.round((w - (z - 8 * s)) / s), 0, 15).to(torch.uint8)
-    return q, scales, zeros
+    return scales.to(torch.bfloat16), (low + 8 * scales).to(torch.bfloat16)
 
 
 def dequantize_int4(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,

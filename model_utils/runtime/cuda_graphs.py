@@ -289,9 +289,9 @@ class GraphedBatchStep:
         plain = self._graphs.get((id(kv), b))
         self.compiling_since = time.monotonic()
         with torch.inference_mode():
-            kv.pad_rows(0, b)
-            kv.set_lengths(b, 1, b)
             try:
+                kv.pad_rows(0, b)
+                kv.set_lengths(b, 1, b)
                 captured = self._capture(kv, b, compiled)
                 self._graphs[(id(kv), b)] = self._faster(b, {compiled: captured,
                                                              self.model: plain})
@@ -300,9 +300,9 @@ class GraphedBatchStep:
                 self.chosen[b] = {"kept": "plain", "compiling_failed":
                                   f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"}
             finally:
-                kv.pad_rows(0, kv.rows)
-                self._deferred.pop(0)
                 self.compiling_since = None
+                self._deferred.pop(0)
+                kv.pad_rows(0, kv.rows)
         return bool(self._deferred)
 
     def _capture(self, kv: PagedKV, b: int, forward: Callable[..., Any]) -> Captured:

@@ -124,9 +124,10 @@ def unload_after_switches(peaked_gpu):
     assert not left, [holders(t) for t in left[:2]]
 
 
-def test_an_nf4_model_parks_with_its_quantization_state_and_answers_the_same(peaked_gpu):
+@pytest.mark.parametrize("mode", ["nf4", "nf4-dq"])
+def test_an_nf4_model_parks_with_its_quantization_state_and_answers_the_same(peaked_gpu, mode):
     pytest.importorskip("bitsandbytes")
-    engine = load_engine(peaked_gpu, "nf4", max_batch=4, park_gb=4)
+    engine = load_engine(peaked_gpu, mode, max_batch=4, park_gb=4)
     try:
         model = engine.manager.loaded.model
         first_reply = reply(engine)
@@ -137,7 +138,10 @@ def test_an_nf4_model_parks_with_its_quantization_state_and_answers_the_same(pea
                               for s in states)
         assert all(p.device.type == "cpu" for p in model.parameters())
 
-        back = engine.load(LoadRequest(str(peaked_gpu), "nf4", CUDA, context_tokens=CONTEXT))
+        if mode == "nf4-dq":  # the nested state moved too
+            assert all(s.state2.absmax.device.type == "cpu" and s.offset.device.type == "cpu"
+                       for s in states)
+        back = engine.load(LoadRequest(str(peaked_gpu), mode, CUDA, context_tokens=CONTEXT))
         assert engine.manager.loaded.model is model
         assert back["last_switch"]["from_caches"][:1] == ["parked weights"]
         assert all(s.absmax.device.type == "cuda" for s in states)
