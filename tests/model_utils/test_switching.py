@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import gc
+import json
+import subprocess
+import sys
 import threading
 import weakref
 from pathlib import Path
@@ -14,15 +17,14 @@ from model_utils.engine import Engine
 from model_utils.errors import LoadError
 from model_utils.loading.loaded_model import LoadRequest
 from model_utils.loading.placement import Placement
-from model_utils.memory import GB
 
-from .helpers import FEW_TOKENS, HELLO, copy_demo, cpu_request
+from .helpers import FEW_TOKENS, HELLO, REPO_ROOT, copy_demo, cpu_request
 
 MB = 1024**2
-CHAIN = ("fp32", "int8", "nf4", "bf16", "fp32")
 
 # How far process RSS after an unload may sit above the RSS after the first unload of the
-# chain. Measured on this model, after the warm-up below: at most 5 MB (first use of some bf16
+# chain (run by switch_chain in a process of its own). Measured on this model, after the
+# chain's warm-up: at most 5 MB (first use of some bf16
 # kernels; page and allocator noise). 12 MB is below the smallest model of the chain (nf4,
 # 15.7 MB; int8 30 MB, bf16 59 MB, fp32 118 MB), so a model that was not given back fails the
 # test, and well above the noise, so the test is not flaky.
@@ -53,51 +55,27 @@ def wide_models_dir(tmp_path_factory, demo_path):
 
 
 def test_switch_chain_answers_and_gives_memory_back(wide_models_dir):
-    # The app tunes its process (process_tuning: glibc's mmap threshold pinned, which is what
-    # makes RSS drop after an unload); this test holds a process tuned the same way to that.
-    process_tuning.tune_process()
-    engine = Engine(models_dir=wide_models_dir)
-    # Warm-up: the first int8 / 4-bit / bf16 matmul on a CPU loads bitsandbytes' kernels and
-    # torch's bf16 code paths once for the life of the process (~50 MB measured), and the
-    # kernels chosen for each shape are kept; that is not memory a switch should give back, so
-    # it is paid before the baseline, on the model the chain switches (the demo model's
-    # shapes left some for the chain: 14.6 MB over the bound once, after other tests).
-    for mode in ("int8", "nf4", "bf16"):
-        engine.load(cpu_request(mode, model="wide"))
-        engine.generate_text(HELLO, FEW_TOKENS)
-    engine.unload()
+    done = subprocess.run([sys.executable, "-m", "tests.model_utils.switch_chain",
+                           str(wide_models_dir)], cwd=REPO_ROOT, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    chain = json.loads(done.stdout.splitlines()[-1])
+    assert chain["problems"] == []
 
-    baseline = None
-    previous = None  # weak reference to the model the next switch must free
-    for mode in CHAIN:
-        footprint = engine.manager.loaded.footprint_gb if engine.manager.loaded else 0.0
-        status = engine.load(cpu_request(mode, model="wide"))
-        assert (status["mode"], status["placement"]) == (mode, "cpu")
-        assert engine.generate_text(HELLO, FEW_TOKENS).stats.new_tokens == 4
-        if previous is None:
-            previous = weakref.ref(engine.manager.loaded.model)
-            continue
-        assert previous() is None, "the previous model is still alive after the switch"
-        report = engine.manager.last_unload
-        rss_after = report.after["rss_gb"] * GB
-        baseline = baseline or rss_after
-        assert rss_after - baseline <= RSS_BOUND_MB * MB, (
-            f"RSS after unloading {report.model} is {(rss_after - baseline) / MB:.1f} MB above "
+    baseline = chain["unloads"][0]["rss_after"]
+    for unload in chain["unloads"]:
+        above = unload["rss_after"] - baseline
+        assert above <= RSS_BOUND_MB * MB, (
+            f"RSS after unloading {unload['model']} is {above / MB:.1f} MB above "
             f"the RSS after the first unload (bound {RSS_BOUND_MB} MB)")
-        assert (report.before["rss_gb"] - report.after["rss_gb"]) * GB > footprint * GB / 2, (
-            f"unloading {report.model} gave back less than half of its {footprint:.3f} GB")
-        previous = weakref.ref(engine.manager.loaded.model)
-
-    engine.unload()
-    assert previous() is None
-    # Read as the switches' were, by the unload's own report (after its collection and trim):
-    # a reading taken later also counts what other threads of a shared test process allocated
-    # meanwhile (15.2 MB over the bound once, in a full run, with every switch's within it).
-    rss_after = engine.manager.last_unload.after["rss_gb"] * GB
-    assert rss_after - baseline <= RSS_BOUND_MB * MB, (rss_after - baseline) / MB
+        given_back = unload["rss_before"] - unload["rss_after"]
+        assert given_back > unload["footprint"] / 2, (
+            f"unloading {unload['model']} gave back {given_back / MB:.1f} MB, less than half "
+            f"of its {unload['footprint'] / MB:.1f} MB")
 
 
 def test_a_loaded_model_skips_full_gc_passes_and_is_still_freed_on_unload():
+    process_tuning.tune_process()  # the freeze after a load is part of the app's tuning
     engine = Engine()
     engine.load(cpu_request("fp32"))
     assert gc.get_freeze_count() > 10_000  # the model, its tokenizer, and all before them
