@@ -95,9 +95,9 @@ def replay_us(fns: list, reps: int = 50, rounds: int = 5) -> float:
 
 
 def tuned_key(layer, rows: int) -> str:
-    from model_utils.layers import gemlite_8bit
+    from model_utils.layers import gemlite_weights
 
-    _, bucket, shape = gemlite_8bit._signature(layer, rows)
+    _, bucket, shape = gemlite_weights._signature(layer, rows)
     return str((bucket, *shape))
 
 
@@ -117,15 +117,15 @@ def search(layers: list, x2, rows: int):
     two to be written."""
     import gemlite.core as core
 
-    from model_utils.layers import gemlite_8bit
+    from model_utils.layers import gemlite_weights
 
-    runs = [functools.partial(gemlite_8bit.product, layer, x2) for layer in layers]
+    runs = [functools.partial(gemlite_weights.product, layer, x2) for layer in layers]
     layer = layers[0]  # gemlite keys its configs by shape: one copy stands for all
     held_us = replay_us(runs)  # tunes among gemlite's own list first if it holds no config
     held = config_in_use(layer, rows)
     autotuner = core.GEMLITE_TRITON_MAPPING[MATMUL_TYPE].kernel[0]  # the INT kernel's
     own_configs = autotuner.configs
-    gemlite_8bit._forget_tuned(layer, rows)  # from its table and its autotuner's choices
+    gemlite_weights._forget_tuned(layer, rows)  # from its table and its autotuner's choices
     autotuner.configs = grid(rows)
     try:
         wide_us = replay_us(runs)
@@ -133,7 +133,7 @@ def search(layers: list, x2, rows: int):
         autotuner.configs = own_configs
     wide = config_in_use(layer, rows)
     if held is not None and held_us < wide_us:  # the table's entry is what gets written
-        gemlite_8bit._forget_tuned(layer, rows)
+        gemlite_weights._forget_tuned(layer, rows)
         core.GEMLITE_TRITON_CONFIG_CACHE.setdefault(MATMUL_TYPE, {})[tuned_key(layer, rows)] = held
     return held_us, held, wide_us, wide
 
@@ -152,11 +152,11 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("gemlite_search needs a CUDA GPU")
         return 2
-    from model_utils.layers import gemlite_8bit
+    from model_utils.layers import gemlite_weights
     from model_utils.layers.fp8_weights import Fp8Linear
     from model_utils.layers.weight_only import Int8WeightOnlyLinear
 
-    if problem := gemlite_8bit.unavailable_reason(torch.device("cuda"), torch.bfloat16):
+    if problem := gemlite_weights.unavailable_reason(torch.device("cuda"), torch.bfloat16):
         print(problem)
         return 2
     import gemlite.core as core
@@ -179,7 +179,7 @@ def main(argv=None) -> int:
         with torch.no_grad():
             quantize = Int8WeightOnlyLinear if args.weights == "int8" else Fp8Linear
             layers = [quantize(linear) for linear in linears]
-        if not all(gemlite_8bit.attach(layer) for layer in layers):
+        if not all(gemlite_weights.attach(layer) for layer in layers):
             results.append({"layer": name, "skipped": "gemlite does not take this shape"})
             continue
         for rows in rows_list:

@@ -15,11 +15,11 @@ torch.profiler summary of one decode step (per kernel). Candidates:
 - torchao-int4 / torchao-int8: torchao 0.18's Int4WeightOnlyConfig (tinygemm,
   int4_packing_format="tile_packed_to_4d", group 128) / Int8WeightOnlyConfig, applied to the
   engine's bf16 model before it compiles;
-- gemlite-int4 / gemlite-int8: gemlite's Triton kernels (A16Wn with the app's own int4 numbers,
-  A16W8_INT8), swapped in the same way;
+- gemlite-int8: gemlite's Triton kernels (A16W8_INT8), swapped in the same way (the app's int4-wo
+  runs gemlite's int4 kernels where gemlite is installed; int4-wo-tinygemm: PyTorch's tinygemm);
 - int8-wo-aten: the app's int8-wo with PyTorch's own torch._weight_int8pack_mm kernel;
   int8-wo-hybrid: the same for two rows or more (batches, prefills), the compiled one-row step
-  as in int8-wo; int4-wo-head8: int4-wo with lm_head in int8 weight-only as well;
+  as in int8-wo; int4-wo-head8: int4-wo with lm_head in int8 weight-only (gemlite) as well;
   int4-wo-g64: the app's int4 layers in groups of 64 instead of 128;
   fp8-wo-below-8: the app's fp8 with steps of fewer than 8 rows multiplied weight-only;
   gemlite-fp8 / gemlite-fp8-dynamic: gemlite's A16W8_FP8 (weight-only) / A8W8_fp8_dynamic on
@@ -75,7 +75,7 @@ from model_utils.loading.placement import Placement
 from model_utils.memory import GB
 
 log = logging.getLogger("quant_candidates")
-DEFAULT = ("bf16,fp8,gemlite-int4,gemlite-fp8,fp8-wo-below-8,int4-wo,gemlite-fp8-dynamic,"
+DEFAULT = ("bf16,fp8,int4-wo-tinygemm,gemlite-fp8,fp8-wo-below-8,int4-wo,gemlite-fp8-dynamic,"
            "int8-wo,gemlite-int8,int8-wo-hybrid,int4-wo-head8,int8-wo-aten,torchao-int4,"
            "torchao-int8")
 CUDA = torch.cuda.is_available()

@@ -8,7 +8,6 @@ import types
 
 import torch
 
-from model_utils.layers.weight_only import quantize_int4
 from model_utils.loading.modes import MODES
 
 CUDA = torch.cuda.is_available()
@@ -38,11 +37,11 @@ def torchao_int8(model):
 
 
 def _gemlite_configs() -> None:
-    """The tuned kernel configs the app's own 8-bit layers load (gemlite_8bit: the H200's
+    """The tuned kernel configs the app's own 8-bit layers load (gemlite_weights: the H200's
     shipped, gemlite's for the GPUs it names, what earlier loads tuned)."""
-    from model_utils.layers import gemlite_8bit
+    from model_utils.layers import gemlite_weights
 
-    if reason := gemlite_8bit.unavailable_reason(torch.device("cuda"), torch.bfloat16):
+    if reason := gemlite_weights.unavailable_reason(torch.device("cuda"), torch.bfloat16):
         raise RuntimeError(reason)
 
 
@@ -52,24 +51,6 @@ def save_gemlite_configs(path) -> None:
     import gemlite.core as core
 
     core.GemLiteLinear.cache_config(str(path))
-
-
-def gemlite_int4(model):
-    """gemlite's kernel on the app's own int4 numbers: gemlite dequantizes (q - zero) * scale
-    with the zero point in q's units, the app (q - 8) * scale + zero."""
-    from gemlite.helper import A16Wn
-
-    _gemlite_configs()
-
-    device = model.get_input_embeddings().weight.device
-    for parent, child, linear in _linears(model):
-        q, scales, zeros = quantize_int4(linear.weight, 128)
-        zero_q = 8 - zeros.float() / scales.float()
-        layer = A16Wn(device=device, dtype=torch.bfloat16).from_weights(
-            q, scales, zero_q.to(torch.bfloat16), 4, 128, bias=linear.bias)
-        setattr(parent, child, layer)
-        del linear
-    torch.cuda.empty_cache()
 
 
 def gemlite_int8(model):
@@ -103,16 +84,16 @@ def aten_int8(model, *, rows_from: int = 1):
             module.forward = types.MethodType(forward, module)
 
 
-def app_int4_groups_of(group: int):
-    """The app's int4-wo layers (tinygemm on a GPU, each group's range searched) in groups of
-    `group` weights instead of the mode's 128: what a finer group costs in speed, and gives in
-    KL."""
+def app_int4(group: int = 128, kernel: str | None = None):
+    """The app's int4-wo layers (each group's range searched) in groups of `group` weights
+    (the mode's: 128; finer costs speed and gives KL), through `kernel` (the mode's: gemlite
+    where installed, else tinygemm)."""
 
     def swap(model):
         from model_utils.layers.weight_only import inductor_options, quantize_model
 
         device = model.get_input_embeddings().weight.device
-        quantize_model(model, 4, group, device)
+        quantize_model(model, 4, group, device, kernel4=kernel)
         model.inductor_options = inductor_options(model)  # the app's, kept by measure()
 
     return swap
@@ -177,15 +158,15 @@ def gemlite_fp8_head(model):
 def int8_head_gemlite(model):
     """lm_head in the app's int8 weight-only, through gemlite's kernels for decode rows as the
     app's int8-wo layers are: with the int8-wo mode, every weight a token reads in 8 bits."""
-    from model_utils.layers import gemlite_8bit
+    from model_utils.layers import gemlite_weights
     from model_utils.layers.weight_only import Int8WeightOnlyLinear
 
     int8_head(model)
     head = model.get_output_embeddings()
     if isinstance(head, Int8WeightOnlyLinear):
         _gemlite_configs()
-        if gemlite_8bit.attach(head):
-            gemlite_8bit.check_kernels(model)
+        if gemlite_weights.attach(head):
+            gemlite_weights.check_kernels(model)
 
 
 def gemlite_for_prompts_too(model):
@@ -200,12 +181,6 @@ def gemlite_for_prompts_too(model):
             if module.gemlite_meta is None:
                 raise RuntimeError("the app's 8-bit layers run without gemlite here")
             module.gemlite_below_rows = 1 << 30
-
-
-def gemlite_int4_head8(model):
-    """gemlite's int4 kernels on the decoder layers, lm_head in the app's int8 weight-only."""
-    gemlite_int4(model)
-    int8_head(model)
 
 
 def fp8_weight_only_below(rows: int):
@@ -231,18 +206,17 @@ LIBRARY_INDUCTOR_OPTIONS = {"coordinate_descent_tuning": True,
 # name: (swap, package it needs, CUDA only, the app's mode it starts from)
 SWAPS = {"torchao-int4": (torchao_int4, "torchao", True, "bf16"),
          "torchao-int8": (torchao_int8, "torchao", False, "bf16"),
-         "gemlite-int4": (gemlite_int4, "gemlite", True, "bf16"),
          "gemlite-int8": (gemlite_int8, "gemlite", True, "bf16"),
          "int8-wo-aten": (aten_int8, "torch", False, "int8-wo"),
          "int8-wo-hybrid": (lambda m: aten_int8(m, rows_from=2), "torch", False, "int8-wo"),
-         "int4-wo-head8": (int8_head, "torch", False, "int4-wo"),
-         "int4-wo-g64": (app_int4_groups_of(64), "torch", False, "bf16"),
+         "int4-wo-head8": (int8_head_gemlite, "gemlite", True, "int4-wo"),
+         "int4-wo-g64": (app_int4(64), "torch", False, "bf16"),
+         "int4-wo-tinygemm": (app_int4(kernel="tinygemm"), "torch", True, "bf16"),
          "int8-wo-head8": (int8_head_gemlite, "gemlite", True, "int8-wo"),
          "int8-wo-gemlite-prompts": (gemlite_for_prompts_too, "gemlite", True, "int8-wo"),
          "fp8-wo-below-8": (fp8_weight_only_below(8), "torch", False, "fp8"),
          "gemlite-fp8": (gemlite_fp8, "gemlite", True, "fp8"),
          "gemlite-fp8-head": (gemlite_fp8_head, "gemlite", True, "fp8"),
-         "gemlite-int4-head8": (gemlite_int4_head8, "gemlite", True, "bf16"),
          "gemlite-fp8-dynamic": (lambda m: gemlite_fp8(m, dynamic=True), "gemlite", True, "fp8")}
 
 

@@ -283,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
         print(failed, file=sys.stderr)
         return 1
     finally:
-        # What gemlite tuned for this GPU (layers/gemlite_8bit.save_tuned), to ship for it.
+        # What gemlite tuned for this GPU (layers/gemlite_weights.save_tuned), to ship for it.
         for tuned in cache.glob("gemlite-*.json"):
             shutil.copy(tuned, args.out / tuned.name)
     write_report(args, rows)

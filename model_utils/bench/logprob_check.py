@@ -238,7 +238,7 @@ def dequantized_weight(module) -> torch.Tensor | None:
     from model_utils.layers.weight_only import WEIGHT_ONLY_LAYERS
 
     if isinstance(module, WEIGHT_ONLY_LAYERS):
-        if getattr(module, "tinygemm", False):  # a layout only its kernel reads
+        if not getattr(module, "readable", True):  # a layout only its kernel reads
             return _probed_weight(module)
         return module.dequantized(torch.float32)
     weight = getattr(module, "weight", None)

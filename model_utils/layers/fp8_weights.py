@@ -10,7 +10,7 @@ scales to the fp32 accumulator: the scheme vLLM and torchao call fp8 rowwise. Ev
 Rows below `scaled_mm_from_rows` (64: every decode batch) take the weight-only product
 instead: x stays in bf16 and is multiplied by the fp8 weights, then by the row scales. On a GPU
 with gemlite installed that is gemlite's fp8 GEMV / split-K kernel on the same weight tensor
-(gemlite_8bit); elsewhere linear(x, q.to(dtype)) * scale (what inductor compiles into one
+(gemlite_weights); elsewhere linear(x, q.to(dtype)) * scale (what inductor compiles into one
 reduction over the fp8 weights; uncompiled, on the CPU, it converts the layer's weight for the
 call). Weight-only decode rows also lose less: rounding every input
 token to e4m3 was most of this mode's error against fp32 (BENCHMARKS.md, "CPU figures").
@@ -24,14 +24,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import gemlite_8bit
+from . import gemlite_weights
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448
 # torch._scaled_mm wants both matrix sizes of the weight in multiples of 16.
 SCALED_MM_MULTIPLE = 16
 # Inputs of fewer rows take the weight-only product (module doc); the gemlite kernels' limit.
-SCALED_MM_FROM_ROWS = gemlite_8bit.GEMLITE_BELOW_ROWS
+SCALED_MM_FROM_ROWS = gemlite_weights.GEMLITE_BELOW_ROWS
 # Compute capability of the first GPUs with fp8 tensor cores (Ada).
 MIN_CAPABILITY = (8, 9)
 
@@ -72,7 +72,7 @@ def unavailable_reason(device: str) -> str | None:
 class Fp8Linear(nn.Module):
     """A Linear whose weight is e4m3 with one scale per output row (see module doc)."""
 
-    gemlite_meta = None  # set by gemlite_8bit.attach on a GPU with gemlite
+    gemlite_meta = None  # set by gemlite_weights.attach on a GPU with gemlite
 
     def __init__(self, linear: nn.Linear, *, scaled_mm_from_rows: int = SCALED_MM_FROM_ROWS):
         super().__init__()
@@ -83,10 +83,13 @@ class Fp8Linear(nn.Module):
         self.bias = linear.bias
         self.scaled_mm_from_rows = scaled_mm_from_rows
 
+    def gemlite_weight(self) -> torch.Tensor:
+        return self.qweight.t()  # [K, N]: gemlite reads the app's layout through a view
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)
-        if gemlite_8bit.takes(self, x2):
-            y = gemlite_8bit.product(self, x2)
+        if gemlite_weights.takes(self, x2):
+            y = gemlite_weights.product(self, x2)
         elif x2.shape[0] < self.scaled_mm_from_rows:  # a static shape: decided at capture
             y = F.linear(x2, self.qweight.to(x.dtype)) * self.scales.to(x.dtype)
         else:

@@ -10,14 +10,15 @@ torchao's defaults slower than bf16, BENCHMARKS.md). Here:
   gpt-fast and of torchao's int4 "tile_packed_to_4d"): w = (q - 8) * scale + zero, q in 0..15;
   each group's range is its min-max or a few clippings of it, whichever rounds it with the
   least squared error (INT4_RANGE_FRACTIONS).
-  On a CUDA GPU with bf16 compute the weights are kept in tinygemm's packed layout and every
-  forward is one tinygemm call, eager, compiled or captured alike. Elsewhere (the CPU, other
-  compute dtypes) they are kept two to a byte and dequantized in the forward: slow, but the same
-  numbers, which is what the tests compare.
+  On a CUDA GPU with bf16 compute the weights are kept in the packed layout of the kernel that
+  multiplies them, gemlite's (gemlite_weights.pack_int4) where gemlite is installed, else
+  tinygemm's, and every forward is one call of that kernel, eager, compiled or captured alike.
+  Elsewhere (the CPU, other compute dtypes) they are kept two to a byte and dequantized in the
+  forward: slow, but the same numbers, which is what the tests compare.
 - int8: symmetric, one bf16 scale per output row: w = q * scale, q in -127..127. The forward is
   linear(x, q.to(x.dtype)) * scale; compiled for one row, inductor turns that into one reduction
   that reads the int8 weights once (with coordinate-descent tuning, see inductor_options). On a
-  GPU with gemlite installed, decode rows go through gemlite's kernels instead (gemlite_8bit).
+  GPU with gemlite installed, decode rows go through gemlite's kernels instead (gemlite_weights).
 
 Loading never holds two copies of the model on the GPU: the bf16 checkpoint is read into CPU
 memory and each Linear is moved to the device, quantized there and its bf16 weight dropped, one
@@ -28,12 +29,13 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import fp8_weights, gemlite_8bit
+from . import fp8_weights, gemlite_weights
 from .decode_fusions import fuse_for_decoding
 from .fp8_weights import Fp8Linear
 
@@ -42,6 +44,10 @@ log = logging.getLogger(__name__)
 INT4_INNER_K_TILES = 8  # tinygemm's packing: in_features must be a multiple of 16 x this
 TINYGEMM_K_MULTIPLE = 16 * INT4_INNER_K_TILES
 TINYGEMM_N_MULTIPLE = 8
+# How int4 weights are kept and multiplied, the first that runs here (int4_kernel): gemlite's
+# Triton kernels (every row count), PyPI's tinygemm in PyTorch (fast for one row, slow for
+# batches and prompts: BENCHMARKS.md), or dequantized in the forward (any device).
+INT4_KERNELS = ("gemlite", "tinygemm", "dequantize")
 
 
 # -- the numbers ---------------------------------------------------------------------------------
@@ -122,15 +128,23 @@ def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
 
 # -- the layers ----------------------------------------------------------------------------------
 class Int4WeightOnlyLinear(nn.Module):
-    """A Linear whose weight is int4 with per-group scales and zero points (see module doc)."""
+    """A Linear whose weight is int4 with per-group scales and zero points (see module doc),
+    kept in the layout of the kernel that multiplies it (INT4_KERNELS)."""
 
-    def __init__(self, linear: nn.Linear, group: int, *, tinygemm: bool):
+    gemlite_meta = None  # set by gemlite_weights.pack_int4 for the "gemlite" kernel
+
+    def __init__(self, linear: nn.Linear, group: int, *, kernel: str):
         super().__init__()
+        if kernel not in INT4_KERNELS:
+            raise ValueError(f"int4 kernel {kernel!r}: one of {', '.join(INT4_KERNELS)}")
         self.in_features, self.out_features, self.group = (linear.in_features,
                                                            linear.out_features, group)
         q, scales, zeros = quantize_int4(linear.weight, group)
-        self.tinygemm = tinygemm
-        if tinygemm:
+        self.kernel = kernel
+        if kernel == "gemlite":
+            self.register_buffer("packed", gemlite_weights.pack_int4(self, q, scales, zeros,
+                                                                     group))
+        elif kernel == "tinygemm":
             self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack(
                 pack_nibbles(q), INT4_INNER_K_TILES))
             # [K/group, N, 2]: what the kernel reads
@@ -142,23 +156,34 @@ class Int4WeightOnlyLinear(nn.Module):
             self.register_buffer("zeros", zeros)
         self.bias = linear.bias
 
+    def gemlite_weight(self) -> torch.Tensor:
+        return self.packed  # gemlite's own layout, [K/8, N] int32
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.tinygemm:
-            y = torch.ops.aten._weight_int4pack_mm(x.reshape(-1, self.in_features).contiguous(),
-                                                   self.packed, self.group,
+        if self.kernel == "dequantize":
+            return F.linear(x, self.dequantized(x.dtype), self.bias)
+        x2 = x.reshape(-1, self.in_features).contiguous()
+        if self.kernel == "gemlite":
+            y = gemlite_weights.product(self, x2)
+        else:
+            y = torch.ops.aten._weight_int4pack_mm(x2, self.packed, self.group,
                                                    self.scales_and_zeros)
-            y = y.reshape(*x.shape[:-1], self.out_features)
-            return y if self.bias is None else y + self.bias
-        return F.linear(x, self.dequantized(x.dtype), self.bias)
+        y = y.reshape(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
+
+    @property
+    def readable(self) -> bool:
+        """Whether dequantized() can read the weights (the kernels' layouts: their kernel only)."""
+        return self.kernel == "dequantize"
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
-        if self.tinygemm:
-            raise NotImplementedError("tinygemm's packed layout is read by its kernel only")
+        if not self.readable:
+            raise NotImplementedError(f"{self.kernel}'s packed layout is read by its kernel only")
         return dequantize_int4(unpack_nibbles(self.packed), self.scales, self.zeros, dtype)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"group={self.group}, {'tinygemm' if self.tinygemm else 'dequantize'}")
+                f"group={self.group}, {self.kernel}")
 
 
 class Int8WeightOnlyLinear(nn.Module):
@@ -172,12 +197,15 @@ class Int8WeightOnlyLinear(nn.Module):
         self.register_buffer("scales", scales)
         self.bias = linear.bias
 
-    gemlite_meta = None  # set by gemlite_8bit.attach on a GPU with gemlite
+    gemlite_meta = None  # set by gemlite_weights.attach on a GPU with gemlite
+
+    def gemlite_weight(self) -> torch.Tensor:
+        return self.qweight.t()  # [K, N]: gemlite reads the app's layout through a view
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)
-        if gemlite_8bit.takes(self, x2):
-            y = gemlite_8bit.product(self, x2).reshape(*x.shape[:-1], self.out_features)
+        if gemlite_weights.takes(self, x2):
+            y = gemlite_weights.product(self, x2).reshape(*x.shape[:-1], self.out_features)
             return y if self.bias is None else y + self.bias
         if x.dtype == torch.float16:
             # x @ q (|q| up to 127) can pass fp16's largest value before the scale brings it
@@ -212,25 +240,30 @@ def quantizable(name: str, linear: nn.Linear, bits: int, group: int | None,
     return True
 
 
-def uses_tinygemm(device: torch.device, compute_dtype: torch.dtype) -> bool:
-    return device.type == "cuda" and compute_dtype == torch.bfloat16
+def int4_kernel(device: torch.device, compute_dtype: torch.dtype) -> str:
+    """The kernel int4 layers use on this device (INT4_KERNELS)."""
+    if device.type != "cuda" or compute_dtype != torch.bfloat16:
+        return "dequantize"
+    return "gemlite" if gemlite_weights.unavailable_reason(device, compute_dtype) is None \
+        else "tinygemm"
 
 
 def quantize_model(model: nn.Module, bits: int, group: int | None, device: torch.device,
-                   progress=None, fmt: str = "int") -> dict:
+                   progress=None, fmt: str = "int", kernel4: str | None = None) -> dict:
     """Replace the model's Linear layers by weight-only ones (`fmt` "int": int4 / int8 by
     `bits`; "fp8": fp8_weights.Fp8Linear) on `device`, one layer at a time, then move the rest
-    there. Returns {quantized, kept, seconds}."""
+    there; int4 layers use `kernel4` (default: int4_kernel's). Returns {quantized, kept,
+    seconds}."""
     start = time.perf_counter()
     if device.type == "cuda":
         # What the engine does to a bf16 model it compiles, done before quantizing (rows are
         # quantized one by one, so a fused layer has the separate layers' numbers).
         fuse_for_decoding(model)
     compute = model.get_input_embeddings().weight.dtype
-    tinygemm = bits == 4 and uses_tinygemm(device, compute)
+    kernel4 = kernel4 or int4_kernel(device, compute)
     label = "fp8" if fmt == "fp8" else f"int{bits}"
-    # gemlite's kernels for the decode rows of 8-bit layers (gemlite_8bit): None when they run.
-    gemlite = gemlite_8bit.unavailable_reason(device, compute) if bits == 8 else "4-bit"
+    # gemlite's kernels for the decode rows of 8-bit layers (gemlite_weights): None when they run.
+    gemlite = gemlite_weights.unavailable_reason(device, compute) if bits == 8 else "4-bit"
     # Names only: a list of the modules would keep every bf16 weight alive to the end.
     targets = [name for name, module in model.named_modules() if type(module) is nn.Linear]
     kept, attached = [], 0
@@ -246,11 +279,12 @@ def quantize_model(model: nn.Module, bits: int, group: int | None, device: torch
             if fmt == "fp8":
                 layer = Fp8Linear(linear)
             elif bits == 4:
-                layer = Int4WeightOnlyLinear(linear, group, tinygemm=tinygemm)
+                layer, kernel4 = _int4_layer(linear, group, kernel4)
             else:
                 layer = Int8WeightOnlyLinear(linear)
             if gemlite is None and isinstance(layer, (Fp8Linear, Int8WeightOnlyLinear)):
-                attached += gemlite_8bit.attach(layer)
+                attached += gemlite_weights.attach(layer)
+            attached += getattr(layer, "kernel", None) == "gemlite"
             setattr(parent, child, layer)
             del linear  # the parent held the only other reference: its weight is freed
             if progress and i % 32 == 0:
@@ -258,13 +292,16 @@ def quantize_model(model: nn.Module, bits: int, group: int | None, device: torch
                          f"quantizing to {label}: layer {i + 1} of {len(targets)}")
         model.to(device)
     if attached:  # every row bucket launched once now, not first inside a graph capture
-        gemlite_8bit.check_kernels(model)
+        gemlite_weights.check_kernels(model)
         attached = sum(getattr(m, "gemlite_meta", None) is not None for m in model.modules())
-    kernel = "tinygemm" if tinygemm else ("dequantize" if bits == 4 else "converted to bf16")
-    below = gemlite_8bit.GEMLITE_BELOW_ROWS
+    kernel = "converted to bf16"
+    below = gemlite_weights.GEMLITE_BELOW_ROWS
     if fmt == "fp8":
         kernel = f"fp8 weight-only below {below} rows, scaled_mm above"
-    if attached:
+    if bits == 4:
+        kinds = Counter(m.kernel for m in model.modules() if isinstance(m, Int4WeightOnlyLinear))
+        kernel = ", ".join(f"{name} in {count} layers" for name, count in kinds.items())
+    elif attached:
         kernel = (f"gemlite below {below} rows in {attached} layers, "
                   f"{'fp8 scaled_mm' if fmt == 'fp8' else kernel} above")
     model.weight_only = {"bits": bits, "group": group, "format": fmt, "kernel": kernel}
@@ -272,6 +309,20 @@ def quantize_model(model: nn.Module, bits: int, group: int | None, device: torch
     log.info("quantized %d Linear layers to %s (%s) in %.1f s; kept %s", len(targets) -
              len(kept), label, model.weight_only["kernel"], seconds, kept or "none")
     return {"quantized": len(targets) - len(kept), "kept": kept, "seconds": seconds}
+
+
+def _int4_layer(linear: nn.Linear, group: int, kernel: str) -> tuple[nn.Module, str]:
+    """The int4 layer of `linear` with `kernel`, and the kernel the next layers use: where
+    gemlite fails to pack a layer (a version that packs otherwise), tinygemm, for every layer
+    from then on (said in the log and in the model's kernel line)."""
+    try:
+        return Int4WeightOnlyLinear(linear, group, kernel=kernel), kernel
+    except Exception as error:  # noqa: BLE001 - only gemlite's packing is caught
+        if kernel != "gemlite":
+            raise
+        log.warning("gemlite could not pack int4 weights (%s: %s); tinygemm serves them",
+                    type(error).__name__, error)
+        return Int4WeightOnlyLinear(linear, group, kernel="tinygemm"), "tinygemm"
 
 
 def load_quantized(path, bits: int, group: int | None, *, device_map: dict, dtype: torch.dtype,

@@ -92,8 +92,11 @@ class Mode:
         if self.weight_format == "fp8":
             return (f"{cost}; compiled CUDA-graph path, fp8 weight-only for replies, fp8 "
                     f"matmul for prompts{note}")
-        kernel = {4: ", tinygemm int4 kernel", 8: ", dequantization fused into the matmul"}
-        return f"{cost}; compiled CUDA-graph path" + kernel.get(self.weight_only_bits, "") + note
+        if self.weight_only_bits == 4:
+            kernel = ", gemlite's int4 kernels" if _gemlite_runs() else ", tinygemm int4 kernel"
+        else:
+            kernel = {8: ", dequantization fused into the matmul"}.get(self.weight_only_bits, "")
+        return f"{cost}; compiled CUDA-graph path{kernel}{note}"
 
     @property
     def dtype(self) -> torch.dtype:
@@ -101,10 +104,10 @@ class Mode:
 
 
 def _gemlite_runs() -> bool:
-    """gemlite's kernels serve the 8-bit modes' replies on this GPU (model_utils.layers.gemlite_8bit)."""
+    """gemlite's kernels serve the weight-only modes on this GPU (model_utils.layers.gemlite_weights)."""
     import torch
 
-    from model_utils.layers.gemlite_8bit import unavailable_reason
+    from model_utils.layers.gemlite_weights import unavailable_reason
 
     return unavailable_reason(torch.device("cuda"), torch.bfloat16) is None
 
@@ -121,7 +124,8 @@ MODES: dict[str, Mode] = {
         # + one bf16 scale and one bf16 zero point per 128 weights
         Mode("int4-wo", "int4 weight-only, group 128", "bf16", group=FAST,
              weight_only_bits=4, group_size=128, bytes_per_param=0.5 + 4 / 128,
-             speed_note="fastest for one reply; slow for many at once and long prompts"),
+             speed_note="with gemlite faster than bf16 for one reply, a little slower for many "
+                        "at once; without it, fastest for one reply and slow for many"),
         # + one bf16 scale per output row (rows of 3584-18944 weights in a 7B model)
         Mode("int8-wo", "int8 weight-only, per-row scales", "bf16", group=FAST,
              weight_only_bits=8, bytes_per_param=1.0, bytes_per_row=2.0,

@@ -18,7 +18,7 @@ import torch
 
 from model_utils.layers.decode_fusions import fuse_for_decoding
 from model_utils.layers.gated_delta import fuse_gated_delta
-from model_utils.layers.gemlite_8bit import save_tuned as keep_gemlite_tuning
+from model_utils.layers.gemlite_weights import save_tuned as keep_gemlite_tuning
 from model_utils.loading.load_stages import Progress
 from model_utils.loading.loaded_model import LoadedModel
 from model_utils.memory import torch_cuda_gb

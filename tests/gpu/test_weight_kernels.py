@@ -1,5 +1,6 @@
 """The fast quantized layers' GPU kernels against the weights they hold, dequantized to fp32:
-tinygemm int4, int8 weight-only and fp8 (weight-only below 64 rows, _scaled_mm above), with and
+int4 through tinygemm and through gemlite (every row count; against the same numbers kept
+unpacked), int8 weight-only and fp8 (weight-only below 64 rows, _scaled_mm above) with and
 without gemlite's kernels for the decode rows, at decode row counts and prefill lengths, eager
 and compiled (the decode step's graphs replay the compiled form)."""
 
@@ -10,7 +11,7 @@ import torch
 from torch import nn
 
 from model_utils.bench.logprob_check import dequantized_weight
-from model_utils.layers import gemlite_8bit
+from model_utils.layers import gemlite_weights
 from model_utils.layers.fp8_weights import Fp8Linear
 from model_utils.layers.weight_only import Int4WeightOnlyLinear, Int8WeightOnlyLinear
 
@@ -21,27 +22,43 @@ pytestmark = gpu_marks()
 ROWS = [1, 2, 7, 31, 64, 512, 1024]
 # Relative error of the product against fp32 over the stored weights: bf16 arithmetic for the
 # weight-only layers; fp8 from 64 rows also rounds each input to e4m3 (three mantissa bits).
-BOUND = {"int4": 0.01, "int8": 0.01, "fp8": 0.06, "int8-gemlite": 0.01, "fp8-gemlite": 0.06}
+BOUND = {"int4": 0.01, "int8": 0.01, "fp8": 0.06, "int4-gemlite": 0.01, "int8-gemlite": 0.01,
+         "fp8-gemlite": 0.06}
+
+
+def linear_layer() -> nn.Linear:
+    torch.manual_seed(0)
+    return nn.Linear(3584, 1024, bias=False, dtype=torch.bfloat16, device="cuda")
 
 
 def layer(kind: str) -> nn.Module:
-    torch.manual_seed(0)
-    linear = nn.Linear(3584, 1024, bias=False, dtype=torch.bfloat16, device="cuda")
-    if kind == "int4":
-        return Int4WeightOnlyLinear(linear, 128, tinygemm=True)
+    gemlite = kind.endswith("gemlite")
+    if gemlite and (reason := gemlite_weights.unavailable_reason(torch.device("cuda"),
+                                                                 torch.bfloat16)):
+        pytest.skip(reason)
+    linear = linear_layer()
+    if kind.startswith("int4"):
+        return Int4WeightOnlyLinear(linear, 128, kernel="gemlite" if gemlite else "tinygemm")
     module = Int8WeightOnlyLinear(linear) if kind.startswith("int8") else Fp8Linear(linear)
-    if kind.endswith("gemlite"):
-        if reason := gemlite_8bit.unavailable_reason(torch.device("cuda"), torch.bfloat16):
-            pytest.skip(reason)
-        assert gemlite_8bit.attach(module), "3584 input features: a shape gemlite takes"
+    if gemlite:
+        assert gemlite_weights.attach(module), "3584 input features: a shape gemlite takes"
     return module
+
+
+def stored_weight(kind: str, module: nn.Module) -> torch.Tensor:
+    """The fp32 weight the layer holds: int4's from the same numbers kept unpacked (the
+    quantization is deterministic), since its kernels' layouts are read by them alone."""
+    if kind.startswith("int4"):
+        return Int4WeightOnlyLinear(linear_layer(), 128, kernel="dequantize").dequantized(
+            torch.float32)
+    return dequantized_weight(module).to("cuda")
 
 
 @pytest.mark.parametrize("kind", list(BOUND))
 @pytest.mark.parametrize("compiled", [False, True])
 def test_the_kernel_computes_the_product_of_the_stored_weights(kind, compiled):
     module = layer(kind)
-    weight = dequantized_weight(module).to("cuda")  # tinygemm's: read back through the kernel
+    weight = stored_weight(kind, module)
     forward = torch.compile(module, dynamic=False) if compiled else module
     for rows in ROWS:
         x = torch.randn(rows, 3584, dtype=torch.bfloat16, device="cuda")
@@ -62,7 +79,7 @@ def test_a_tuned_config_the_gpu_cannot_launch_is_tuned_anew():
     module = layer("int8-gemlite")
     meta = module.gemlite_meta
     rows = 8  # gemlite's split-K GEMM, bucket 8
-    gemlite_8bit._forget_tuned(module, rows)  # what earlier tests tuned for this shape
+    gemlite_weights._forget_tuned(module, rows)  # what earlier tests tuned for this shape
     shape = (module.out_features, module.in_features, meta[2], meta[4], 100 + meta[1])
     # A 256x256 int8 tile in eight stages: 512 KB of shared memory, more than any GPU has.
     core.GEMLITE_TRITON_CONFIG_CACHE.setdefault("GEMM_SPLITK", {})[str((rows, *shape))] = {
@@ -70,7 +87,7 @@ def test_a_tuned_config_the_gpu_cannot_launch_is_tuned_anew():
         "SPLIT_K": 1, "A_load_order": 0, "NUM_STAGES": 8, "num_warps": 8, "num_ctas": 1,
         "num_stages": 8}
 
-    repairs = gemlite_8bit.check_kernels(module)
+    repairs = gemlite_weights.check_kernels(module)
     # Launched at the bucket's smallest row count: one launch stands for every count in it.
     assert len(repairs) == 1 and f"-{rows} rows" in repairs[0] and "tuned anew" in repairs[0]
     assert module.gemlite_meta is not None  # still served by gemlite
@@ -80,3 +97,12 @@ def test_a_tuned_config_the_gpu_cannot_launch_is_tuned_anew():
         got = module(x).float()
     expected = x.float() @ weight.T
     assert ((got - expected).norm() / expected.norm()).item() < BOUND["int8-gemlite"]
+
+
+def test_gemlite_int4_keeps_one_packed_copy_of_the_weights():
+    """Half a byte a weight, and a bf16 scale and shift per 128 weights: no second copy."""
+    module = layer("int4-gemlite")
+    sizes = {name: t.numel() * t.element_size() for name, t in module.named_buffers()}
+    groups = 1024 * 3584 // 128
+    assert sizes == {"packed": 1024 * 3584 // 2, "gemlite_scales": groups * 2,
+                     "gemlite_zeros": groups * 2, "gemlite_meta_scale": 4}, sizes

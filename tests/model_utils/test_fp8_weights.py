@@ -93,7 +93,7 @@ def test_the_cpu_can_run_it():
 def test_the_shipped_gemlite_configs_are_picked_by_the_gpu_they_were_tuned_on():
     import json
 
-    from model_utils.layers.gemlite_8bit import shipped_configs
+    from model_utils.layers.gemlite_weights import shipped_configs
 
     assert shipped_configs("NVIDIA H200").name == "h200.json"
     assert shipped_configs("NVIDIA H100 80GB HBM3").name == "h100.json"

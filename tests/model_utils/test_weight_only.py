@@ -93,7 +93,7 @@ def test_int8_rows_are_symmetric_with_one_scale_each():
 def test_a_weight_only_linear_computes_with_its_dequantized_weight(bits):
     torch.manual_seed(0)
     linear = nn.Linear(256, 64, bias=True)
-    layer = Int4WeightOnlyLinear(linear, 128, tinygemm=False) if bits == 4 \
+    layer = Int4WeightOnlyLinear(linear, 128, kernel="dequantize") if bits == 4 \
         else Int8WeightOnlyLinear(linear)
     x = torch.randn(3, 5, 256)
     expected = x @ layer.dequantized(torch.float32).T + linear.bias
@@ -224,8 +224,8 @@ def test_the_dropdown_lists_the_modes_by_section_with_their_cost_on_the_device()
 def test_tinygemm_gives_the_dequantized_product_of_the_same_weights():
     torch.manual_seed(0)
     linear = nn.Linear(1024, 512, bias=False, dtype=torch.bfloat16, device="cuda")
-    fast = Int4WeightOnlyLinear(linear, 128, tinygemm=True)
-    plain = Int4WeightOnlyLinear(linear, 128, tinygemm=False)
+    fast = Int4WeightOnlyLinear(linear, 128, kernel="tinygemm")
+    plain = Int4WeightOnlyLinear(linear, 128, kernel="dequantize")
     for rows in (1, 8, 128):
         x = torch.randn(rows, 1024, dtype=torch.bfloat16, device="cuda")
         expected = x.float() @ plain.dequantized(torch.float32).T

@@ -1,27 +1,33 @@
-"""gemlite's Triton kernels for the app's 8-bit weights (int8-wo and fp8) on a GPU.
+"""gemlite's Triton kernels for the app's quantized weights (int8-wo, fp8, int4-wo) on a GPU.
 
 A decode step multiplies a few rows by every weight: the time goes to reading the weights, and
-an 8-bit weight read at the memory's speed halves bf16's step. Neither of the app's own paths
-does that: inductor's reduction over int8 reached bf16's speed, no better, and fp8's
+an 8-bit weight read at the memory's speed halves bf16's step. Neither of the app's own 8-bit
+paths does that: inductor's reduction over int8 reached bf16's speed, no better, and fp8's
 torch._scaled_mm runs a 128x128 tile for a one-row input (BENCHMARKS.md, "Modes and
 quantization"). gemlite (PyPI; pure Python and Triton) ships a weight-only GEMV for 1-2 rows, a
 split-K GEMM up to 64 and a GEMM beyond, as one custom op that torch.compile and CUDA graphs take.
 
-Its 8-bit layout is the app's own: the [N, K] int8 or e4m3 weight read through its transpose
-(a view), one scale per output row. So a layer keeps its one weight tensor and gains a few
-small ones (the scales as gemlite reads them, its metadata); no copy of the weights is made.
+8-bit (attach): gemlite's layout is the app's own, the [N, K] int8 or e4m3 weight read through
+its transpose (a view), one scale per output row. So a layer keeps its one weight tensor and
+gains a few small ones (the scales as gemlite reads them, its metadata); no copy of the weights
+is made. Only decode rows take it (fewer than GEMLITE_BELOW_ROWS): prompts keep each layer's
+own path, whose speed reading weights matters less.
 
-Only decode rows take it (fewer than GEMLITE_BELOW_ROWS): prompts keep each layer's own
-path, whose speed reading weights matters less. gemlite tunes each matrix shape and row count at
-its first use (tens of seconds each) unless a tuned config is known: the H200's and the H100's
-for the shapes measured are shipped (gemlite_configs/, added to gemlite's own for the GPUs it
-names), and what a load tunes is kept beside torch.compile's cache (save_tuned), so it is tuned
-once. (gemlite keys a config by shape, rows and input type, not the weight's type: int8 and fp8
-weights of a shape share one; check_kernels repairs one that does not fit.)
+4-bit (pack_int4): gemlite packs the int4 numbers into its own layout (eight to an int32 word
+along K), which its kernels alone read, so they serve every row count, prompts included: the
+layer's one copy of the weights. They replace PyTorch's tinygemm, which keeps up for one row
+but not for a batch or a prompt (BENCHMARKS.md, "fp8 and gemlite's int4").
+
+gemlite tunes each matrix shape and row count at its first use (tens of seconds each) unless a
+tuned config is known: gemlite ships the H100's, this app the H200's and the H100's for the
+shapes measured (gemlite_configs/, added to gemlite's own), and what a load tunes is kept
+beside torch.compile's cache (save_tuned), so it is tuned once. (gemlite keys a config by shape,
+rows and input type, not the weight's type: int8 and fp8 weights of a shape share one;
+check_kernels repairs one that does not fit.)
 
 Its split-K kernels add partial sums atomically, in an order that varies from run to run: the
-same greedy reply in an 8-bit mode may part at a near-tie between runs (the logprob checks, not
-equal tokens, are what the tests hold it to).
+same greedy reply in a quantized mode may part at a near-tie between runs (the logprob checks,
+not equal tokens, are what the tests hold it to).
 """
 
 from __future__ import annotations
@@ -42,7 +48,7 @@ GEMLITE_BELOW_ROWS = 64
 
 
 def unavailable_reason(device: torch.device, compute_dtype: torch.dtype) -> str | None:
-    """Why gemlite's kernels cannot serve 8-bit layers here, or None when they can."""
+    """Why gemlite's kernels cannot serve quantized layers here, or None when they can."""
     if device.type != "cuda":
         return "gemlite's kernels are for CUDA GPUs"
     if compute_dtype != torch.bfloat16:  # fp16 inputs times int8 may overflow before scaling
@@ -137,11 +143,41 @@ def attach(layer: nn.Module) -> bool:
     # gemlite reads the weight through its transpose, the same storage: check, not assume.
     if packed.W_q.data_ptr() != layer.qweight.data_ptr():
         raise RuntimeError("gemlite made a copy of an 8-bit weight")
+    _adopt(layer, packed)
+    return True
+
+
+def pack_int4(layer: nn.Module, q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+              group: int) -> torch.Tensor:
+    """gemlite's packing of int4 numbers (q uint8 [N, K] in 0..15; bf16 scales and zeros
+    [N, K/group], w = (q - 8) * scale + zero, weight_only.quantize_int4) for `layer`, on q's
+    device: returns the packed weight (the layer's one copy, for it to keep) and gives the
+    layer gemlite's scales, zeros and metadata (as attach does)."""
+    from gemlite.helper import A16Wn
+
+    n = q.shape[0]
+    # gemlite reads w = q * scale + shift (its "fma" mode: W_group_mode 4) with the shift
+    # computed from a zero point in q's units; the app's own shift, zero - 8 * scale, rounded
+    # to bf16 once, replaces it below, so that no second rounding parts the two.
+    zero_in_steps = 8 - zeros.float() / scales.float()
+    packed = A16Wn(device=q.device, dtype=torch.bfloat16).from_weights(
+        q, scales, zero_in_steps, 4, group)
+    shift = (zeros.float() - 8 * scales.float()).to(torch.bfloat16).view(n, -1).t()
+    if packed.W_group_mode != 4 or packed.zeros.shape != shift.shape:
+        raise RuntimeError(f"gemlite packed int4 in an unexpected form (W_group_mode "
+                           f"{packed.W_group_mode}, shifts {tuple(packed.zeros.shape)})")
+    packed.zeros.data.copy_(shift)
+    _adopt(layer, packed)
+    return packed.W_q.detach()
+
+
+def _adopt(layer: nn.Module, packed: nn.Module) -> None:
+    """The small tensors and the metadata of gemlite's packed layer, kept by the app's layer
+    (not gemlite's module, which would hold a second reference to the weight)."""
     layer.register_buffer("gemlite_scales", packed.scales.detach(), persistent=False)
     layer.register_buffer("gemlite_zeros", packed.zeros.detach(), persistent=False)
     layer.register_buffer("gemlite_meta_scale", packed.meta_scale.detach(), persistent=False)
     layer.gemlite_meta = [int(v) for v in packed.get_meta_args()]
-    return True
 
 
 def check_kernels(model: nn.Module) -> list[str]:
@@ -154,27 +190,32 @@ def check_kernels(model: nn.Module) -> list[str]:
     weights of that shape too, and the int8 kernel can need more shared memory than the GPU has
     (on an H200, 344 KB against 227 KB: BENCHMARKS.md). A config that does not launch is
     forgotten and the shape tuned anew (gemlite's own tuning keeps to the GPU's limits); a
-    shape whose kernel still fails leaves gemlite, its layers keeping their own path.
+    shape whose kernel still fails leaves gemlite, its 8-bit layers keeping their own path
+    (int4 layers in gemlite's layout have none: the load fails, with the kernel's error).
     Returns one line for each repair or removal (empty when every kernel ran)."""
     from triton.runtime.errors import OutOfResources
 
     shapes: dict[tuple, list[nn.Module]] = {}
     for module in model.modules():
         if getattr(module, "gemlite_meta", None) is not None:
-            key = (module.out_features, module.in_features, module.qweight.dtype)
+            key = (module.out_features, module.in_features, module.gemlite_weight().dtype)
             shapes.setdefault(key, []).append(module)
     done = []
     for (n, k, dtype), layers in shapes.items():
         # Only the buckets with a config in gemlite's table: one it tunes here keeps to the
         # GPU's limits, and tuning buckets the engine never runs would cost seconds each.
         for rows in filter(lambda rows: _tuned_config(layers[0], rows), _row_buckets()):
-            x2 = torch.zeros(rows, k, dtype=torch.bfloat16, device=layers[0].qweight.device)
+            x2 = torch.zeros(rows, k, dtype=torch.bfloat16,
+                             device=layers[0].gemlite_weight().device)
             failure = _try_launch(layers[0], x2)
             if isinstance(failure, OutOfResources):
                 _forget_tuned(layers[0], rows)
                 done.append(f"gemlite's tuned config for {n}x{k} {dtype} at {_rows_of(rows)} "
                             f"did not fit this GPU ({failure}); tuned anew")
                 failure = _try_launch(layers[0], x2)
+            if failure is not None and getattr(layers[0], "kernel", None) == "gemlite":
+                raise RuntimeError(f"gemlite's int4 kernel failed for {n}x{k} at "
+                                   f"{_rows_of(rows)}: {type(failure).__name__}: {failure}")
             if failure is not None:  # the layers' own path serves them instead
                 for layer in layers:
                     layer.gemlite_meta = None
@@ -249,7 +290,7 @@ def _forget_tuned(layer: nn.Module, rows: int) -> None:
     # gemlite's table has no weight type (the other type's layers tune again if they need it);
     # Triton's autotuner keys carry every tensor argument's dtype: only this type's go.
     core.GEMLITE_TRITON_CONFIG_CACHE.get(matmul_type, {}).pop(str((bucket, *shape)), None)
-    weight_type = str(layer.qweight.dtype)
+    weight_type = str(layer.gemlite_weight().dtype)
     for kernel in core.GEMLITE_TRITON_MAPPING[matmul_type].kernel:
         for key in [key for key in kernel.cache
                     if tuple(key[1:6]) == shape and utils.get_closest_m(key[0]) == bucket
@@ -268,7 +309,7 @@ def takes(layer: nn.Module, x2: torch.Tensor) -> bool:
 
 
 def product(layer: nn.Module, x2: torch.Tensor) -> torch.Tensor:
-    """x2 [M, K] @ layer's weight.T * its row scales, by gemlite's kernel for M rows."""
+    """x2 [M, K] @ the layer's dequantized weight.T, by gemlite's kernel for M rows."""
     return torch.ops.gemlite.forward_functional(
-        x2, None, [layer.qweight.t(), layer.gemlite_scales, layer.gemlite_zeros,
+        x2, None, [layer.gemlite_weight(), layer.gemlite_scales, layer.gemlite_zeros,
                    layer.gemlite_meta_scale], layer.gemlite_meta, -1)
