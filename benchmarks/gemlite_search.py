@@ -1,5 +1,7 @@
 """gemlite's split-K GEMM for decode batches of 5-63 rows, tuned among a wider grid of configs
-than its own "fast" list, shape by shape, against bf16's cuBLAS on the same shape and rows.
+than its own "fast" list, shape by shape, against bf16's cuBLAS on the same shape and rows;
+with --held-only (and at 1-4 or 64+ rows), gemlite's own tuning only, timed: the configs to
+ship for a model's shapes, so that its first load does not tune them.
 
 Why: at 32 rows int8-wo's linear layers read their int8 weights at 1.42 TB/s where bf16's
 cuBLAS reads bf16 at 2.58 (H100, BENCHMARKS.md, "Where int8-wo's step goes"), which is the
@@ -17,6 +19,8 @@ model_utils/layers/gemlite_configs/<gpu>.json.
 
     python benchmarks/gemlite_search.py --config benchmarks/configs/qwen2.5-7b-instruct.config.json \
         --rows 32,16 --weights int8 --out "$OUT"     # on the GPU host, gemlite installed
+    python benchmarks/gemlite_search.py --config benchmarks/configs/qwen3-14b.config.json \
+        --rows 1,2,4,8,16,32,64,512 --weights int4 --held-only --out "$OUT"
 """
 
 from __future__ import annotations
@@ -106,9 +110,12 @@ def config_in_use(layer, rows: int) -> dict | None:
     process, else the one its table holds (as GemLiteLinear.cache_config merges them)."""
     import gemlite.core as core
 
+    from model_utils.layers import gemlite_weights
+
+    matmul_type, _, _ = gemlite_weights._signature(layer, rows)
     key = tuned_key(layer, rows)
-    chosen = core.cache_kernel_config(core.GEMLITE_TRITON_MAPPING[MATMUL_TYPE].kernel[0], 6)
-    return chosen.get(key) or core.GEMLITE_TRITON_CONFIG_CACHE.get(MATMUL_TYPE, {}).get(key)
+    chosen = core.cache_kernel_config(core.GEMLITE_TRITON_MAPPING[matmul_type].kernel[0], 6)
+    return chosen.get(key) or core.GEMLITE_TRITON_CONFIG_CACHE.get(matmul_type, {}).get(key)
 
 
 def search(layers: list, x2, rows: int):
@@ -144,7 +151,12 @@ def main(argv=None) -> int:
     parser.add_argument("--config", required=True, help="config.json of the model shape")
     parser.add_argument("--rows", default="32,16", help="row counts, each standing for its "
                         "gemlite bucket (17-32, 9-16, ...)")
-    parser.add_argument("--weights", default="int8", choices=("int8", "fp8"))
+    parser.add_argument("--weights", default="int8", choices=("int8", "fp8", "int4"),
+                        help="int4: the app's int4-wo numbers in gemlite's packing, group 128")
+    parser.add_argument("--held-only", action="store_true",
+                        help="no wider search: gemlite's own tuning of each shape and row "
+                        "bucket, timed against bf16, its configs written (to ship tuned configs "
+                        "for a model's shapes); also the only search for 1-4 and 64+ rows")
     parser.add_argument("--budget-s", type=float, default=500,
                         help="start no new shape after this many seconds")
     parser.add_argument("--out", required=True)
@@ -154,7 +166,7 @@ def main(argv=None) -> int:
         return 2
     from model_utils.layers import gemlite_weights
     from model_utils.layers.fp8_weights import Fp8Linear
-    from model_utils.layers.weight_only import Int8WeightOnlyLinear
+    from model_utils.layers.weight_only import Int4WeightOnlyLinear, Int8WeightOnlyLinear
 
     if problem := gemlite_weights.unavailable_reason(torch.device("cuda"), torch.bfloat16):
         print(problem)
@@ -172,27 +184,41 @@ def main(argv=None) -> int:
         if time.perf_counter() - start > args.budget_s:
             results.append({"layer": name, "skipped": "time"})
             continue
-        # As many copies as the 8-bit weights need (half bf16's bytes): bf16 cycles through
-        # as many, more than it needs.
+        # As many copies as the quantized weights need: bf16 cycles through as many, more than
+        # it needs.
+        weight_bytes = n * k // 2 if args.weights == "int4" else n * k
         linears = [torch.nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16)
-                   for _ in range(copies_for(n * k))]
+                   for _ in range(copies_for(weight_bytes))]
         with torch.no_grad():
-            quantize = Int8WeightOnlyLinear if args.weights == "int8" else Fp8Linear
-            layers = [quantize(linear) for linear in linears]
-        if not all(gemlite_weights.attach(layer) for layer in layers):
+            if args.weights == "int4":
+                layers = [Int4WeightOnlyLinear(linear, 128, kernel="gemlite")
+                          for linear in linears]
+            else:
+                quantize = Int8WeightOnlyLinear if args.weights == "int8" else Fp8Linear
+                layers = [quantize(linear) for linear in linears]
+        if not all(layer.gemlite_meta is not None or gemlite_weights.attach(layer)
+                   for layer in layers):
             results.append({"layer": name, "skipped": "gemlite does not take this shape"})
             continue
         for rows in rows_list:
             x2 = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
             bf16_us = replay_us([functools.partial(F.linear, x2, linear.weight)
                                  for linear in linears])
-            held_us, held, wide_us, wide = search(layers, x2, rows)
-            weight_gb = n * k * layers[0].qweight.element_size() / 1e9
+            tuning = time.perf_counter()
+            if args.held_only or core.get_matmul_type(rows, layers[0].gemlite_meta[1]) != \
+                    MATMUL_TYPE:
+                runs = [functools.partial(gemlite_weights.product, layer, x2) for layer in layers]
+                held_us = wide_us = replay_us(runs)  # tunes first if it holds no config
+                held = wide = config_in_use(layers[0], rows)
+            else:
+                held_us, held, wide_us, wide = search(layers, x2, rows)
+            weight_gb = weight_bytes / 1e9
             row = {"layer": name, "n": n, "k": k, "rows": rows, "bf16_us": round(bf16_us, 1),
                    "gemlite_us": round(held_us, 1), "gemlite_config": held,
                    "wide_us": round(wide_us, 1), "wide_config": wide,
                    "wide_tb_s": round(weight_gb / wide_us * 1e6 / 1e3, 2),
-                   "bf16_tb_s": round(2 * n * k / 1e9 / bf16_us * 1e6 / 1e3, 2)}
+                   "bf16_tb_s": round(2 * n * k / 1e9 / bf16_us * 1e6 / 1e3, 2),
+                   "seconds": round(time.perf_counter() - tuning, 1)}
             results.append(row)
             print(json.dumps({key: v for key, v in row.items() if "config" not in key}),
                   flush=True)

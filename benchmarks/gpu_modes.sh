@@ -13,9 +13,11 @@
 #            stream and 32 streams, TTFT, KL against fp32
 #   switch   benchmarks/switch_times.py on the Qwen2.5-7B shape (SWITCH_MODES, SWITCH_CYCLES;
 #            SWITCH_PARK_GB: the engine's --park-gb; SWITCH_ARGS: more of its flags)
-#   search   benchmarks/gemlite_search.py on the Qwen2.5-7B shape: gemlite's split-K configs
-#            for decode batches searched wider than its own list, against bf16 (SEARCH_ROWS,
-#            default 32; SEARCH_WEIGHTS int8 or fp8); writes $OUT/search/gemlite-configs.json
+#   search   benchmarks/gemlite_search.py on the Qwen2.5-7B shape (SEARCH_CONFIG: another):
+#            gemlite's split-K configs for decode batches searched wider than its own list,
+#            against bf16 (SEARCH_ROWS, default 32; SEARCH_WEIGHTS int8, fp8 or int4;
+#            SEARCH_ARGS=--held-only: gemlite's own tuning only, the configs to ship for a
+#            shape); writes $OUT/search/gemlite-configs.json
 # Run from the repository root on the GPU machine, the wheels the image lacks in folders named
 # .whl* (e.g. .whl/: transformers, tokenizers; .whl-gemlite/: gemlite; .whl-bnb/:
 # bitsandbytes; one version of each package across them):
@@ -75,7 +77,8 @@ for step in $STEPS; do
       say "switch: exit $?";;
     search)
       say "search: gemlite's split-K configs, wider, Qwen2.5-7B shape"
-      timeout "${SEARCH_S:-540}" $PY benchmarks/gemlite_search.py --config "$CONFIG" \
+      timeout "${SEARCH_S:-540}" $PY benchmarks/gemlite_search.py \
+          --config "${SEARCH_CONFIG:-$CONFIG}" ${SEARCH_ARGS:-} \
           --rows "${SEARCH_ROWS:-32}" --weights "${SEARCH_WEIGHTS:-int8}" \
           --budget-s "$(( ${SEARCH_S:-540} - 180 ))" --out "$OUT/search" >"$OUT/search.log" 2>&1
       say "search: exit $?";;
