@@ -38,15 +38,35 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-MATMUL_TYPE = "GEMM_SPLITK"  # gemlite's kernel for 5-63 rows
+def grid(matmul_type: str, rows: int) -> list | None:
+    """The configs to search for gemlite's kernel at `rows` rows, None for a kernel not searched
+    (its GEMM from 64 rows).
 
-
-def grid(rows: int) -> list:
-    """The configs to search: tiles as high as the bucket's rows (16 or 32), 64-256 wide and
+    Split-K GEMM (5-63 rows): tiles as high as the bucket's rows (16 or 32), 64-256 wide and
     deep, split-K 1-8, 4 or 8 warps, 4 or 5 stages (gemlite's pruner lowers the stages where
-    shared memory is short): 144, about as many Triton compiles."""
+    shared memory is short): 144, about as many Triton compiles.
+    int4's GEMV (1-4 rows, "reversed split-K"): 128-1024 columns and 8-64 rows a program, 1-8
+    warps (8 to 128 weights a thread), 1 or 2 stages, either load order: 172 (its own "max"
+    list stops at 512 columns and 4 warps, one load order).
+    The 8-bit GEMV (1-2 rows, split-K): 4-32 columns, 256-1024 rows deep, split-K 1-4, 4 or 8
+    warps, 1 or 2 stages: 144."""
     import triton
 
+    if matmul_type == "GEMV_SPLITK":
+        return [triton.Config({"BLOCK_SIZE_M": 1, "BLOCK_SIZE_N": n, "BLOCK_SIZE_K": k,
+                               "GROUP_SIZE_M": 8, "SPLIT_K": split, "A_load_order": 0,
+                               "dot_prod_mode": 0}, num_warps=warps, num_stages=stages)
+                for n in (4, 8, 16, 32) for k in (256, 512, 1024) for split in (1, 2, 4)
+                for warps in (4, 8) for stages in (1, 2)]
+    if matmul_type == "GEMV_REVSPLITK":
+        return [triton.Config({"BLOCK_SIZE_M": 1, "BLOCK_SIZE_N": n, "BLOCK_SIZE_K": k,
+                               "A_load_order": order, "dot_prod_mode": 0},
+                              num_warps=warps, num_stages=stages)
+                for n in (128, 256, 512, 1024) for k in (8, 16, 32, 64)
+                for warps in (1, 2, 4, 8) if 8 <= n * k // (32 * warps) <= 128
+                for stages in (1, 2) for order in (0, 1)]
+    if matmul_type != "GEMM_SPLITK":
+        return None
     high = 32 if rows > 16 else 16
     return [triton.Config({"BLOCK_SIZE_M": high, "BLOCK_SIZE_N": n, "BLOCK_SIZE_K": k,
                            "SPLIT_K": split, "GROUP_SIZE_M": 8, "A_load_order": 0},
@@ -130,10 +150,14 @@ def search(layers: list, x2, rows: int):
     layer = layers[0]  # gemlite keys its configs by shape: one copy stands for all
     held_us = replay_us(runs)  # tunes among gemlite's own list first if it holds no config
     held = config_in_use(layer, rows)
-    autotuner = core.GEMLITE_TRITON_MAPPING[MATMUL_TYPE].kernel[0]  # the INT kernel's
+    matmul_type, _, _ = gemlite_weights._signature(layer, rows)
+    configs = grid(matmul_type, rows)
+    if configs is None:
+        return held_us, held, held_us, held
+    autotuner = core.GEMLITE_TRITON_MAPPING[matmul_type].kernel[0]  # the INT kernel's
     own_configs = autotuner.configs
     gemlite_weights._forget_tuned(layer, rows)  # from its table and its autotuner's choices
-    autotuner.configs = grid(rows)
+    autotuner.configs = configs
     try:
         wide_us = replay_us(runs)
     finally:
@@ -141,7 +165,7 @@ def search(layers: list, x2, rows: int):
     wide = config_in_use(layer, rows)
     if held is not None and held_us < wide_us:  # the table's entry is what gets written
         gemlite_weights._forget_tuned(layer, rows)
-        core.GEMLITE_TRITON_CONFIG_CACHE.setdefault(MATMUL_TYPE, {})[tuned_key(layer, rows)] = held
+        core.GEMLITE_TRITON_CONFIG_CACHE.setdefault(matmul_type, {})[tuned_key(layer, rows)] = held
     return held_us, held, wide_us, wide
 
 
@@ -205,8 +229,7 @@ def main(argv=None) -> int:
             bf16_us = replay_us([functools.partial(F.linear, x2, linear.weight)
                                  for linear in linears])
             tuning = time.perf_counter()
-            if args.held_only or core.get_matmul_type(rows, layers[0].gemlite_meta[1]) != \
-                    MATMUL_TYPE:
+            if args.held_only:
                 runs = [functools.partial(gemlite_weights.product, layer, x2) for layer in layers]
                 held_us = wide_us = replay_us(runs)  # tunes first if it holds no config
                 held = wide = config_in_use(layers[0], rows)
