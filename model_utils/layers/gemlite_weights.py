@@ -227,6 +227,17 @@ def check_kernels(model: nn.Module) -> list[str]:
     return done
 
 
+def untuned_shapes(model: nn.Module) -> list[str]:
+    """The weight shapes gemlite serves in this model that have no tuned config for one row
+    on this GPU (neither shipped nor kept from an earlier load): gemlite tunes each of their
+    row buckets at its first use, tens of seconds each, once (save_tuned keeps them)."""
+    shapes = {}
+    for module in model.modules():
+        if getattr(module, "gemlite_meta", None) is not None:
+            shapes.setdefault((module.out_features, module.in_features), module)
+    return [f"{n}x{k}" for (n, k), layer in shapes.items() if not _tuned_config(layer, 1)]
+
+
 def _try_launch(layer: nn.Module, x2: torch.Tensor) -> Exception | None:
     """Run the layer's gemlite product once: None, or what it raised."""
     try:

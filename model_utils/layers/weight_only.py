@@ -293,6 +293,13 @@ def quantize_model(model: nn.Module, bits: int, group: int | None, device: torch
         model.to(device)
     if attached:  # every row bucket launched once now, not first inside a graph capture
         gemlite_weights.check_kernels(model)
+        if untuned := gemlite_weights.untuned_shapes(model):
+            log.warning("gemlite has no tuned kernels on this GPU for the shapes %s: it tunes "
+                        "each at its first use (tens of seconds each, once; kept for later "
+                        "loads)", ", ".join(untuned))
+            if progress:
+                progress(0.6, f"gemlite tunes its kernels for {len(untuned)} new weight shapes "
+                              "at their first use (once on this GPU)")
         attached = sum(getattr(m, "gemlite_meta", None) is not None for m in model.modules())
     kernel = "converted to bf16"
     below = gemlite_weights.GEMLITE_BELOW_ROWS
