@@ -1,13 +1,14 @@
-"""gemlite's split-K GEMM for decode batches of 5-63 rows, tuned among a wider grid of configs
-than its own "fast" list, shape by shape, against bf16's cuBLAS on the same shape and rows;
-with --held-only (and at 1-4 or 64+ rows), gemlite's own tuning only, timed: the configs to
-ship for a model's shapes, so that its first load does not tune them.
+"""gemlite's kernels for decode batches (its GEMVs for 1-4 rows, its split-K GEMM for 5-63),
+tuned among wider grids of configs than its own "fast" lists (grid()), shape by shape, against
+bf16's cuBLAS on the same shape and rows; with --held-only (and at 64+ rows), gemlite's own
+tuning only, timed: the configs to ship for a model's shapes, so that its first load does not
+tune them.
 
 Why: at 32 rows int8-wo's linear layers read their int8 weights at 1.42 TB/s where bf16's
 cuBLAS reads bf16 at 2.58 (H100, BENCHMARKS.md, "Where int8-wo's step goes"), which is the
 8-bit modes' 32-stream gap. gemlite tunes a shape and row bucket among about twenty configs, so
 a better one may exist. Its own "max" list holds 7 500 (each a Triton compile), too many for a
-GPU call; GRID is a middle way (below).
+GPU call; grid() is a middle way.
 
 Per linear shape of the model config (the app's fused q/k/v and gate/up, o, down) and per row
 count: bf16 F.linear, gemlite with the config it holds now (shipped, or tuned by its fast list
@@ -38,6 +39,7 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+
 def grid(matmul_type: str, rows: int) -> list | None:
     """The configs to search for gemlite's kernel at `rows` rows, None for a kernel not searched
     (its GEMM from 64 rows).
@@ -48,15 +50,16 @@ def grid(matmul_type: str, rows: int) -> list | None:
     int4's GEMV (1-4 rows, "reversed split-K"): 128-1024 columns and 8-64 rows a program, 1-8
     warps (8 to 128 weights a thread), 1 or 2 stages, either load order: 172 (its own "max"
     list stops at 512 columns and 4 warps, one load order).
-    The 8-bit GEMV (1-2 rows, split-K): 4-32 columns, 256-1024 rows deep, split-K 1-4, 4 or 8
-    warps, 1 or 2 stages: 144."""
+    The 8-bit GEMV (1-2 rows): 4-32 columns, 256-1024 rows deep, 4 or 8 warps, 1 or 2 stages:
+    48; no split-K (its kernel would add the parts atomically in bf16, as gemlite's own lists
+    never do)."""
     import triton
 
     if matmul_type == "GEMV_SPLITK":
         return [triton.Config({"BLOCK_SIZE_M": 1, "BLOCK_SIZE_N": n, "BLOCK_SIZE_K": k,
                                "GROUP_SIZE_M": 8, "SPLIT_K": split, "A_load_order": 0,
                                "dot_prod_mode": 0}, num_warps=warps, num_stages=stages)
-                for n in (4, 8, 16, 32) for k in (256, 512, 1024) for split in (1, 2, 4)
+                for n in (4, 8, 16, 32) for k in (256, 512, 1024) for split in (1,)
                 for warps in (4, 8) for stages in (1, 2)]
     if matmul_type == "GEMV_REVSPLITK":
         return [triton.Config({"BLOCK_SIZE_M": 1, "BLOCK_SIZE_N": n, "BLOCK_SIZE_K": k,
@@ -180,7 +183,7 @@ def main(argv=None) -> int:
     parser.add_argument("--held-only", action="store_true",
                         help="no wider search: gemlite's own tuning of each shape and row "
                         "bucket, timed against bf16, its configs written (to ship tuned configs "
-                        "for a model's shapes); also the only search for 1-4 and 64+ rows")
+                        "for a model's shapes); also the only search for 64+ rows")
     parser.add_argument("--budget-s", type=float, default=500,
                         help="start no new shape after this many seconds")
     parser.add_argument("--out", required=True)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The modes on one GPU, in steps that fit one call of the GPU machine (10 minutes):
-#   kernels  tests/gpu/test_weight_kernels.py: tinygemm int4, int8-wo and fp8 against their
-#            dequantized weights at 1-1024 rows, eager and compiled
+#   kernels  tests/gpu/test_weight_kernels.py: int4 (tinygemm and gemlite), int8-wo and fp8
+#            against their dequantized weights at 1-1024 rows, eager and compiled
 #   tests    the CUDA tests of every mode and the packed attention (needs bitsandbytes:
 #            tests/gpu/test_batches_and_modes.py, test_packed_attention.py)
 #   memory   the switching memory over 20 cycles (tests/gpu/test_switch_memory.py; it prints

@@ -155,7 +155,11 @@ def pack_int4(layer: nn.Module, q: torch.Tensor, scales: torch.Tensor, zeros: to
     layer gemlite's scales, zeros and metadata (as attach does)."""
     from gemlite.helper import A16Wn
 
-    n = q.shape[0]
+    n, k = q.shape
+    if group == k:  # one group a row reads as per-row scales to gemlite (its mode 3, no
+        # shift): the same numbers as two groups of half the width, each with the row's pair
+        scales, zeros, group = (scales.repeat_interleave(2, 1), zeros.repeat_interleave(2, 1),
+                                group // 2)
     # gemlite reads w = q * scale + shift (its "fma" mode: W_group_mode 4) with the shift
     # computed from a zero point in q's units; the app's own shift, zero - 8 * scale, rounded
     # to bf16 once, replaces it below, so that no second rounding parts the two.
@@ -167,17 +171,23 @@ def pack_int4(layer: nn.Module, q: torch.Tensor, scales: torch.Tensor, zeros: to
         raise RuntimeError(f"gemlite packed int4 in an unexpected form (W_group_mode "
                            f"{packed.W_group_mode}, shifts {tuple(packed.zeros.shape)})")
     packed.zeros.data.copy_(shift)
-    _adopt(layer, packed)
+    _adopt(layer, packed, own=True)
     return packed.W_q.detach()
 
 
-def _adopt(layer: nn.Module, packed: nn.Module) -> None:
+def _adopt(layer: nn.Module, packed: nn.Module, *, own: bool = False) -> None:
     """The small tensors and the metadata of gemlite's packed layer, kept by the app's layer
-    (not gemlite's module, which would hold a second reference to the weight)."""
-    layer.register_buffer("gemlite_scales", packed.scales.detach(), persistent=False)
-    layer.register_buffer("gemlite_zeros", packed.zeros.detach(), persistent=False)
-    layer.register_buffer("gemlite_meta_scale", packed.meta_scale.detach(), persistent=False)
+    (not gemlite's module, which would hold a second reference to the weight). `own`: they
+    are the layer's only copy of its scales (int4), saved with its state; the 8-bit layers
+    keep their own scales beside these views."""
+    layer.register_buffer("gemlite_scales", packed.scales.detach(), persistent=own)
+    layer.register_buffer("gemlite_zeros", packed.zeros.detach(), persistent=own)
+    layer.register_buffer("gemlite_meta_scale", packed.meta_scale.detach(), persistent=own)
     layer.gemlite_meta = [int(v) for v in packed.get_meta_args()]
+
+
+class KernelFailure(RuntimeError):
+    """gemlite's kernel failed for layers that have no other path (int4 in its layout)."""
 
 
 def check_kernels(model: nn.Module) -> list[str]:
@@ -191,7 +201,8 @@ def check_kernels(model: nn.Module) -> list[str]:
     (on an H200, 344 KB against 227 KB: BENCHMARKS.md). A config that does not launch is
     forgotten and the shape tuned anew (gemlite's own tuning keeps to the GPU's limits); a
     shape whose kernel still fails leaves gemlite, its 8-bit layers keeping their own path
-    (int4 layers in gemlite's layout have none: the load fails, with the kernel's error).
+    (int4 layers in gemlite's layout have none: KernelFailure, for the caller to pack them
+    for another kernel while it still has their weights).
     Returns one line for each repair or removal (empty when every kernel ran)."""
     from triton.runtime.errors import OutOfResources
 
@@ -213,9 +224,12 @@ def check_kernels(model: nn.Module) -> list[str]:
                 done.append(f"gemlite's tuned config for {n}x{k} {dtype} at {_rows_of(rows)} "
                             f"did not fit this GPU ({failure}); tuned anew")
                 failure = _try_launch(layers[0], x2)
+            if isinstance(failure, torch.OutOfMemoryError):
+                raise failure
             if failure is not None and getattr(layers[0], "kernel", None) == "gemlite":
-                raise RuntimeError(f"gemlite's int4 kernel failed for {n}x{k} at "
-                                   f"{_rows_of(rows)}: {type(failure).__name__}: {failure}")
+                raise KernelFailure(f"gemlite's int4 kernel failed for {n}x{k} at "
+                                    f"{_rows_of(rows)}: {type(failure).__name__}: "
+                                    f"{failure}") from failure
             if failure is not None:  # the layers' own path serves them instead
                 for layer in layers:
                     layer.gemlite_meta = None

@@ -260,6 +260,7 @@ def quantize_model(model: nn.Module, bits: int, group: int | None, device: torch
         # quantized one by one, so a fused layer has the separate layers' numbers).
         fuse_for_decoding(model)
     compute = model.get_input_embeddings().weight.dtype
+    kernels4 = {}  # int4: the kernel of each weight shape, kernel4 until one fails for it
     kernel4 = kernel4 or int4_kernel(device, compute)
     label = "fp8" if fmt == "fp8" else f"int{bits}"
     # gemlite's kernels for the decode rows of 8-bit layers (gemlite_weights): None when they run.
@@ -279,12 +280,11 @@ def quantize_model(model: nn.Module, bits: int, group: int | None, device: torch
             if fmt == "fp8":
                 layer = Fp8Linear(linear)
             elif bits == 4:
-                layer, kernel4 = _int4_layer(linear, group, kernel4)
+                layer = _int4_layer(linear, group, kernels4, kernel4)
             else:
                 layer = Int8WeightOnlyLinear(linear)
             if gemlite is None and isinstance(layer, (Fp8Linear, Int8WeightOnlyLinear)):
                 attached += gemlite_weights.attach(layer)
-            attached += getattr(layer, "kernel", None) == "gemlite"
             setattr(parent, child, layer)
             del linear  # the parent held the only other reference: its weight is freed
             if progress and i % 32 == 0:
@@ -293,6 +293,7 @@ def quantize_model(model: nn.Module, bits: int, group: int | None, device: torch
         model.to(device)
     if attached:  # every row bucket launched once now, not first inside a graph capture
         gemlite_weights.check_kernels(model)
+    if attached or "gemlite" in kernels4.values():
         if untuned := gemlite_weights.untuned_shapes(model):
             log.warning("gemlite has no tuned kernels on this GPU for the shapes %s: it tunes "
                         "each at its first use (tens of seconds each, once; kept for later "
@@ -318,18 +319,29 @@ def quantize_model(model: nn.Module, bits: int, group: int | None, device: torch
     return {"quantized": len(targets) - len(kept), "kept": kept, "seconds": seconds}
 
 
-def _int4_layer(linear: nn.Linear, group: int, kernel: str) -> tuple[nn.Module, str]:
-    """The int4 layer of `linear` with `kernel`, and the kernel the next layers use: where
-    gemlite fails to pack a layer (a version that packs otherwise), tinygemm, for every layer
-    from then on (said in the log and in the model's kernel line)."""
+def _int4_layer(linear: nn.Linear, group: int, kernels: dict, kernel: str) -> nn.Module:
+    """The int4 layer of `linear`, through the kernel `kernels` holds for its shape. A shape's
+    first layer sets it: `kernel`, unless that is gemlite and gemlite cannot pack it (a version
+    that packs otherwise) or its kernel does not run for it at a decode row count
+    (check_kernels); then tinygemm, for every layer of that shape (said in the log and in the
+    model's kernel line), packed from the bf16 weight still at hand."""
+    shape = (linear.out_features, linear.in_features)
+    if shape in kernels:
+        return Int4WeightOnlyLinear(linear, group, kernel=kernels[shape])
     try:
-        return Int4WeightOnlyLinear(linear, group, kernel=kernel), kernel
-    except Exception as error:  # noqa: BLE001 - only gemlite's packing is caught
+        layer = Int4WeightOnlyLinear(linear, group, kernel=kernel)
+        if kernel == "gemlite":
+            gemlite_weights.check_kernels(layer)
+    except torch.OutOfMemoryError:
+        raise
+    except Exception as error:  # noqa: BLE001 - gemlite's packing or kernel, for this shape
         if kernel != "gemlite":
             raise
-        log.warning("gemlite could not pack int4 weights (%s: %s); tinygemm serves them",
-                    type(error).__name__, error)
-        return Int4WeightOnlyLinear(linear, group, kernel="tinygemm"), "tinygemm"
+        log.warning("gemlite's int4 kernels do not serve %dx%d weights here (%s: %s); "
+                    "tinygemm does", *shape, type(error).__name__, error)
+        layer, kernel = Int4WeightOnlyLinear(linear, group, kernel="tinygemm"), "tinygemm"
+    kernels[shape] = kernel
+    return layer
 
 
 def load_quantized(path, bits: int, group: int | None, *, device_map: dict, dtype: torch.dtype,

@@ -104,7 +104,7 @@ class PaddedPrefill:
         about the most the graphs' shared pool must hold, so that the shapes captured after it
         fit in what it left there; the one of a single prompt (a first reply's). Only one: the
         other shapes of as many tokens need about as much, and each capture is a whole prefill
-        of them (1.4 s for tinygemm's int4 layers on the 7B shape, BENCHMARKS.md)."""
+        of them (1.4 s with tinygemm's int4 layers on the 7B shape, BENCHMARKS.md)."""
         most = max(rows * size for rows, size in self.shapes)
         return min((rows, size) for rows, size in self.shapes if rows * size == most)
 

@@ -26,9 +26,9 @@ BOUND = {"int4": 0.01, "int8": 0.01, "fp8": 0.06, "int4-gemlite": 0.01, "int8-ge
          "fp8-gemlite": 0.06}
 
 
-def linear_layer() -> nn.Linear:
+def linear_layer(in_features: int = 3584) -> nn.Linear:
     torch.manual_seed(0)
-    return nn.Linear(3584, 1024, bias=False, dtype=torch.bfloat16, device="cuda")
+    return nn.Linear(in_features, 1024, bias=False, dtype=torch.bfloat16, device="cuda")
 
 
 def layer(kind: str) -> nn.Module:
@@ -99,10 +99,40 @@ def test_a_tuned_config_the_gpu_cannot_launch_is_tuned_anew():
     assert ((got - expected).norm() / expected.norm()).item() < BOUND["int8-gemlite"]
 
 
-def test_gemlite_int4_keeps_one_packed_copy_of_the_weights():
-    """Half a byte a weight, and a bf16 scale and shift per 128 weights: no second copy."""
+def test_gemlite_int4_keeps_one_packed_copy_of_the_weights_and_the_apps_shift():
+    """Half a byte a weight, and a bf16 scale and shift per 128 weights: no second copy,
+    in gemlite's mode w = q * scale + shift, the shift the app's zero - 8 * scale (gemlite's
+    own, from a zero point in q's units, is another rounding: too close for the product
+    test's bound to tell apart)."""
+    from model_utils.layers.weight_only import quantize_int4
+
+    before = torch.cuda.memory_allocated()
     module = layer("int4-gemlite")
     sizes = {name: t.numel() * t.element_size() for name, t in module.named_buffers()}
     groups = 1024 * 3584 // 128
     assert sizes == {"packed": 1024 * 3584 // 2, "gemlite_scales": groups * 2,
                      "gemlite_zeros": groups * 2, "gemlite_meta_scale": 4}, sizes
+    torch.cuda.synchronize()
+    held = torch.cuda.memory_allocated() - before
+    assert held <= sum(sizes.values()) + 4096, f"{held} bytes held for {sizes}"
+    assert module.gemlite_meta[10] == 4  # W_group_mode: the fma form
+    _, scales, zeros = quantize_int4(linear_layer().weight, 128)
+    shift = (zeros.float() - 8 * scales.float()).to(torch.bfloat16).t()
+    assert torch.equal(module.gemlite_zeros, shift)
+    assert torch.equal(module.gemlite_scales, scales.t())
+
+
+def test_gemlite_int4_takes_a_row_of_one_group():
+    """128 input features in groups of 128: packed as two groups of 64 with the row's scale
+    and shift each (gemlite reads one group a row as per-row scales, without a shift)."""
+    if reason := gemlite_weights.unavailable_reason(torch.device("cuda"), torch.bfloat16):
+        pytest.skip(reason)
+    module = Int4WeightOnlyLinear(linear_layer(128), 128, kernel="gemlite")
+    weight = Int4WeightOnlyLinear(linear_layer(128), 128, kernel="dequantize").dequantized(
+        torch.float32)
+    for rows in (1, 7, 64):
+        x = torch.randn(rows, 128, dtype=torch.bfloat16, device="cuda")
+        with torch.inference_mode():
+            got = module(x).float()
+        expected = x.float() @ weight.T
+        assert ((got - expected).norm() / expected.norm()).item() < BOUND["int4-gemlite"]

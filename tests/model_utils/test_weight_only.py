@@ -195,7 +195,9 @@ def test_a_placement_over_several_devices_is_refused_and_the_model_kept(load_dem
 
 
 # -- the mode dropdown ---------------------------------------------------------------------------
-def test_the_dropdown_lists_the_modes_by_section_with_their_cost_on_the_device():
+def test_the_dropdown_lists_the_modes_by_section_with_their_cost_on_the_device(monkeypatch):
+    from model_utils.loading import modes
+
     for device in ("cpu", "cuda"):
         choices = dropdown_choices(device)
         assert sorted(name for _, name in choices) == sorted(MODES)
@@ -205,9 +207,11 @@ def test_the_dropdown_lists_the_modes_by_section_with_their_cost_on_the_device()
         labels = {name: label for label, name in choices}
         assert "int4 weight-only, group 128" in labels["int4-wo"]
         assert "0.53 B/param" in labels["int4-wo"] and "1.00 B/param" in labels["int8-wo"]
-    gpu = {name: label for label, name in dropdown_choices("cuda")}
+    for gemlite, int4_kernel in ((True, "gemlite's int4 kernels"), (False, "tinygemm int4 kernel")):
+        monkeypatch.setattr(modes, "_gemlite_runs", lambda gemlite=gemlite: gemlite)
+        gpu = {name: label for label, name in dropdown_choices("cuda")}
+        assert f"compiled CUDA-graph path, {int4_kernel}" in gpu["int4-wo"]
     assert "slow on this GPU: eager path" in gpu["int8"]
-    assert "compiled CUDA-graph path, tinygemm int4 kernel" in gpu["int4-wo"]
     assert all("slow on this GPU" not in gpu[m] for m in ("bf16", "int4-wo", "int8-wo", "nf4"))
     cpu = {name: label for label, name in dropdown_choices("cpu")}
     assert "weights dequantized in every forward" in cpu["int4-wo"]
