@@ -45,8 +45,7 @@ INT4_INNER_K_TILES = 8  # tinygemm's packing: in_features must be a multiple of 
 TINYGEMM_K_MULTIPLE = 16 * INT4_INNER_K_TILES
 TINYGEMM_N_MULTIPLE = 8
 # How int4 weights are kept and multiplied, the first that runs here (int4_kernel): gemlite's
-# Triton kernels (every row count), PyPI's tinygemm in PyTorch (fast for one row, slow for
-# batches and prompts: BENCHMARKS.md), or dequantized in the forward (any device).
+# kernels, PyTorch's tinygemm (slow for batches and prompts), or dequantized in the forward.
 INT4_KERNELS = ("gemlite", "tinygemm", "dequantize")
 
 
