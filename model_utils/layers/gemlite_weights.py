@@ -227,6 +227,8 @@ def check_kernels(model: nn.Module) -> list[str]:
             if isinstance(failure, torch.OutOfMemoryError):
                 raise failure
             if failure is not None and getattr(layers[0], "kernel", None) == "gemlite":
+                for line in done:
+                    log.warning(line)
                 raise KernelFailure(f"gemlite's int4 kernel failed for {n}x{k} at "
                                     f"{_rows_of(rows)}: {type(failure).__name__}: "
                                     f"{failure}") from failure

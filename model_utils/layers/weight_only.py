@@ -251,8 +251,7 @@ def quantize_model(model: nn.Module, bits: int, group: int | None, device: torch
                    progress=None, fmt: str = "int", kernel4: str | None = None) -> dict:
     """Replace the model's Linear layers by weight-only ones (`fmt` "int": int4 / int8 by
     `bits`; "fp8": fp8_weights.Fp8Linear) on `device`, one layer at a time, then move the rest
-    there; int4 layers use `kernel4` (default: int4_kernel's). Returns {quantized, kept,
-    seconds}."""
+    there; int4 layers use `kernel4` (default: int4_kernel's). Returns {quantized, kept, seconds}."""
     start = time.perf_counter()
     if device.type == "cuda":
         # What the engine does to a bf16 model it compiles, done before quantizing (rows are
@@ -320,25 +319,26 @@ def quantize_model(model: nn.Module, bits: int, group: int | None, device: torch
 
 def _int4_layer(linear: nn.Linear, group: int, kernels: dict, kernel: str) -> nn.Module:
     """The int4 layer of `linear`, through the kernel `kernels` holds for its shape. A shape's
-    first layer sets it: `kernel`, unless that is gemlite and gemlite cannot pack it (a version
-    that packs otherwise) or its kernel does not run for it at a decode row count
-    (check_kernels); then tinygemm, for every layer of that shape (said in the log and in the
-    model's kernel line), packed from the bf16 weight still at hand."""
+    first layer sets it: `kernel`, unless that is gemlite and gemlite cannot pack it or its
+    kernel fails at a tuned decode row count (check_kernels; prompts' rows are not tried); then
+    tinygemm for that shape (in the log and the kernel line), from the bf16 weight at hand."""
     shape = (linear.out_features, linear.in_features)
     if shape in kernels:
         return Int4WeightOnlyLinear(linear, group, kernel=kernels[shape])
-    try:
-        layer = Int4WeightOnlyLinear(linear, group, kernel=kernel)
-        if kernel == "gemlite":
+    if kernel == "gemlite":
+        try:
+            layer = Int4WeightOnlyLinear(linear, group, kernel=kernel)
             gemlite_weights.check_kernels(layer)
-    except torch.OutOfMemoryError:
-        raise
-    except Exception as error:  # noqa: BLE001 - gemlite's packing or kernel, for this shape
-        if kernel != "gemlite":
-            raise
-        log.warning("gemlite's int4 kernels do not serve %dx%d weights here (%s: %s); "
-                    "tinygemm does", *shape, type(error).__name__, error)
-        layer, kernel = Int4WeightOnlyLinear(linear, group, kernel="tinygemm"), "tinygemm"
+            kernels[shape] = kernel
+            return layer
+        except (torch.OutOfMemoryError, torch.AcceleratorError):
+            raise  # the device's state, not gemlite's reach: no other kernel would do better
+        except Exception as error:  # noqa: BLE001 - gemlite's packing or kernel, for this shape
+            layer = None  # its packed copy (and, past the handler, the traceback's) goes first
+            log.warning("gemlite's int4 kernels do not serve %dx%d weights here (%s: %s); "
+                        "tinygemm does", *shape, type(error).__name__, error)
+        kernel = "tinygemm"
+    layer = Int4WeightOnlyLinear(linear, group, kernel=kernel)
     kernels[shape] = kernel
     return layer
 

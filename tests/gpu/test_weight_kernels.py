@@ -6,6 +6,8 @@ and compiled (the decode step's graphs replay the compiled form)."""
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 from torch import nn
@@ -106,15 +108,18 @@ def test_gemlite_int4_keeps_one_packed_copy_of_the_weights_and_the_apps_shift():
     test's bound to tell apart)."""
     from model_utils.layers.weight_only import quantize_int4
 
+    gc.collect()  # earlier tests' leftovers, and gemlite's module (a reference cycle)
     before = torch.cuda.memory_allocated()
     module = layer("int4-gemlite")
+    gc.collect()
     sizes = {name: t.numel() * t.element_size() for name, t in module.named_buffers()}
     groups = 1024 * 3584 // 128
     assert sizes == {"packed": 1024 * 3584 // 2, "gemlite_scales": groups * 2,
                      "gemlite_zeros": groups * 2, "gemlite_meta_scale": 4}, sizes
-    torch.cuda.synchronize()
     held = torch.cuda.memory_allocated() - before
-    assert held <= sum(sizes.values()) + 4096, f"{held} bytes held for {sizes}"
+    # A second copy of any kind would add at least a quarter of the packed weight (an int8
+    # or bf16 one far more); the allocator rounds each small tensor up to 512 bytes.
+    assert held < sum(sizes.values()) + sizes["packed"] // 4, f"{held} bytes held for {sizes}"
     assert module.gemlite_meta[10] == 4  # W_group_mode: the fma form
     _, scales, zeros = quantize_int4(linear_layer().weight, 128)
     shift = (zeros.float() - 8 * scales.float()).to(torch.bfloat16).t()
