@@ -42,7 +42,7 @@ class SwitchCost:
 
     def as_dict(self) -> dict:
         caches = ["tokenizer"] * self.tokenizer_kept + ["parked weights"] * self.weights_parked
-        return {"s": round(self.total_s, 2), "unload_s": round(self.unload_s, 2),
+        return {"s": round(self.total_s, 3), "unload_s": round(self.unload_s, 3),
                 **({"replaced": self.replaced} if self.replaced else {}),
                 "from_caches": caches,
                 **({"failed": self.failed} if self.failed else {})}
@@ -93,7 +93,7 @@ class LoadedModel:
             "placement": self.request.placement.describe(),
             "device_map": self.device_map,
             "load_s": round(self.load_s, 3),
-            "ready_s": round(self.ready_s, 2),
+            "ready_s": round(self.ready_s, 3),  # as precise as load_s, which it includes
             "load_stages": [stage.as_dict() for stage in self.stages],
             **({"last_switch": self.switch.as_dict()} if self.switch else {}),
             "footprint_gb": round(self.footprint_gb, 4),

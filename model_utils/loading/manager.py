@@ -158,7 +158,7 @@ class ModelManager:
             start = time.perf_counter()
             self._unload_locked(park=True)
             # Rounded once, as the status keeps it, so the two never say different tenths.
-            unload_s = round(time.perf_counter() - start, 2)
+            unload_s = round(time.perf_counter() - start, 3)
             progress(0.08, f"unloaded {replaced} in {unload_s:.1f} s")
 
         def cost(failed: str = "") -> SwitchCost:
