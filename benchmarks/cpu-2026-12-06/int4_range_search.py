@@ -1,5 +1,5 @@
 """int4-wo's KL against fp32 with each group's range searched among clippings of its min-max
-(weight_only.INT4_RANGE_FRACTIONS) and without (min-max only), in groups of 128 (the mode's)
+(int_quantization.INT4_RANGE_FRACTIONS) and without (min-max only), in groups of 128 (the mode's)
 and of 64, beside nf4's, on peaked models (model_utils.bench.peaked_model). One bench process
 per variant:
 
@@ -12,7 +12,7 @@ import sys
 
 VARIANT = """
 import dataclasses
-import model_utils.layers.weight_only as wo
+import model_utils.layers.int_quantization as wo
 from model_utils.loading import modes
 modes.MODES["int4-wo"] = dataclasses.replace(modes.MODES["int4-wo"], group_size={group})
 wo.INT4_RANGE_FRACTIONS = {fractions}

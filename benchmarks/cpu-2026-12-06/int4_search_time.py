@@ -1,5 +1,5 @@
 """Seconds to quantize one bf16 matrix to int4 (groups of 128) on this CPU: each group's range
-searched (weight_only.INT4_RANGE_FRACTIONS) against its min-max alone, best of three.
+searched (int_quantization.INT4_RANGE_FRACTIONS) against its min-max alone, best of three.
 
     python benchmarks/cpu-2026-12-06/int4_search_time.py > int4-search-time.json
 """
@@ -9,17 +9,17 @@ import time
 
 import torch
 
-from model_utils.layers import weight_only
+from model_utils.layers import int_quantization
 
-SEARCHED = weight_only.INT4_RANGE_FRACTIONS
+SEARCHED = int_quantization.INT4_RANGE_FRACTIONS
 
 
 def seconds(weight: torch.Tensor, fractions: tuple) -> float:
-    weight_only.INT4_RANGE_FRACTIONS = fractions
+    int_quantization.INT4_RANGE_FRACTIONS = fractions
     best = float("inf")
     for _ in range(3):
         start = time.perf_counter()
-        weight_only.quantize_int4(weight, 128)
+        int_quantization.quantize_int4(weight, 128)
         best = min(best, time.perf_counter() - start)
     return round(best, 3)
 

@@ -150,7 +150,7 @@ def attach(layer: nn.Module) -> bool:
 def pack_int4(layer: nn.Module, q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
               group: int) -> torch.Tensor:
     """gemlite's packing of int4 numbers (q uint8 [N, K] in 0..15; bf16 scales and zeros
-    [N, K/group], w = (q - 8) * scale + zero, weight_only.quantize_int4) for `layer`, on q's
+    [N, K/group], w = (q - 8) * scale + zero, int_quantization.quantize_int4) for `layer`, on q's
     device: returns the packed weight (the layer's one copy, for it to keep) and gives the
     layer gemlite's scales, zeros and metadata (as attach does)."""
     from gemlite.helper import A16Wn

@@ -106,7 +106,7 @@ def test_gemlite_int4_keeps_one_packed_copy_of_the_weights_and_the_apps_shift():
     in gemlite's mode w = q * scale + shift, the shift the app's zero - 8 * scale (gemlite's
     own, from a zero point in q's units, is another rounding: too close for the product
     test's bound to tell apart)."""
-    from model_utils.layers.weight_only import quantize_int4
+    from model_utils.layers.int_quantization import quantize_int4
 
     gc.collect()  # earlier tests' leftovers, and gemlite's module (a reference cycle)
     before = torch.cuda.memory_allocated()

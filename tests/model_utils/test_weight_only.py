@@ -15,16 +15,15 @@ from torch import nn
 
 from model_utils.engine import eos_ids
 from model_utils.errors import LoadError
-from model_utils.layers import weight_only
-from model_utils.layers.weight_only import (
-    Int4WeightOnlyLinear,
-    Int8WeightOnlyLinear,
+from model_utils.layers import int_quantization
+from model_utils.layers.int_quantization import (
     dequantize_int4,
     pack_nibbles,
     quantize_int4,
     quantize_int8,
     unpack_nibbles,
 )
+from model_utils.layers.weight_only import Int4WeightOnlyLinear, Int8WeightOnlyLinear
 from model_utils.loading.loaded_model import LoadRequest
 from model_utils.loading.memory_accounting import stored_bytes
 from model_utils.loading.modes import MODES, dropdown_choices, get_mode
@@ -73,7 +72,7 @@ def test_int4_groups_round_to_the_nearest_of_16_levels_of_a_range_searched_per_g
             16, 2, 128).sum(-1)
 
     searched = group_error(q, scales, zeros)
-    monkeypatch.setattr(weight_only, "INT4_RANGE_FRACTIONS", (1.0,))
+    monkeypatch.setattr(int_quantization, "INT4_RANGE_FRACTIONS", (1.0,))
     plain = group_error(*quantize_int4(w, 128))
     assert (searched <= plain * (1 + 1e-6)).all()
     assert searched[3, 0] < plain[3, 0] and searched.sum() < 0.95 * plain.sum()
