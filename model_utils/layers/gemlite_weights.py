@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -190,7 +191,7 @@ class KernelFailure(RuntimeError):
     """gemlite's kernel failed for layers that have no other path (int4 in its layout)."""
 
 
-def check_kernels(model: nn.Module) -> list[str]:
+def check_kernels(model: nn.Module, weight_rows: WeightRows | None = None) -> list[str]:
     """Run gemlite's kernel once at every row bucket below GEMLITE_BELOW_ROWS that has a tuned
     config, for each weight shape and type the model handed it, eagerly, before torch.compile
     and the CUDA graphs meet it.
@@ -203,6 +204,10 @@ def check_kernels(model: nn.Module) -> list[str]:
     shape whose kernel still fails leaves gemlite, its 8-bit layers keeping their own path
     (int4 layers in gemlite's layout have none: KernelFailure, for the caller to pack them
     for another kernel while it still has their weights).
+    A kernel that runs but gives other numbers than the weights' fails too: each launch
+    multiplies random rows and is held to the product of the same weights dequantized (the
+    8-bit layers' own; for an int4 layer, whose packed weights only gemlite reads,
+    `weight_rows`: its dequantized weight at the given output features).
     Returns one line for each repair or removal (empty when every kernel ran)."""
     from triton.runtime.errors import OutOfResources
 
@@ -216,14 +221,15 @@ def check_kernels(model: nn.Module) -> list[str]:
         # Only the buckets with a config in gemlite's table: one it tunes here keeps to the
         # GPU's limits, and tuning buckets the engine never runs would cost seconds each.
         for rows in filter(lambda rows: _tuned_config(layers[0], rows), _row_buckets()):
-            x2 = torch.zeros(rows, k, dtype=torch.bfloat16,
-                             device=layers[0].gemlite_weight().device)
-            failure = _try_launch(layers[0], x2)
+            device = layers[0].gemlite_weight().device
+            x2 = torch.randn(rows, k, dtype=torch.bfloat16, device=device,
+                             generator=torch.Generator(device=device).manual_seed(rows))
+            failure = _try_launch(layers[0], x2, weight_rows)
             if isinstance(failure, OutOfResources):
                 _forget_tuned(layers[0], rows)
                 done.append(f"gemlite's tuned config for {n}x{k} {dtype} at {_rows_of(rows)} "
                             f"did not fit this GPU ({failure}); tuned anew")
-                failure = _try_launch(layers[0], x2)
+                failure = _try_launch(layers[0], x2, weight_rows)
             if isinstance(failure, torch.OutOfMemoryError):
                 raise failure
             if failure is not None and getattr(layers[0], "kernel", None) == "gemlite":
@@ -254,15 +260,62 @@ def untuned_shapes(model: nn.Module) -> list[str]:
     return [f"{n}x{k}" for (n, k), layer in shapes.items() if not _tuned_config(layer, 1)]
 
 
-def _try_launch(layer: nn.Module, x2: torch.Tensor) -> Exception | None:
-    """Run the layer's gemlite product once: None, or what it raised."""
+class WrongProduct(RuntimeError):
+    """gemlite's kernel ran and gave numbers other than the product of the layer's weights."""
+
+
+# How far a kernel's product of random rows may be from the same weights' dequantized product,
+# as a fraction of its norm: both round to bf16 and split-K adds its parts in bf16 (about 1e-2
+# at most); a misread layout or shift is off by the product's own size.
+PRODUCT_BOUND = 0.05
+# Output features compared, spread evenly over the layer so that every tile of the kernel's
+# has its share, without a dequantized copy of a whole weight on the GPU.
+CHECKED_OUTPUTS = 512
+# The dequantized weight of a layer at some of its output features: rows -> [len(rows), K].
+WeightRows = Callable[[torch.Tensor], torch.Tensor]
+
+
+def _try_launch(layer: nn.Module, x2: torch.Tensor,
+                weight_rows: WeightRows | None = None) -> Exception | None:
+    """Run the layer's gemlite product of x2 once: None, what it raised, or WrongProduct (where
+    the expected product is known: see expected_product)."""
     try:
         with torch.inference_mode():
-            product(layer, x2)
+            outputs = checked_outputs(layer.out_features, x2.device)
+            got = product(layer, x2)[:, outputs].float()
+            expected = expected_product(layer, x2, outputs, weight_rows)
         torch.cuda.synchronize(x2.device)
     except Exception as error:  # noqa: BLE001 - the caller decides: tune again or leave gemlite
         return error
-    return None
+    return None if expected is None else off_product(got, expected)
+
+
+def checked_outputs(out_features: int, device: torch.device) -> torch.Tensor:
+    """The indices of the output features a launch is checked at (CHECKED_OUTPUTS of them)."""
+    count = min(out_features, CHECKED_OUTPUTS)
+    return torch.linspace(0, out_features - 1, count, device=device).round().long().unique()
+
+
+def expected_product(layer: nn.Module, x2: torch.Tensor, outputs: torch.Tensor,
+                     weight_rows: WeightRows | None = None) -> torch.Tensor | None:
+    """x2 times the layer's weights dequantized, at the output features `outputs`, in fp32:
+    the rows from `weight_rows` where given, else from an 8-bit layer's own weights (w = q *
+    scale per row); None for a layer whose weights only gemlite reads and no `weight_rows`."""
+    if weight_rows is None and hasattr(layer, "qweight"):
+        def weight_rows(rows):
+            return layer.qweight[rows].float() * layer.scales[rows].float().unsqueeze(-1)
+    if weight_rows is None:
+        return None
+    return x2.float() @ weight_rows(outputs).float().T
+
+
+def off_product(got: torch.Tensor, expected: torch.Tensor) -> WrongProduct | None:
+    """WrongProduct when `got` is further than PRODUCT_BOUND from `expected` (or not finite)."""
+    error = ((got - expected).norm() / expected.norm().clamp(min=1e-30)).item()
+    if error <= PRODUCT_BOUND:  # False for a NaN as well
+        return None
+    return WrongProduct(f"its product of random rows is {error:.3g} of the weights' own away "
+                        f"(at most {PRODUCT_BOUND})")
 
 
 def _rows_of(first: int) -> str:

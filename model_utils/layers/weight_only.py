@@ -251,7 +251,8 @@ def quantize_model(model: nn.Module, bits: int, group: int | None, device: torch
 def _int4_layer(linear: nn.Linear, group: int, kernels: dict, kernel: str) -> nn.Module:
     """The int4 layer of `linear`, through the kernel `kernels` holds for its shape. A shape's
     first layer sets it: `kernel`, unless that is gemlite and gemlite cannot pack it or its
-    kernel fails at a tuned decode row count (check_kernels; prompts' rows are not tried); then
+    kernel fails or computes other numbers at a tuned decode row count (check_kernels; prompts'
+    rows are not tried); then
     tinygemm for that shape (in the log and the kernel line), from the bf16 weight at hand."""
     shape = (linear.out_features, linear.in_features)
     if shape in kernels:
@@ -259,7 +260,10 @@ def _int4_layer(linear: nn.Linear, group: int, kernels: dict, kernel: str) -> nn
     if kernel == "gemlite":
         try:
             layer = Int4WeightOnlyLinear(linear, group, kernel=kernel)
-            gemlite_weights.check_kernels(layer)
+            # Its products held to the same numbers unpacked, from the bf16 weight at hand
+            # (rounded a row at a time: some of its rows round as the whole matrix's do).
+            gemlite_weights.check_kernels(layer, weight_rows=lambda rows: dequantize_int4(
+                *quantize_int4(linear.weight[rows], group), torch.float32))
             kernels[shape] = kernel
             return layer
         except (torch.OutOfMemoryError, torch.AcceleratorError):

@@ -1,0 +1,91 @@
+"""At load, each weight shape's gemlite kernel multiplies random rows and its product is held
+to the same weights dequantized (gemlite_weights.check_kernels): a kernel that runs but reads
+the weights wrong moves the shape to another kernel instead of serving wrong replies. What the
+check compares with, on the CPU, with the app's own layers; gemlite's side is a `gpu` test
+(tests/gpu/test_weight_kernels.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from model_utils.layers.fp8_weights import Fp8Linear
+from model_utils.layers.gemlite_weights import (
+    CHECKED_OUTPUTS,
+    PRODUCT_BOUND,
+    WrongProduct,
+    checked_outputs,
+    expected_product,
+    off_product,
+)
+from model_utils.layers.int_quantization import dequantize_int4, quantize_int4
+from model_utils.layers.weight_only import Int4WeightOnlyLinear, Int8WeightOnlyLinear
+
+pytestmark = pytest.mark.unit
+
+
+def linear(out_features: int = 1536, in_features: int = 256) -> nn.Linear:
+    torch.manual_seed(0)
+    return nn.Linear(in_features, out_features, bias=True, dtype=torch.bfloat16)
+
+
+def test_the_checked_outputs_spread_over_the_whole_layer():
+    outputs = checked_outputs(37888, torch.device("cpu"))
+    assert len(outputs) == CHECKED_OUTPUTS
+    assert outputs[0] == 0 and outputs[-1] == 37887
+    assert (outputs.diff() > 0).all() and outputs.diff().max() <= 37888 // CHECKED_OUTPUTS + 1
+    assert torch.equal(checked_outputs(100, torch.device("cpu")), torch.arange(100))
+
+
+@pytest.mark.parametrize("kind", [Int8WeightOnlyLinear, Fp8Linear])
+def test_an_8bit_layers_expected_product_is_its_own_weights_without_the_bias(kind):
+    layer = kind(linear())
+    x = torch.randn(7, 256, dtype=torch.bfloat16)
+    outputs = checked_outputs(layer.out_features, x.device)[::3]
+    expected = expected_product(layer, x, outputs)
+    own = x.float() @ layer.dequantized(torch.float32).T  # gemlite's op adds no bias either
+    assert torch.allclose(expected, own[:, outputs], rtol=1e-5, atol=1e-5)
+
+
+def test_int4_rows_round_as_in_the_whole_matrix():
+    """The int4 check rounds only the checked rows of the bf16 weight: the same numbers as the
+    whole matrix's rounding at those rows (each row's groups are rounded on their own)."""
+    weight = linear(out_features=4100).weight  # more rows than are quantized at once
+    rows = checked_outputs(4100, weight.device)
+    whole = dequantize_int4(*quantize_int4(weight, 128), torch.float32)
+    some = dequantize_int4(*quantize_int4(weight[rows], 128), torch.float32)
+    assert torch.equal(some, whole[rows])
+
+
+def test_a_product_off_the_weights_is_named_wrong():
+    source = linear()
+    layer = Int4WeightOnlyLinear(source, 128, kernel="dequantize")
+    x = torch.randn(8, 256, dtype=torch.bfloat16)
+    outputs = checked_outputs(layer.out_features, x.device)
+
+    def rows_of(rows):
+        return dequantize_int4(*quantize_int4(source.weight[rows], 128), torch.float32)
+
+    expected = expected_product(layer, x, outputs, rows_of)
+    right = (F.linear(x, layer.dequantized(x.dtype)))[:, outputs].float()  # bf16 arithmetic
+    assert off_product(right, expected) is None
+
+    # What a misread layout gives: the two nibbles of each byte swapped, or the shift left out.
+    q, scales, zeros = quantize_int4(source.weight, 128)
+    swapped = q.view(q.shape[0], -1, 2).flip(-1).reshape(q.shape)
+    no_shift = (q.float() - 8) * scales.float().repeat_interleave(128, 1)
+    for weight in (dequantize_int4(swapped, scales, zeros, torch.float32), no_shift):
+        wrong = (x.float() @ weight.T)[:, outputs]
+        assert isinstance(off_product(wrong, expected), WrongProduct)
+    failure = off_product(torch.full_like(expected, float("nan")), expected)
+    assert isinstance(failure, WrongProduct) and str(PRODUCT_BOUND) in str(failure)
+
+
+def test_weights_only_gemlite_reads_have_no_expected_product_of_their_own():
+    """An int4 layer in a kernel's packed layout cannot be read back: its check needs the
+    rows from the caller, who still has the bf16 weight."""
+    layer = Int4WeightOnlyLinear(linear(), 128, kernel="dequantize")
+    x = torch.randn(2, 256, dtype=torch.bfloat16)
+    assert expected_product(layer, x, checked_outputs(layer.out_features, x.device)) is None
