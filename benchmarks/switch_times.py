@@ -110,12 +110,13 @@ def one_phase(model: str, modes: list[str], cycles: int, placement: str, rows_fi
             switch = status.get("last_switch", {})
             # Beside the load's own stages (ready_s): the unload of the mode it replaced (with
             # --park-gb, the copy to host memory) and the first reply's wait after the load.
+            # Seconds to the millisecond, as the status keeps ready_s and unload_s.
             row = {"cycle": cycle, "mode": mode,
-                   "click_to_first_token_s": round(first_token_s, 2),
+                   "click_to_first_token_s": round(first_token_s, 3),
                    "ready_s": status.get("ready_s"), "unload_s": switch.get("unload_s"),
-                   "load_returned_s": round(loaded_s, 2),
-                   "first_token_after_load_s": round(first_token_s - loaded_s, 2),
-                   "settled_s": round(settled_s, 2),
+                   "load_returned_s": round(loaded_s, 3),
+                   "first_token_after_load_s": round(first_token_s - loaded_s, 3),
+                   "settled_s": round(settled_s, 3),
                    "stages": status.get("load_stages"),
                    "compiled_graphs": status.get("compiled_graphs", {}),
                    "from_caches": switch.get("from_caches", []),

@@ -1,6 +1,7 @@
 """The switch chain of test_switching, run in a process of its own.
 
-Usage: python -m tests.model_utils.switch_chain MODELS_DIR  (prints one JSON object)
+Usage: python -m tests.model_utils.switch_chain MODELS_DIR [WARM_UP CHAIN]  (prints one JSON
+object; WARM_UP and CHAIN: modes separated by commas, by default those below)
 
 RSS is a reading of the whole process: in a shared test process, threads that earlier tests
 left behind (servers, thread pools) allocate while the chain runs, and a full run read up to
@@ -21,9 +22,10 @@ from model_utils.memory import GB
 from .helpers import FEW_TOKENS, HELLO, cpu_request
 
 CHAIN = ("fp32", "int8", "nf4", "bf16", "fp32")
+WARM_UP = ("int8", "nf4", "bf16")
 
 
-def run_chain(models_dir: Path) -> dict:
+def run_chain(models_dir: Path, warm_up=WARM_UP, chain=CHAIN) -> dict:
     # The app tunes its process (glibc's mmap threshold pinned, which is what makes RSS drop
     # after an unload); the chain runs in a process tuned the same way.
     process_tuning.tune_process()
@@ -32,14 +34,15 @@ def run_chain(models_dir: Path) -> dict:
     # torch's bf16 code paths once for the life of the process, and the kernels chosen for
     # each shape are kept; that is not memory a switch should give back, so it is paid before
     # the chain, on the model the chain switches.
-    for mode in ("int8", "nf4", "bf16"):
+    for mode in warm_up:
         engine.load(cpu_request(mode, model="wide"))
         engine.generate_text(HELLO, FEW_TOKENS)
     engine.unload()
+    warmed_up = engine.manager.last_unload.after["rss_gb"] * GB
 
     unloads, problems = [], []
     previous = None  # weak reference to the model the next switch must free
-    for mode in CHAIN:
+    for mode in chain:
         footprint = engine.manager.loaded.footprint_gb if engine.manager.loaded else 0.0
         status = engine.load(cpu_request(mode, model="wide"))
         if (status["mode"], status["placement"]) != (mode, "cpu"):
@@ -57,7 +60,7 @@ def run_chain(models_dir: Path) -> dict:
     if previous() is not None:
         problems.append("the last model is still alive after the unload")
     unloads.append(_reading(engine.manager.last_unload, footprint))
-    return {"unloads": unloads, "problems": problems}
+    return {"warmed_up_rss": warmed_up, "unloads": unloads, "problems": problems}
 
 
 def _reading(report, footprint_gb: float) -> dict:
@@ -67,4 +70,5 @@ def _reading(report, footprint_gb: float) -> dict:
 
 
 if __name__ == "__main__":
-    print(json.dumps(run_chain(Path(sys.argv[1]))))
+    modes = [tuple(arg.split(",")) for arg in sys.argv[2:4]]
+    print(json.dumps(run_chain(Path(sys.argv[1]), *modes)))

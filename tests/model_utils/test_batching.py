@@ -87,8 +87,9 @@ def test_eight_concurrent_greedy_chats_get_the_reply_they_get_alone(load_demo):
     settings = [greedy(24 + 6 * i) for i in range(8)]
     expected = [engine.generate_text(c, s, thinking=False) for c, s in zip(conversations,
                                                                            settings)]
-    together = run_together([lambda c=c, s=s: engine.generate_text(c, s, thinking=False)
-                             for c, s in zip(conversations, settings)])
+    together = submitted_together(engine, [
+        lambda c=c, s=s: engine.generate_text(c, s, thinking=False)
+        for c, s in zip(conversations, settings)])
     for i, (mine, theirs) in enumerate(zip(together, expected)):
         assert (mine.reasoning, mine.answer) == (theirs.reasoning, theirs.answer), i
         assert mine.stats.new_tokens == theirs.stats.new_tokens == 24 + 6 * i

@@ -6,7 +6,6 @@ import gc
 import json
 import subprocess
 import sys
-import threading
 import weakref
 from pathlib import Path
 
@@ -18,7 +17,7 @@ from model_utils.errors import LoadError
 from model_utils.loading.loaded_model import LoadRequest
 from model_utils.loading.placement import Placement
 
-from .helpers import FEW_TOKENS, HELLO, REPO_ROOT, copy_demo, cpu_request
+from .helpers import FEW_TOKENS, HELLO, REPO_ROOT, copy_demo, cpu_request, submitted_together
 
 MB = 1024**2
 
@@ -54,14 +53,20 @@ def wide_models_dir(tmp_path_factory, demo_path):
     return root
 
 
-def test_switch_chain_answers_and_gives_memory_back(wide_models_dir):
+def run_switch_chain(models_dir, *modes: tuple[str, ...]) -> dict:
+    """tests/model_utils/switch_chain.py in a process of its own (`modes`: its warm-up and
+    chain, else its own): what it read, after checking that every switch answered and freed."""
     done = subprocess.run([sys.executable, "-m", "tests.model_utils.switch_chain",
-                           str(wide_models_dir)], cwd=REPO_ROOT, capture_output=True, text=True,
-                          timeout=600)
+                           str(models_dir), *(",".join(m) for m in modes)], cwd=REPO_ROOT,
+                          capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     chain = json.loads(done.stdout.splitlines()[-1])
     assert chain["problems"] == []
+    return chain
 
+
+def test_switch_chain_answers_and_gives_memory_back(wide_models_dir):
+    chain = run_switch_chain(wide_models_dir)
     baseline = chain["unloads"][0]["rss_after"]
     for unload in chain["unloads"]:
         above = unload["rss_after"] - baseline
@@ -88,14 +93,8 @@ def test_a_loaded_model_skips_full_gc_passes_and_is_still_freed_on_unload():
 def test_an_unload_after_batched_replies_drops_every_reference_the_engine_made():
     engine = Engine(max_batch=4)
     engine.load(cpu_request("fp32"))
-    replies = []
-    threads = [threading.Thread(target=lambda: replies.append(
-        engine.generate_text(HELLO, FEW_TOKENS))) for _ in range(3)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert len(replies) == 3 and max(r.stats.batched_with for r in replies) > 1
+    replies = submitted_together(engine, [lambda: engine.generate_text(HELLO, FEW_TOKENS)] * 3)
+    assert max(r.stats.batched_with for r in replies) == 3
     serving = engine.serving
     runner = serving.scheduler.runner
     alive = {"model": weakref.ref(serving.loaded.model), "scheduler": weakref.ref(serving.scheduler),

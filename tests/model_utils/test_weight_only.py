@@ -284,28 +284,24 @@ def test_a_checkpoint_larger_than_the_memory_available_is_refused_with_the_numbe
 def test_unloading_a_weight_only_model_gives_its_memory_back(wide_models_dir):  # noqa: F811
     """Process RSS after each unload returns to where it was (test_switching.py explains the
     bound), and the unload gave back at least half of the quantized weights' footprint: neither
-    the quantized layers nor the bf16 checkpoint they were made from stay behind."""
-    from model_utils import process_tuning
-    from model_utils.engine import Engine
+    the quantized layers nor the bf16 checkpoint they were made from stay behind. Read in a
+    process of its own, as the switch chain is (a shared test process's other threads move
+    its RSS by as much as the bound)."""
+    from .test_switching import MB, RSS_BOUND_MB, run_switch_chain
 
-    from .test_switching import MB, RSS_BOUND_MB
-
-    process_tuning.tune_process()  # as app.py does: RSS drops after an unload only when tuned
-    engine = Engine(models_dir=wide_models_dir)
-    for mode in ("bf16", *WEIGHT_ONLY):  # first-use costs of the kernels, paid once
-        engine.load(cpu_request(mode, model="wide"))
-        engine.generate_text(HELLO, FEW_TOKENS)
-    baseline = engine.manager.unload().after["rss_gb"] * GB
-    for mode in (*WEIGHT_ONLY, *WEIGHT_ONLY):
-        engine.load(cpu_request(mode, model="wide"))
-        assert engine.generate_text(HELLO, FEW_TOKENS).stats.new_tokens == 4
-        footprint = engine.manager.loaded.footprint_gb * GB
-        model = weakref.ref(engine.manager.loaded.model)
-        report = engine.manager.unload()
-        assert model() is None
-        rss_after = report.after["rss_gb"] * GB
-        assert rss_after - baseline <= RSS_BOUND_MB * MB, (
-            f"RSS after unloading {report.model} is {(rss_after - baseline) / MB:.1f} MB above "
-            f"the baseline (bound {RSS_BOUND_MB} MB)")
-        assert (report.before["rss_gb"] - report.after["rss_gb"]) * GB > footprint / 2, (
-            f"unloading {report.model} gave back less than half of its {footprint / MB:.1f} MB")
+    # Warmed up on bf16 and each mode (first-use costs of the kernels, paid once), then each
+    # weight-only mode twice; the engine's own answers and frees are checked by the chain.
+    chain = run_switch_chain(wide_models_dir, ("bf16", *WEIGHT_ONLY),
+                             (*WEIGHT_ONLY, *WEIGHT_ONLY))
+    baseline = chain["warmed_up_rss"]
+    assert [u["model"].split()[-1] for u in chain["unloads"]] == [f"({m})" for m in
+                                                                  (*WEIGHT_ONLY, *WEIGHT_ONLY)]
+    for unload in chain["unloads"]:
+        above = unload["rss_after"] - baseline
+        assert above <= RSS_BOUND_MB * MB, (
+            f"RSS after unloading {unload['model']} is {above / MB:.1f} MB above the baseline "
+            f"(bound {RSS_BOUND_MB} MB)")
+        given_back = unload["rss_before"] - unload["rss_after"]
+        assert given_back > unload["footprint"] / 2, (
+            f"unloading {unload['model']} gave back {given_back / MB:.1f} MB, less than half of "
+            f"its {unload['footprint'] / MB:.1f} MB")

@@ -107,16 +107,18 @@ def test_a_chat_during_the_admins_4_request_benchmark_completes(app, guest):
             return now
 
         wait_until(lambda: sampled()["active"] > 0, 120, "the benchmark never decoded")
-        until = time.monotonic() + 3  # its requests, before any chat of ours
-        while time.monotonic() < until and runner.is_alive():
+        # Its requests, before any chat of ours: until it holds its 3 places (or 3 s), so
+        # that the chat goes out while the benchmark runs, however fast this machine is.
+        until = time.monotonic() + 3
+        while time.monotonic() < until and runner.is_alive() and max(seen) < 3:
             sampled()
         assert max(seen) <= 3, f"the benchmark took {max(seen)} of 5 places"
+        assert runner.is_alive(), "the benchmark ended before the chat was sent"
         final = None
         for final in guest.submit("Hello?", [], {"max_new_tokens": 16}, "", False,
                                   api_name="/chat"):
             pass
         assert final is not None and final["done"] and final["stats"]["new_tokens"] > 0
-        assert runner.is_alive(), "the benchmark ended before the chat was sent"
         runner.join(300)
     finally:
         page.close()
