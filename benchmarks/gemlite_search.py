@@ -124,7 +124,7 @@ def replay_us(fns: list, reps: int = 50, rounds: int = 5) -> float:
 def tuned_key(layer, rows: int) -> str:
     from model_utils.layers import gemlite_weights
 
-    _, bucket, shape = gemlite_weights._signature(layer, rows)
+    _, bucket, shape = gemlite_weights.config_signature(layer, rows)
     return str((bucket, *shape))
 
 
@@ -135,7 +135,7 @@ def config_in_use(layer, rows: int) -> dict | None:
 
     from model_utils.layers import gemlite_weights
 
-    matmul_type, _, _ = gemlite_weights._signature(layer, rows)
+    matmul_type, _, _ = gemlite_weights.config_signature(layer, rows)
     key = tuned_key(layer, rows)
     chosen = core.cache_kernel_config(core.GEMLITE_TRITON_MAPPING[matmul_type].kernel[0], 6)
     return chosen.get(key) or core.GEMLITE_TRITON_CONFIG_CACHE.get(matmul_type, {}).get(key)
@@ -147,19 +147,19 @@ def search(layers: list, x2, rows: int):
     two to be written."""
     import gemlite.core as core
 
-    from model_utils.layers import gemlite_weights
+    from model_utils.layers import gemlite_checks, gemlite_weights
 
     runs = [functools.partial(gemlite_weights.product, layer, x2) for layer in layers]
     layer = layers[0]  # gemlite keys its configs by shape: one copy stands for all
     held_us = replay_us(runs)  # tunes among gemlite's own list first if it holds no config
     held = config_in_use(layer, rows)
-    matmul_type, _, _ = gemlite_weights._signature(layer, rows)
+    matmul_type, _, _ = gemlite_weights.config_signature(layer, rows)
     configs = grid(matmul_type, rows)
     if configs is None:
         return held_us, held, held_us, held
     autotuner = core.GEMLITE_TRITON_MAPPING[matmul_type].kernel[0]  # the INT kernel's
     own_configs = autotuner.configs
-    gemlite_weights._forget_tuned(layer, rows)  # from its table and its autotuner's choices
+    gemlite_checks.forget_tuned(layer, rows)  # from its table and its autotuner's choices
     autotuner.configs = configs
     try:
         wide_us = replay_us(runs)
@@ -167,7 +167,7 @@ def search(layers: list, x2, rows: int):
         autotuner.configs = own_configs
     wide = config_in_use(layer, rows)
     if held is not None and held_us < wide_us:  # the table's entry is what gets written
-        gemlite_weights._forget_tuned(layer, rows)
+        gemlite_checks.forget_tuned(layer, rows)
         core.GEMLITE_TRITON_CONFIG_CACHE.setdefault(matmul_type, {})[tuned_key(layer, rows)] = held
     return held_us, held, wide_us, wide
 

@@ -158,7 +158,7 @@ def gemlite_fp8_head(model):
 def int8_head_gemlite(model):
     """lm_head in the app's int8 weight-only, through gemlite's kernels for decode rows as the
     app's int8-wo layers are: with the int8-wo mode, every weight a token reads in 8 bits."""
-    from model_utils.layers import gemlite_weights
+    from model_utils.layers import gemlite_checks, gemlite_weights
     from model_utils.layers.weight_only import Int8WeightOnlyLinear
 
     int8_head(model)
@@ -166,7 +166,7 @@ def int8_head_gemlite(model):
     if isinstance(head, Int8WeightOnlyLinear):
         _gemlite_configs()
         if gemlite_weights.attach(head):
-            gemlite_weights.check_kernels(model)
+            gemlite_checks.check_kernels(model)
 
 
 def gemlite_for_prompts_too(model):

@@ -23,7 +23,7 @@ tuned config is known: gemlite ships the H100's, this app the H200's and the H10
 shapes measured (gemlite_configs/, added to gemlite's own), and what a load tunes is kept
 beside torch.compile's cache (save_tuned), so it is tuned once. (gemlite keys a config by shape,
 rows and input type, not the weight's type: int8 and fp8 weights of a shape share one;
-check_kernels repairs one that does not fit.)
+gemlite_checks.check_kernels repairs one that does not fit.)
 
 Its split-K kernels add partial sums atomically, in an order that varies from run to run: the
 same greedy reply in a quantized mode may part at a near-tie between runs (the logprob checks,
@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -187,68 +186,6 @@ def _adopt(layer: nn.Module, packed: nn.Module, *, own: bool = False) -> None:
     layer.gemlite_meta = [int(v) for v in packed.get_meta_args()]
 
 
-class KernelFailure(RuntimeError):
-    """gemlite's kernel failed for layers that have no other path (int4 in its layout)."""
-
-
-def check_kernels(model: nn.Module, weight_rows: WeightRows | None = None) -> list[str]:
-    """Run gemlite's kernel once at every row bucket below GEMLITE_BELOW_ROWS that has a tuned
-    config, for each weight shape and type the model handed it, eagerly, before torch.compile
-    and the CUDA graphs meet it.
-
-    Why: gemlite keys a tuned config by the matrix shape, the row bucket and the input type,
-    not the weight's type, so the config tuned for e4m3 weights of a shape is handed to int8
-    weights of that shape too, and the int8 kernel can need more shared memory than the GPU has
-    (on an H200, 344 KB against 227 KB: BENCHMARKS.md). A config that does not launch is
-    forgotten and the shape tuned anew (gemlite's own tuning keeps to the GPU's limits); a
-    shape whose kernel still fails leaves gemlite, its 8-bit layers keeping their own path
-    (int4 layers in gemlite's layout have none: KernelFailure, for the caller to pack them
-    for another kernel while it still has their weights).
-    A kernel that runs but gives other numbers than the weights' fails too: each launch
-    multiplies random rows and is held to the product of the same weights dequantized (the
-    8-bit layers' own; for an int4 layer, whose packed weights only gemlite reads,
-    `weight_rows`: its dequantized weight at the given output features).
-    Returns one line for each repair or removal (empty when every kernel ran)."""
-    from triton.runtime.errors import OutOfResources
-
-    shapes: dict[tuple, list[nn.Module]] = {}
-    for module in model.modules():
-        if getattr(module, "gemlite_meta", None) is not None:
-            key = (module.out_features, module.in_features, module.gemlite_weight().dtype)
-            shapes.setdefault(key, []).append(module)
-    done = []
-    for (n, k, dtype), layers in shapes.items():
-        # Only the buckets with a config in gemlite's table: one it tunes here keeps to the
-        # GPU's limits, and tuning buckets the engine never runs would cost seconds each.
-        for rows in filter(lambda rows: _tuned_config(layers[0], rows), _row_buckets()):
-            device = layers[0].gemlite_weight().device
-            x2 = torch.randn(rows, k, dtype=torch.bfloat16, device=device,
-                             generator=torch.Generator(device=device).manual_seed(rows))
-            failure = _try_launch(layers[0], x2, weight_rows)
-            if isinstance(failure, OutOfResources):
-                _forget_tuned(layers[0], rows)
-                done.append(f"gemlite's tuned config for {n}x{k} {dtype} at {_rows_of(rows)} "
-                            f"did not fit this GPU ({failure}); tuned anew")
-                failure = _try_launch(layers[0], x2, weight_rows)
-            if isinstance(failure, torch.OutOfMemoryError):
-                raise failure
-            if failure is not None and getattr(layers[0], "kernel", None) == "gemlite":
-                for line in done:
-                    log.warning(line)
-                raise KernelFailure(f"gemlite's int4 kernel failed for {n}x{k} at "
-                                    f"{_rows_of(rows)}: {type(failure).__name__}: "
-                                    f"{failure}") from failure
-            if failure is not None:  # the layers' own path serves them instead
-                for layer in layers:
-                    layer.gemlite_meta = None
-                done.append(f"gemlite left {len(layers)} layers of {n}x{k} {dtype}: its kernel "
-                            f"failed at {_rows_of(rows)} ({type(failure).__name__}: {failure})")
-                break
-    for line in done:
-        log.warning(line)
-    return done
-
-
 def untuned_shapes(model: nn.Module) -> list[str]:
     """The weight shapes gemlite serves in this model that have no tuned config for one row
     on this GPU (neither shipped nor kept from an earlier load): gemlite tunes each of their
@@ -257,89 +194,10 @@ def untuned_shapes(model: nn.Module) -> list[str]:
     for module in model.modules():
         if getattr(module, "gemlite_meta", None) is not None:
             shapes.setdefault((module.out_features, module.in_features), module)
-    return [f"{n}x{k}" for (n, k), layer in shapes.items() if not _tuned_config(layer, 1)]
+    return [f"{n}x{k}" for (n, k), layer in shapes.items() if not tuned_config(layer, 1)]
 
 
-class WrongProduct(RuntimeError):
-    """gemlite's kernel ran and gave numbers other than the product of the layer's weights."""
-
-
-# How far a kernel's product of random rows may be from the same weights' dequantized product,
-# as a fraction of its norm: both round to bf16 and split-K adds its parts in bf16 (about 1e-2
-# at most); a misread layout or shift is off by the product's own size.
-PRODUCT_BOUND = 0.05
-# Output features compared, spread evenly over the layer so that every tile of the kernel's
-# has its share, without a dequantized copy of a whole weight on the GPU.
-CHECKED_OUTPUTS = 512
-# The dequantized weight of a layer at some of its output features: rows -> [len(rows), K].
-WeightRows = Callable[[torch.Tensor], torch.Tensor]
-
-
-def _try_launch(layer: nn.Module, x2: torch.Tensor,
-                weight_rows: WeightRows | None = None) -> Exception | None:
-    """Run the layer's gemlite product of x2 once: None, what it raised, or WrongProduct (where
-    the expected product is known: see expected_product)."""
-    try:
-        with torch.inference_mode():
-            outputs = checked_outputs(layer.out_features, x2.device)
-            got = product(layer, x2)[:, outputs].float()
-            expected = expected_product(layer, x2, outputs, weight_rows)
-        torch.cuda.synchronize(x2.device)
-    except Exception as error:  # noqa: BLE001 - the caller decides: tune again or leave gemlite
-        return error
-    return None if expected is None else off_product(got, expected)
-
-
-def checked_outputs(out_features: int, device: torch.device) -> torch.Tensor:
-    """The indices of the output features a launch is checked at (CHECKED_OUTPUTS of them)."""
-    count = min(out_features, CHECKED_OUTPUTS)
-    return torch.linspace(0, out_features - 1, count, device=device).round().long().unique()
-
-
-def expected_product(layer: nn.Module, x2: torch.Tensor, outputs: torch.Tensor,
-                     weight_rows: WeightRows | None = None) -> torch.Tensor | None:
-    """x2 times the layer's weights dequantized, at the output features `outputs`, in fp32:
-    the rows from `weight_rows` where given, else from an 8-bit layer's own weights (w = q *
-    scale per row); None for a layer whose weights only gemlite reads and no `weight_rows`."""
-    if weight_rows is None and hasattr(layer, "qweight"):
-        def weight_rows(rows):
-            return layer.qweight[rows].float() * layer.scales[rows].float().unsqueeze(-1)
-    if weight_rows is None:
-        return None
-    return x2.float() @ weight_rows(outputs).float().T
-
-
-def off_product(got: torch.Tensor, expected: torch.Tensor) -> WrongProduct | None:
-    """WrongProduct when `got` is further than PRODUCT_BOUND from `expected` (or not finite)."""
-    error = ((got - expected).norm() / expected.norm().clamp(min=1e-30)).item()
-    if error <= PRODUCT_BOUND:  # False for a NaN as well
-        return None
-    return WrongProduct(f"its product of random rows is {error:.3g} of the weights' own away "
-                        f"(at most {PRODUCT_BOUND})")
-
-
-def _rows_of(first: int) -> str:
-    """The row counts of the bucket whose smallest count is `first` ("5-8 rows")."""
-    from gemlite.triton_kernels import utils
-
-    last = utils.get_closest_m(first)
-    if last > first:
-        return f"{first}-{last} rows"
-    return "1 row" if first == 1 else f"{first} rows"
-
-
-def _row_buckets() -> list[int]:
-    """The smallest row count of each of gemlite's row buckets below GEMLITE_BELOW_ROWS (its
-    configs are kept per bucket: one launch stands for every count in it)."""
-    from gemlite.triton_kernels import utils
-
-    first: dict[int, int] = {}
-    for rows in range(1, GEMLITE_BELOW_ROWS):
-        first.setdefault(utils.get_closest_m(rows), rows)
-    return sorted(first.values())
-
-
-def _signature(layer: nn.Module, rows: int) -> tuple[str, int, tuple]:
+def config_signature(layer: nn.Module, rows: int) -> tuple[str, int, tuple]:
     """How gemlite files this layer's config at `rows` rows: its kernel type, the row bucket
     and (out features, in features, group size, elements per sample, type id)."""
     import gemlite.core as core
@@ -352,30 +210,12 @@ def _signature(layer: nn.Module, rows: int) -> tuple[str, int, tuple]:
     return core.get_matmul_type(rows, meta[1]), utils.get_closest_m(rows), shape
 
 
-def _tuned_config(layer: nn.Module, rows: int) -> dict | None:
+def tuned_config(layer: nn.Module, rows: int) -> dict | None:
     """The config gemlite's table holds for this layer at `rows` rows (None: it would tune)."""
     import gemlite.core as core
 
-    matmul_type, bucket, shape = _signature(layer, rows)
+    matmul_type, bucket, shape = config_signature(layer, rows)
     return core.GEMLITE_TRITON_CONFIG_CACHE.get(matmul_type, {}).get(str((bucket, *shape)))
-
-
-def _forget_tuned(layer: nn.Module, rows: int) -> None:
-    """Drop the config gemlite holds for this layer's shape at `rows` rows, from its table of
-    tuned configs and from the Triton autotuner's choices, so that the next launch tunes."""
-    import gemlite.core as core
-    from gemlite.triton_kernels import utils
-
-    matmul_type, bucket, shape = _signature(layer, rows)
-    # gemlite's table has no weight type (the other type's layers tune again if they need it);
-    # Triton's autotuner keys carry every tensor argument's dtype: only this type's go.
-    core.GEMLITE_TRITON_CONFIG_CACHE.get(matmul_type, {}).pop(str((bucket, *shape)), None)
-    weight_type = str(layer.gemlite_weight().dtype)
-    for kernel in core.GEMLITE_TRITON_MAPPING[matmul_type].kernel:
-        for key in [key for key in kernel.cache
-                    if tuple(key[1:6]) == shape and utils.get_closest_m(key[0]) == bucket
-                    and weight_type in key]:
-            del kernel.cache[key]
 
 
 def takes(layer: nn.Module, x2: torch.Tensor) -> bool:

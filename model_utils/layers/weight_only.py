@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import fp8_weights, gemlite_weights
+from . import fp8_weights, gemlite_checks, gemlite_weights
 from .decode_fusions import fuse_for_decoding
 from .fp8_weights import Fp8Linear
 from .int_quantization import (
@@ -221,7 +221,7 @@ def quantize_model(model: nn.Module, bits: int, group: int | None, device: torch
                          f"quantizing to {label}: layer {i + 1} of {len(targets)}")
         model.to(device)
     if attached:  # every row bucket launched once now, not first inside a graph capture
-        gemlite_weights.check_kernels(model)
+        gemlite_checks.check_kernels(model)
     if attached or "gemlite" in kernels4.values():
         if untuned := gemlite_weights.untuned_shapes(model):
             log.warning("gemlite has no tuned kernels on this GPU for the shapes %s: it tunes "
@@ -251,8 +251,8 @@ def quantize_model(model: nn.Module, bits: int, group: int | None, device: torch
 def _int4_layer(linear: nn.Linear, group: int, kernels: dict, kernel: str) -> nn.Module:
     """The int4 layer of `linear`, through the kernel `kernels` holds for its shape. A shape's
     first layer sets it: `kernel`, unless that is gemlite and gemlite cannot pack it or its
-    kernel fails or computes other numbers at a tuned decode row count (check_kernels; prompts'
-    rows are not tried); then
+    kernel fails or computes other numbers at a row count with a tuned config (decode rows,
+    and prompts' up to gemlite_checks.CHECKED_PROMPT_ROWS); then
     tinygemm for that shape (in the log and the kernel line), from the bf16 weight at hand."""
     shape = (linear.out_features, linear.in_features)
     if shape in kernels:
@@ -262,7 +262,7 @@ def _int4_layer(linear: nn.Linear, group: int, kernels: dict, kernel: str) -> nn
             layer = Int4WeightOnlyLinear(linear, group, kernel=kernel)
             # Its products held to the same numbers unpacked, from the bf16 weight at hand
             # (rounded a row at a time: some of its rows round as the whole matrix's do).
-            gemlite_weights.check_kernels(layer, weight_rows=lambda rows: dequantize_int4(
+            gemlite_checks.check_kernels(layer, weight_rows=lambda rows: dequantize_int4(
                 *quantize_int4(linear.weight[rows], group), torch.float32))
             kernels[shape] = kernel
             return layer

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from model_utils.bench.logprob_check import dequantized_weight
-from model_utils.layers import gemlite_weights
+from model_utils.layers import gemlite_checks, gemlite_weights
 from model_utils.layers.fp8_weights import Fp8Linear
 from model_utils.layers.weight_only import Int4WeightOnlyLinear, Int8WeightOnlyLinear
 
@@ -81,7 +81,7 @@ def test_a_tuned_config_the_gpu_cannot_launch_is_tuned_anew():
     module = layer("int8-gemlite")
     meta = module.gemlite_meta
     rows = 8  # gemlite's split-K GEMM, bucket 8
-    gemlite_weights._forget_tuned(module, rows)  # what earlier tests tuned for this shape
+    gemlite_checks.forget_tuned(module, rows)  # what earlier tests tuned for this shape
     shape = (module.out_features, module.in_features, meta[2], meta[4], 100 + meta[1])
     # A 256x256 int8 tile in eight stages: 512 KB of shared memory, more than any GPU has.
     core.GEMLITE_TRITON_CONFIG_CACHE.setdefault("GEMM_SPLITK", {})[str((rows, *shape))] = {
@@ -89,7 +89,7 @@ def test_a_tuned_config_the_gpu_cannot_launch_is_tuned_anew():
         "SPLIT_K": 1, "A_load_order": 0, "NUM_STAGES": 8, "num_warps": 8, "num_ctas": 1,
         "num_stages": 8}
 
-    repairs = gemlite_weights.check_kernels(module)
+    repairs = gemlite_checks.check_kernels(module)
     # Launched at the bucket's smallest row count: one launch stands for every count in it.
     assert len(repairs) == 1 and f"-{rows} rows" in repairs[0] and "tuned anew" in repairs[0]
     assert module.gemlite_meta is not None  # still served by gemlite
@@ -154,12 +154,12 @@ def test_a_gemlite_int4_kernel_that_reads_the_weights_wrong_fails_its_check():
     x = torch.randn(1, 3584, dtype=torch.bfloat16, device="cuda")
     with torch.inference_mode():
         module(x)  # tuned here if no earlier test or shipped config did it
-    assert gemlite_weights._tuned_config(module, 1), "the check launches tuned buckets only"
+    assert gemlite_weights.tuned_config(module, 1), "the check launches tuned buckets only"
 
     def rows_of(rows):
         return dequantize_int4(*quantize_int4(source.weight[rows], 128), torch.float32)
 
-    assert gemlite_weights.check_kernels(module, weight_rows=rows_of) == []
+    assert gemlite_checks.check_kernels(module, weight_rows=rows_of) == []
     module.gemlite_zeros.zero_()
-    with pytest.raises(gemlite_weights.KernelFailure, match="WrongProduct"):
-        gemlite_weights.check_kernels(module, weight_rows=rows_of)
+    with pytest.raises(gemlite_checks.KernelFailure, match="WrongProduct"):
+        gemlite_checks.check_kernels(module, weight_rows=rows_of)

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from model_utils.layers.fp8_weights import Fp8Linear
-from model_utils.layers.gemlite_weights import (
+from model_utils.layers.gemlite_checks import (
     CHECKED_OUTPUTS,
     PRODUCT_BOUND,
     WrongProduct,
