@@ -144,22 +144,21 @@ def test_gemlite_int4_takes_a_row_of_one_group():
 
 
 def test_a_gemlite_int4_kernel_that_reads_the_weights_wrong_fails_its_check():
-    """check_kernels holds each launch's product to the weights' own numbers: an int4 layer
-    whose shifts were lost (zeroed here) runs without error but multiplies other weights, and
-    the load must move its shape to tinygemm (KernelFailure) instead of serving it."""
+    """check_kernels holds each launch's product to the weights' own numbers (check_launch):
+    an int4 layer whose shifts were lost (zeroed here) runs without error but multiplies other
+    weights; the load moves such a shape to tinygemm (KernelFailure) instead of serving it."""
     from model_utils.layers.int_quantization import dequantize_int4, quantize_int4
 
     module = layer("int4-gemlite")
     source = linear_layer()
-    x = torch.randn(1, 3584, dtype=torch.bfloat16, device="cuda")
-    with torch.inference_mode():
-        module(x)  # tuned here if no earlier test or shipped config did it
-    assert gemlite_weights.tuned_config(module, 1), "the check launches tuned buckets only"
 
     def rows_of(rows):
         return dequantize_int4(*quantize_int4(source.weight[rows], 128), torch.float32)
 
-    assert gemlite_checks.check_kernels(module, weight_rows=rows_of) == []
+    inputs = [torch.randn(rows, 3584, dtype=torch.bfloat16, device="cuda") for rows in ROWS]
+    for x in inputs:  # gemlite's GEMV, split-K GEMM and GEMM
+        assert gemlite_checks.check_launch(module, x, rows_of) is None, len(x)
     module.gemlite_zeros.zero_()
-    with pytest.raises(gemlite_checks.KernelFailure, match="WrongProduct"):
-        gemlite_checks.check_kernels(module, weight_rows=rows_of)
+    for x in inputs:
+        failure = gemlite_checks.check_launch(module, x, rows_of)
+        assert isinstance(failure, gemlite_checks.WrongProduct), (len(x), failure)

@@ -1,5 +1,5 @@
 """At load, each weight shape's gemlite kernel multiplies random rows and its product is held
-to the same weights dequantized (gemlite_weights.check_kernels): a kernel that runs but reads
+to the same weights dequantized (gemlite_checks.check_kernels): a kernel that runs but reads
 the weights wrong moves the shape to another kernel instead of serving wrong replies. What the
 check compares with, on the CPU, with the app's own layers; gemlite's side is a `gpu` test
 (tests/gpu/test_weight_kernels.py)."""
@@ -15,6 +15,7 @@ from model_utils.layers.fp8_weights import Fp8Linear
 from model_utils.layers.gemlite_checks import (
     CHECKED_OUTPUTS,
     PRODUCT_BOUND,
+    SLICE_BOUND,
     WrongProduct,
     checked_outputs,
     expected_product,
@@ -81,6 +82,24 @@ def test_a_product_off_the_weights_is_named_wrong():
         assert isinstance(off_product(wrong, expected), WrongProduct)
     failure = off_product(torch.full_like(expected, float("nan")), expected)
     assert isinstance(failure, WrongProduct) and str(PRODUCT_BOUND) in str(failure)
+
+
+def test_a_misread_confined_to_one_row_or_tile_is_named_wrong_too():
+    """One input row of 1024, or 16 output features of 512 (a kernel tile), multiplied wrong
+    moves the whole product's norm by a few percent, under PRODUCT_BOUND: each row's and
+    column's own error is bounded as well. bf16-sized noise everywhere passes."""
+    torch.manual_seed(0)
+    expected = torch.randn(1024, 512)
+    noisy = expected + 0.004 * expected.abs() * torch.randn_like(expected)
+    assert off_product(noisy, expected) is None
+    one_row, one_tile = expected.clone(), expected.clone()
+    one_row[300] = torch.randn(512)
+    one_tile[:, 32:48] *= 1.25
+    for wrong in (one_row, one_tile):
+        overall = ((wrong - expected).norm() / expected.norm()).item()
+        assert overall < PRODUCT_BOUND
+        failure = off_product(wrong, expected)
+        assert isinstance(failure, WrongProduct) and str(SLICE_BOUND) in str(failure)
 
 
 def test_weights_only_gemlite_reads_have_no_expected_product_of_their_own():
