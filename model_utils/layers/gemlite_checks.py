@@ -16,8 +16,9 @@ from .gemlite_weights import GEMLITE_BELOW_ROWS, config_signature, product, tune
 
 log = logging.getLogger(__name__)
 
-# int4 layers in gemlite's layout take its GEMM for prompts as well: the load checks its
-# tuned buckets up to this many rows (one kernel at every size; the inputs stay small).
+# int4 layers in gemlite's layout take its GEMM for prompts as well: the load checks it at
+# the prompt row counts that are powers of two up to this many (those of the prefill graphs,
+# which compile their kernels at load anyway; one kernel serves every size).
 CHECKED_PROMPT_ROWS = 1024
 
 
@@ -32,8 +33,8 @@ class KernelFailure(RuntimeError):
 
 def check_kernels(model: nn.Module, weight_rows: WeightRows | None = None) -> list[str]:
     """Run gemlite's kernel once at every row bucket it serves that has a tuned config (below
-    GEMLITE_BELOW_ROWS; for int4, which it serves at every row count, up to CHECKED_PROMPT_ROWS
-    too), for each weight shape and type the model handed it, eagerly, before torch.compile
+    GEMLITE_BELOW_ROWS; for int4, which it serves at every row count, at prompts' powers of two
+    up to CHECKED_PROMPT_ROWS too), for each weight shape and type the model handed it, eagerly, before torch.compile
     and the CUDA graphs meet it.
 
     Why: gemlite keys a tuned config by the matrix shape, the row bucket and the input type,
@@ -61,7 +62,10 @@ def check_kernels(model: nn.Module, weight_rows: WeightRows | None = None) -> li
         # Only the buckets with a config in gemlite's table: one it tunes here keeps to the
         # GPU's limits, and tuning buckets the engine never runs would cost seconds each.
         served = CHECKED_PROMPT_ROWS + 1 if _is_int4(layers[0]) else GEMLITE_BELOW_ROWS
-        for rows, last in _row_buckets(layers[0], served):
+        for first, last in _row_buckets(layers[0], served):
+            rows = first if first < GEMLITE_BELOW_ROWS else last  # prompts: the bucket's top
+            if rows >= GEMLITE_BELOW_ROWS and rows & (rows - 1):
+                continue  # a prompt bucket no prefill graph has (97-128 rows is checked at 128)
             if not tuned_config(layers[0], rows):
                 continue
             device = layers[0].gemlite_weight().device
@@ -71,7 +75,7 @@ def check_kernels(model: nn.Module, weight_rows: WeightRows | None = None) -> li
             if isinstance(failure, OutOfResources):
                 forget_tuned(layers[0], rows)
                 done.append(f"gemlite's tuned config for {n}x{k} {dtype} at "
-                            f"{_rows_of(rows, last)} did not fit this GPU ({failure}); tuned anew")
+                            f"{_rows_of(first, last)} did not fit this GPU ({failure}); tuned anew")
                 failure = check_launch(layers[0], x2, weight_rows)
             if isinstance(failure, (torch.OutOfMemoryError, torch.AcceleratorError)):
                 raise failure  # the device's state: no other kernel would do better
@@ -79,13 +83,13 @@ def check_kernels(model: nn.Module, weight_rows: WeightRows | None = None) -> li
                 for line in done:
                     log.warning(line)
                 raise KernelFailure(f"gemlite's int4 kernel failed for {n}x{k} at "
-                                    f"{_rows_of(rows, last)}: {type(failure).__name__}: "
+                                    f"{_rows_of(first, last)}: {type(failure).__name__}: "
                                     f"{failure}") from failure
             if failure is not None:  # the layers' own path serves them instead
                 for layer in layers:
                     layer.gemlite_meta = None
                 done.append(f"gemlite left {len(layers)} layers of {n}x{k} {dtype}: its kernel "
-                            f"failed at {_rows_of(rows, last)} ({type(failure).__name__}: "
+                            f"failed at {_rows_of(first, last)} ({type(failure).__name__}: "
                             f"{failure})")
                 break
     for line in done:

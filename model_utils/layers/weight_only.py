@@ -252,7 +252,7 @@ def _int4_layer(linear: nn.Linear, group: int, kernels: dict, kernel: str) -> nn
     """The int4 layer of `linear`, through the kernel `kernels` holds for its shape. A shape's
     first layer sets it: `kernel`, unless that is gemlite and gemlite cannot pack it or its
     kernel fails or computes other numbers at a row count with a tuned config (decode rows,
-    and prompts' up to gemlite_checks.CHECKED_PROMPT_ROWS); then
+    and the prefill graphs' up to gemlite_checks.CHECKED_PROMPT_ROWS); then
     tinygemm for that shape (in the log and the kernel line), from the bf16 weight at hand."""
     shape = (linear.out_features, linear.in_features)
     if shape in kernels:
