@@ -87,9 +87,10 @@ def test_refused_while_the_current_model_keeps_serving(serving, case):
     assert serving.generate_text(HELLO, FEW_TOKENS).stats.new_tokens == 4
 
 
-def test_the_fit_counts_what_the_current_model_frees(serving, demo_path):
+def test_the_fit_counts_what_the_current_model_frees(serving, demo_path, monkeypatch):
     from transformers import AutoConfig
 
+    from model_utils.loading import placement
     from model_utils.loading.modes import get_mode
 
     serving.generate_text(HELLO, FEW_TOKENS)  # the batch cache exists from the first reply
@@ -100,6 +101,9 @@ def test_the_fit_counts_what_the_current_model_frees(serving, demo_path):
                                         rel=1e-9)
     assert serving.manager.held_beside() == serving.serving.held_gb()
     config = AutoConfig.from_pretrained(demo_path)
+    # One reading of the free memory for both estimates: the machine's own moves between reads.
+    free_now = placement.free_memory_gb()
+    monkeypatch.setattr(placement, "free_memory_gb", lambda: dict(free_now))
     plain = estimate_fit(config, get_mode("fp32"), Placement("cpu"), context_tokens=512)
     counted = estimate_fit(config, get_mode("fp32"), Placement("cpu"), context_tokens=512,
                            reclaimable_gb={"cpu": 1000.0})
