@@ -65,18 +65,23 @@ def run_switch_chain(models_dir, *modes: tuple[str, ...]) -> dict:
     return chain
 
 
-def test_switch_chain_answers_and_gives_memory_back(wide_models_dir):
-    chain = run_switch_chain(wide_models_dir)
-    baseline = chain["unloads"][0]["rss_after"]
-    for unload in chain["unloads"]:
+def assert_unloads_give_memory_back(unloads: list[dict], baseline: float) -> None:
+    """Each unload's RSS after is within RSS_BOUND_MB of `baseline`, and each gave back at least
+    half of the model it unloaded (switch_chain's readings, in bytes)."""
+    for unload in unloads:
         above = unload["rss_after"] - baseline
         assert above <= RSS_BOUND_MB * MB, (
-            f"RSS after unloading {unload['model']} is {above / MB:.1f} MB above "
-            f"the RSS after the first unload (bound {RSS_BOUND_MB} MB)")
+            f"RSS after unloading {unload['model']} is {above / MB:.1f} MB above the baseline "
+            f"(bound {RSS_BOUND_MB} MB)")
         given_back = unload["rss_before"] - unload["rss_after"]
         assert given_back > unload["footprint"] / 2, (
             f"unloading {unload['model']} gave back {given_back / MB:.1f} MB, less than half "
             f"of its {unload['footprint'] / MB:.1f} MB")
+
+
+def test_switch_chain_answers_and_gives_memory_back(wide_models_dir):
+    chain = run_switch_chain(wide_models_dir)
+    assert_unloads_give_memory_back(chain["unloads"], baseline=chain["unloads"][0]["rss_after"])
 
 
 def test_a_loaded_model_skips_full_gc_passes_and_is_still_freed_on_unload():

@@ -287,21 +287,12 @@ def test_unloading_a_weight_only_model_gives_its_memory_back(wide_models_dir):  
     the quantized layers nor the bf16 checkpoint they were made from stay behind. Read in a
     process of its own, as the switch chain is (a shared test process's other threads move
     its RSS by as much as the bound)."""
-    from .test_switching import MB, RSS_BOUND_MB, run_switch_chain
+    from .test_switching import assert_unloads_give_memory_back, run_switch_chain
 
     # Warmed up on bf16 and each mode (first-use costs of the kernels, paid once), then each
     # weight-only mode twice; the engine's own answers and frees are checked by the chain.
     chain = run_switch_chain(wide_models_dir, ("bf16", *WEIGHT_ONLY),
                              (*WEIGHT_ONLY, *WEIGHT_ONLY))
-    baseline = chain["warmed_up_rss"]
     assert [u["model"].split()[-1] for u in chain["unloads"]] == [f"({m})" for m in
                                                                   (*WEIGHT_ONLY, *WEIGHT_ONLY)]
-    for unload in chain["unloads"]:
-        above = unload["rss_after"] - baseline
-        assert above <= RSS_BOUND_MB * MB, (
-            f"RSS after unloading {unload['model']} is {above / MB:.1f} MB above the baseline "
-            f"(bound {RSS_BOUND_MB} MB)")
-        given_back = unload["rss_before"] - unload["rss_after"]
-        assert given_back > unload["footprint"] / 2, (
-            f"unloading {unload['model']} gave back {given_back / MB:.1f} MB, less than half of "
-            f"its {unload['footprint'] / MB:.1f} MB")
+    assert_unloads_give_memory_back(chain["unloads"], baseline=chain["warmed_up_rss"])
