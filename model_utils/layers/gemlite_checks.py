@@ -59,6 +59,11 @@ def check_kernels(model: nn.Module, weight_rows: WeightRows | None = None) -> li
             shapes.setdefault(key, []).append(module)
     done = []
     for (n, k, dtype), layers in shapes.items():
+        device = layers[0].gemlite_weight().device
+        # The weights every launch of this shape is held to, read once.
+        outputs = checked_outputs(n, device)
+        with torch.inference_mode():
+            weight = checked_weight(layers[0], outputs, weight_rows)
         # Only the buckets with a config in gemlite's table: one it tunes here keeps to the
         # GPU's limits, and tuning buckets the engine never runs would cost seconds each.
         served = CHECKED_PROMPT_ROWS + 1 if _is_int4(layers[0]) else GEMLITE_BELOW_ROWS
@@ -68,15 +73,14 @@ def check_kernels(model: nn.Module, weight_rows: WeightRows | None = None) -> li
                 continue  # a prompt bucket no prefill graph has (97-128 rows is checked at 128)
             if not tuned_config(layers[0], rows):
                 continue
-            device = layers[0].gemlite_weight().device
             x2 = torch.randn(rows, k, dtype=torch.bfloat16, device=device,
                              generator=torch.Generator(device=device).manual_seed(rows))
-            failure = check_launch(layers[0], x2, weight_rows)
+            failure = check_launch(layers[0], x2, outputs, weight)
             if isinstance(failure, OutOfResources):
                 forget_tuned(layers[0], rows)
                 done.append(f"gemlite's tuned config for {n}x{k} {dtype} at "
                             f"{_rows_of(first, last)} did not fit this GPU ({failure}); tuned anew")
-                failure = check_launch(layers[0], x2, weight_rows)
+                failure = check_launch(layers[0], x2, outputs, weight)
             if isinstance(failure, (torch.OutOfMemoryError, torch.AcceleratorError)):
                 raise failure  # the device's state: no other kernel would do better
             if failure is not None and _is_int4(layers[0]):
@@ -115,20 +119,20 @@ CHECKED_OUTPUTS = 512
 WeightRows = Callable[[torch.Tensor], torch.Tensor]
 
 
-def check_launch(layer: nn.Module, x2: torch.Tensor,
-                 weight_rows: WeightRows | None = None) -> Exception | None:
+def check_launch(layer: nn.Module, x2: torch.Tensor, outputs: torch.Tensor,
+                 weight: torch.Tensor | None) -> Exception | None:
     """Run the layer's gemlite product of x2 once: None, what the kernel raised, or
-    WrongProduct (where the expected product is known: see expected_product). An error in
-    computing the expected side is the app's, not the kernel's: it is raised."""
+    WrongProduct, its output features `outputs` held to x2 times `weight` (the layer's
+    weights dequantized at those features, checked_weight; None: not held to anything)."""
     with torch.inference_mode():
-        outputs = checked_outputs(layer.out_features, x2.device)
         try:
             got = product(layer, x2)
             torch.cuda.synchronize(x2.device)
         except Exception as error:  # noqa: BLE001 - the caller decides: tune again or leave
             return error
-        expected = expected_product(layer, x2, outputs, weight_rows)
-    return None if expected is None else off_product(got[:, outputs].float(), expected)
+        if weight is None:
+            return None
+        return off_product(got[:, outputs].float(), x2.float() @ weight.T)
 
 
 def checked_outputs(out_features: int, device: torch.device) -> torch.Tensor:
@@ -137,19 +141,18 @@ def checked_outputs(out_features: int, device: torch.device) -> torch.Tensor:
     return torch.linspace(0, out_features - 1, count, device=device).round().long().unique()
 
 
-def expected_product(layer: nn.Module, x2: torch.Tensor, outputs: torch.Tensor,
-                     weight_rows: WeightRows | None = None) -> torch.Tensor | None:
-    """x2 times the layer's weights dequantized, at the output features `outputs`, in fp32:
-    the rows from `weight_rows` where given, else from an 8-bit layer's own weights (w = q *
-    scale per row); None for a layer whose weights only gemlite reads and no `weight_rows`."""
-    if weight_rows is None and hasattr(layer, "qweight"):
-        def weight_rows(rows):
-            # Rows taken as bytes: indexing is not implemented for every 8-bit type.
-            q = layer.qweight.view(torch.uint8)[rows].view(layer.qweight.dtype)
-            return q.float() * layer.scales[rows].float().unsqueeze(-1)
-    if weight_rows is None:
+def checked_weight(layer: nn.Module, outputs: torch.Tensor,
+                   weight_rows: WeightRows | None = None) -> torch.Tensor | None:
+    """The layer's weights dequantized at the output features `outputs`, fp32 [len, K]: from
+    `weight_rows` where given, else from an 8-bit layer's own weights (w = q * scale per row);
+    None for a layer whose weights only gemlite reads and no `weight_rows`."""
+    if weight_rows is not None:
+        return weight_rows(outputs).float()
+    if not hasattr(layer, "qweight"):
         return None
-    return x2.float() @ weight_rows(outputs).float().T
+    # Rows taken as bytes: indexing is not implemented for every 8-bit type.
+    q = layer.qweight.view(torch.uint8)[outputs].view(layer.qweight.dtype)
+    return q.float() * layer.scales[outputs].float().unsqueeze(-1)
 
 
 def off_product(got: torch.Tensor, expected: torch.Tensor) -> WrongProduct | None:

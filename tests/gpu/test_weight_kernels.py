@@ -155,10 +155,12 @@ def test_a_gemlite_int4_kernel_that_reads_the_weights_wrong_fails_its_check():
     def rows_of(rows):
         return dequantize_int4(*quantize_int4(source.weight[rows], 128), torch.float32)
 
+    outputs = gemlite_checks.checked_outputs(module.out_features, torch.device("cuda"))
+    weight = gemlite_checks.checked_weight(module, outputs, rows_of)
     inputs = [torch.randn(rows, 3584, dtype=torch.bfloat16, device="cuda") for rows in ROWS]
     for x in inputs:  # gemlite's GEMV, split-K GEMM and GEMM
-        assert gemlite_checks.check_launch(module, x, rows_of) is None, len(x)
+        assert gemlite_checks.check_launch(module, x, outputs, weight) is None, len(x)
     module.gemlite_zeros.zero_()
     for x in inputs:
-        failure = gemlite_checks.check_launch(module, x, rows_of)
+        failure = gemlite_checks.check_launch(module, x, outputs, weight)
         assert isinstance(failure, gemlite_checks.WrongProduct), (len(x), failure)
