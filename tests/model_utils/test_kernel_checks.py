@@ -83,16 +83,16 @@ def test_a_product_off_the_weights_is_named_wrong():
 
 
 def test_a_misread_confined_to_one_row_or_tile_is_named_wrong_too():
-    """One input row of 1024, or 16 output features of 512 (a kernel tile), multiplied wrong
-    moves the whole product's norm by a few percent, under PRODUCT_BOUND: each row's and
-    column's own error is bounded as well. bf16-sized noise everywhere passes."""
+    """One input row of 1024, or two output features of 512, multiplied 25-30% wrong moves
+    the whole product's norm by 1-2%, under PRODUCT_BOUND: each row's and column's own error
+    is bounded as well. bf16-sized noise everywhere passes."""
     torch.manual_seed(0)
     expected = torch.randn(1024, 512)
     noisy = expected + 0.004 * expected.abs() * torch.randn_like(expected)
     assert off_product(noisy, expected) is None
     one_row, one_tile = expected.clone(), expected.clone()
-    one_row[300] = torch.randn(512)
-    one_tile[:, 32:48] *= 1.25
+    one_row[300] *= 1.3
+    one_tile[:, 32:34] *= 1.25
     for wrong in (one_row, one_tile):
         overall = ((wrong - expected).norm() / expected.norm()).item()
         assert overall < PRODUCT_BOUND
