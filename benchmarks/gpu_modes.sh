@@ -13,6 +13,11 @@
 #            stream and 32 streams, TTFT, KL against fp32
 #   switch   benchmarks/switch_times.py on the Qwen2.5-7B shape (SWITCH_MODES, SWITCH_CYCLES;
 #            SWITCH_PARK_GB: the engine's --park-gb; SWITCH_ARGS: more of its flags)
+#   quality  every mode's KL and top-1 agreement against fp32 on a real-width Qwen3-architecture
+#            model (hidden 2048, 8 layers) trained here for 75 s on the project's documents
+#            (model_utils/bench/peaked_model.py; QUALITY_TRAIN: other training flags,
+#            QUALITY_MODES: other modes; the bitsandbytes modes need it installed); plain
+#            forwards of 128-token windows, so each mode's prompt path (fp8: _scaled_mm)
 #   search   benchmarks/gemlite_search.py on the Qwen2.5-7B shape (SEARCH_CONFIG: another):
 #            gemlite's split-K configs for decode batches searched wider than its own list,
 #            against bf16 (SEARCH_ROWS, default 32; SEARCH_WEIGHTS int8, fp8 or int4;
@@ -75,6 +80,18 @@ for step in $STEPS; do
           --park-gb "${SWITCH_PARK_GB:-0}" ${SWITCH_ARGS:-} \
           --out "$OUT/switch" >"$OUT/switch.log" 2>&1
       say "switch: exit $?";;
+    quality)
+      say "quality: a real-width model trained here, every mode against fp32"
+      timeout 150 $PY -m model_utils.bench.peaked_model --out /tmp/peaked-real-width \
+          ${QUALITY_TRAIN:---hidden 2048 --layers 8 --seconds 75 --max-steps 3000 --batch 16} \
+          >"$OUT/quality-training.log" 2>&1
+      say "quality: training exit $? ($(tail -1 "$OUT/quality-training.log"))"
+      timeout "${QUALITY_S:-360}" $PY -m model_utils.bench --model /tmp/peaked-real-width \
+          --modes "${QUALITY_MODES:-fp32,bf16,fp16,int4-wo,int8-wo,fp8,int8,nf4,nf4-dq,fp4,fp4-dq}" \
+          --batch 1 --prompt-tokens 32 --new-tokens 8 --match-prompts 1 --no-logprobs \
+          --no-compile --quality-positions 384 --out "$OUT/quality-per-mode.json" \
+          >"$OUT/quality.log" 2>&1
+      say "quality: exit $?";;
     search)
       say "search: gemlite's split-K configs, wider, Qwen2.5-7B shape"
       timeout "${SEARCH_S:-540}" $PY benchmarks/gemlite_search.py \
