@@ -179,6 +179,32 @@ def pack_int4(layer: nn.Module, q: torch.Tensor, scales: torch.Tensor, zeros: to
     return packed.W_q.detach()
 
 
+def int4_weight(packed: torch.Tensor, scales: torch.Tensor, shifts: torch.Tensor,
+                dtype: torch.dtype) -> torch.Tensor:
+    """The [K, N] weight that gemlite's int4 layout holds: packed [K/8, N] int32, element k of
+    a column in word k // 8 at bit 4 * (k % 8) (its pack_weights_over_cols); w = q * scale +
+    shift per group of rows (scales, shifts [K/group, N]: W_group_mode 4, see pack_int4)."""
+    words, n = packed.shape
+    bits = torch.arange(0, 32, 4, device=packed.device, dtype=torch.int32).view(1, 8, 1)
+    q = (packed.unsqueeze(1) >> bits) & 15  # [K/8, 8, N]: the rows of each word in order
+    groups = scales.shape[0]
+    q = q.reshape(groups, words * 8 // groups, n).to(dtype)
+    return (q * scales.to(dtype).unsqueeze(1) + shifts.to(dtype).unsqueeze(1)).reshape(-1, n)
+
+
+@functools.cache
+def _compiled_int4_weight():
+    # Unfused, the unpacking writes int32 temporaries 8x the bf16 weight's size; compiled, it
+    # is one kernel that reads the packed words and writes the weight.
+    return torch.compile(int4_weight, dynamic=False, fullgraph=True)
+
+
+def dequantized_int4(layer: nn.Module, dtype: torch.dtype) -> torch.Tensor:
+    """An int4 layer's weight in gemlite's layout as a new [K, N] tensor of `dtype`."""
+    weight = _compiled_int4_weight() if layer.packed.is_cuda else int4_weight
+    return weight(layer.packed, layer.gemlite_scales, layer.gemlite_zeros, dtype)
+
+
 def _adopt(layer: nn.Module, packed: nn.Module, *, own: bool = False) -> None:
     """The small tensors and the metadata of gemlite's packed layer, kept by the app's layer
     (not gemlite's module, which would hold a second reference to the weight). `own`: they

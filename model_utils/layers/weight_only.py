@@ -62,6 +62,10 @@ class Int4WeightOnlyLinear(nn.Module):
     kept in the layout of the kernel that multiplies it (INT4_KERNELS)."""
 
     gemlite_meta = None  # set by gemlite_weights.pack_int4 for the "gemlite" kernel
+    # With gemlite's layout, inputs of this many rows or more are multiplied by the weight
+    # dequantized to bf16 (cuBLAS) instead of gemlite's GEMM; None: gemlite's at every count.
+    # A benchmark candidate (benchmarks/quant_swaps.py) for prompts, not the mode's default.
+    dequantize_from_rows: int | None = None
 
     def __init__(self, linear: nn.Linear, group: int, *, kernel: str):
         super().__init__()
@@ -94,7 +98,10 @@ class Int4WeightOnlyLinear(nn.Module):
             return F.linear(x, self.dequantized(x.dtype), self.bias)
         x2 = x.reshape(-1, self.in_features).contiguous()
         if self.kernel == "gemlite":
-            y = gemlite_weights.product(self, x2)
+            if self.dequantize_from_rows is not None and len(x2) >= self.dequantize_from_rows:
+                y = x2 @ gemlite_weights.dequantized_int4(self, x2.dtype)
+            else:
+                y = gemlite_weights.product(self, x2)
         else:
             y = torch.ops.aten._weight_int4pack_mm(x2, self.packed, self.group,
                                                    self.scales_and_zeros)
@@ -103,12 +110,14 @@ class Int4WeightOnlyLinear(nn.Module):
 
     @property
     def readable(self) -> bool:
-        """Whether dequantized() can read the weights (the kernels' layouts: their kernel only)."""
-        return self.kernel == "dequantize"
+        """Whether dequantized() can read the weights (tinygemm's layout: its kernel only)."""
+        return self.kernel != "tinygemm"
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
         if not self.readable:
             raise NotImplementedError(f"{self.kernel}'s packed layout is read by its kernel only")
+        if self.kernel == "gemlite":
+            return gemlite_weights.dequantized_int4(self, dtype).t()
         return dequantize_int4(unpack_nibbles(self.packed), self.scales, self.zeros, dtype)
 
     def extra_repr(self) -> str:
