@@ -20,7 +20,8 @@ torch.profiler summary of one decode step (per kernel). Candidates:
 - int8-wo-aten: the app's int8-wo with PyTorch's own torch._weight_int8pack_mm kernel;
   int8-wo-hybrid: the same for two rows or more (batches, prefills), the compiled one-row step
   as in int8-wo; int4-wo-head8: int4-wo with lm_head in int8 weight-only (gemlite) as well;
-  int4-wo-g64: the app's int4 layers in groups of 64 instead of 128;
+  int4-wo-g64: the app's int4 layers in groups of 64 instead of 128; int4-wo-dq-prompts:
+  int4-wo with prompts (64 rows and more) multiplied by the weight dequantized to bf16;
   fp8-wo-below-8: the app's fp8 with steps of fewer than 8 rows multiplied weight-only;
   gemlite-fp8 / gemlite-fp8-dynamic: gemlite's A16W8_FP8 (weight-only) / A8W8_fp8_dynamic on
   the app's fp8 numbers.
@@ -208,7 +209,8 @@ def measure(engine: Engine, folder: str, candidate: str, args, prompts, referenc
     start = time.perf_counter()
     try:
         with LoadLog() as load_log:
-            status = engine.load(LoadRequest(folder, mode, placement, context_tokens=1024))
+            status = engine.load(LoadRequest(folder, mode, placement, context_tokens=max(
+                1024, args.long_prompt_tokens + 64)))
     finally:
         engine.manager.on_loaded = previous
     seen["load_log"] = load_log.lines[:60]
@@ -219,12 +221,19 @@ def measure(engine: Engine, folder: str, candidate: str, args, prompts, referenc
     settle(engine)  # the graphs the load left for idle time, before anything is timed
     if swap is not None and mode == "bf16":
         result["footprint_gb"] = None  # the table's count is the bf16 one; see weights_gb
-    engine_decode(engine, prompts[0], 8)  # first reply after the load
-    singles = [engine_decode(engine, prompts[i], args.new_tokens) for i in range(2)]
+    # Each timed prompt is new to the engine: a prompt longer than the padded prefill's
+    # (--long-prompt-tokens beyond 1024) sent before would find its blocks in the KV cache.
+    engine_decode(engine, prompts["warm"], 8)  # first reply after the load
+    singles = [engine_decode(engine, prompt, args.new_tokens) for prompt in prompts["singles"]]
     result["tok_s_1"] = round(statistics.median(s.tok_s for _, s in singles), 1)
     result["ttft_ms_1"] = round(statistics.median(s.ttft_ms for _, s in singles), 2)
+    result["cached_tokens_1"] = max(s.cached_tokens for _, s in singles)
+    if prompts["long"]:
+        engine_decode(engine, prompts["long"][0], 1)  # its prefill graph's first replay
+        longs = [engine_decode(engine, prompt, 1)[1] for prompt in prompts["long"][1:]]
+        result["ttft_ms_long"] = round(statistics.median(s.ttft_ms for s in longs), 2)
     if args.streams > 1:
-        many = engine_concurrent(engine, prompts[:args.streams], args.new_tokens)
+        many = engine_concurrent(engine, prompts["streams"], args.new_tokens)
         result[f"aggregate_tok_s_{args.streams}"] = round(many["aggregate"], 1)
         result[f"ttft_ms_p50_{args.streams}"] = round(many["ttft_ms"], 2)
         result["batched_with"] = many["batched_with"]
@@ -247,7 +256,7 @@ def ratio(a, b) -> str:
 def markdown(results: list[dict], meta: dict, streams: int) -> str:
     bf16 = next((r for r in results if r["candidate"] == "bf16" and "tok_s_1" in r), None)
     head = ["candidate", "path", "weights GB", "load peak GB", "tok/s 1 stream", "x bf16",
-            "TTFT ms", f"tok/s {streams} streams", f"x bf16 ({streams})", "KL vs fp32",
+            "TTFT ms", "TTFT ms, long prompt", "x bf16 (long)", f"tok/s {streams} streams", f"x bf16 ({streams})", "KL vs fp32",
             "top-1 vs fp32", "step ms", "load+compile s"]
     lines = [f"Host: {meta}", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in results:
@@ -258,13 +267,17 @@ def markdown(results: list[dict], meta: dict, streams: int) -> str:
         agg = r.get(f"aggregate_tok_s_{streams}")
         cells = [r["candidate"], r["decode_path"], r.get("weights_gb", r["footprint_gb"]),
                  r.get("load_peak_gb"), r["tok_s_1"],
-                 ratio(r["tok_s_1"], bf16 and bf16["tok_s_1"]), r["ttft_ms_1"], agg,
+                 ratio(r["tok_s_1"], bf16 and bf16["tok_s_1"]), r["ttft_ms_1"],
+                 r.get("ttft_ms_long"), ratio(r.get("ttft_ms_long"),
+                                              bf16 and bf16.get("ttft_ms_long")), agg,
                  ratio(agg, bf16 and bf16.get(f"aggregate_tok_s_{streams}")),
                  r.get("kl_vs_fp32"), r.get("top1_vs_fp32"),
                  r["profile"] and r["profile"]["step_wall_ms"], r["load_and_compile_s"]]
         lines.append("| " + " | ".join("" if c is None else str(c) for c in cells) + " |")
-    goal = ("Targets (one H200, 7B shape): int4 one stream >= 1.7x bf16, int8 >= 1.5x; "
-            f"{streams} streams >= bf16's aggregate; time to first token <= bf16's.")
+    goal = ("Targets (one H200, 7B shape, against bf16): " + "; ".join(
+        f"{bits}: one stream >= {t['one']}x, 32 streams >= {t['many']}x, TTFT <= {t['ttft']}x"
+        + (f", the long prompt's <= {t['long']}x" if "long" in t else "")
+        for bits, t in TARGETS.items()) + ".")
     lines += ["", goal, ""]
     for r in results:
         if "tok_s_1" in r and bf16 and r is not bf16:
@@ -280,21 +293,31 @@ def markdown(results: list[dict], meta: dict, streams: int) -> str:
     return "\n".join(lines) + "\n"
 
 
+# The modes issue's targets, x bf16 in the same run (8 streams >= 1.3x for 4-bit is not
+# measured here).
+TARGETS = {"4-bit": {"one": 1.8, "many": 1.1, "ttft": 1.5, "long": 1.3},
+           "8-bit": {"one": 1.4, "many": 1.15, "ttft": 1.2}}
+
+
 def targets(r: dict, bf16: dict, streams: int) -> list[str]:
-    """Each target of the weight-only modes, met or missed, with the figures."""
-    out = []
-    need = 1.7 if "int4" in r["candidate"] else 1.5 if "int8" in r["candidate"] else None
-    one = r["tok_s_1"] / bf16["tok_s_1"]
-    if need:
-        out.append(f"one stream {one:.2f}x bf16 ({'met' if one >= need else 'missed'}, "
-                   f"target {need}x)")
+    """Each target of the quantized modes, met or missed, with the figures (higher speed,
+    lower times)."""
+    name = r["candidate"]
+    bits = "4-bit" if any(k in name for k in ("int4", "nf4", "fp4")) else \
+        "8-bit" if any(k in name for k in ("int8", "fp8")) else None
+    if bits is None:
+        return ["no target"]
+    goal = TARGETS[bits]
     key = f"aggregate_tok_s_{streams}"
-    if r.get(key) and bf16.get(key):
-        many = r[key] / bf16[key]
-        out.append(f"{streams} streams {many:.2f}x bf16 ({'met' if many >= 1 else 'missed'})")
-    ttft = r["ttft_ms_1"] / bf16["ttft_ms_1"]
-    out.append(f"TTFT {ttft:.2f}x bf16 ({'met' if ttft <= 1 else 'missed'})")
-    return out
+    figures = {"one stream": (r["tok_s_1"] / bf16["tok_s_1"], goal["one"], True),
+               "TTFT": (r["ttft_ms_1"] / bf16["ttft_ms_1"], goal["ttft"], False)}
+    if streams == 32 and r.get(key) and bf16.get(key):
+        figures[f"{streams} streams"] = (r[key] / bf16[key], goal["many"], True)
+    if "long" in goal and r.get("ttft_ms_long") and bf16.get("ttft_ms_long"):
+        figures["long prompt's TTFT"] = (r["ttft_ms_long"] / bf16["ttft_ms_long"],
+                                         goal["long"], False)
+    return [f"{what} {x:.2f}x bf16 ({'met' if (x >= need if higher else x <= need) else 'missed'}"
+            f", target {need}x)" for what, (x, need, higher) in figures.items()]
 
 
 def keep_tuning_on_timeout(path: Path) -> None:
@@ -320,6 +343,8 @@ def main(argv=None) -> int:
     parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--streams", type=int, default=32)
+    parser.add_argument("--long-prompt-tokens", type=int, default=1024,
+                        help="a longer prompt's time to first token, its prefill (0: skip)")
     parser.add_argument("--quality-positions", type=int, default=254)
     parser.add_argument("--budget-s", type=float, default=430,
                         help="start no candidate after this many seconds minus one "
@@ -347,7 +372,10 @@ def main(argv=None) -> int:
     engine = Engine(max_batch=max(args.streams, 1), max_queue=64)
     engine.registry.allow_root(str(folder))
     vocab = json.loads((folder / "config.json").read_text()).get("vocab_size", 1000)
-    prompts = random_prompts(max(args.streams, 2), args.prompt_tokens, vocab)
+    short = random_prompts(3 + args.streams, args.prompt_tokens, vocab)
+    prompts = {"warm": short[0], "singles": short[1:3], "streams": short[3:],
+               "long": random_prompts(3, args.long_prompt_tokens, vocab, seed=1)
+               if args.long_prompt_tokens else []}
     reference = quality_reference(engine, str(folder), args.quality_positions)
     meta["setup_s"] = round(time.perf_counter() - start, 1)
     results: list[dict] = []
