@@ -52,7 +52,8 @@ def layer(kind: str) -> nn.Module:
 
 def stored_weight(kind: str, module: nn.Module) -> torch.Tensor:
     """The fp32 weight the layer holds: int4's from the same numbers kept unpacked (the
-    quantization is deterministic), since its kernels' layouts are read by them alone."""
+    quantization is deterministic), not from the kernels' own layouts (tinygemm's is read by
+    its kernel alone; gemlite's read back is tested below against the same reference)."""
     if kind.startswith("int4"):
         return Int4WeightOnlyLinear(linear_layer(), 128, kernel="dequantize").dequantized(
             torch.float32)
@@ -168,3 +169,21 @@ def test_a_gemlite_int4_kernel_that_reads_the_weights_wrong_fails_its_check():
     for x in inputs:
         failure = gemlite_checks.check_launch(module, x, outputs, weight)
         assert isinstance(failure, gemlite_checks.WrongProduct), (len(x), failure)
+
+
+def test_gemlite_int4_reads_back_and_multiplies_prompts_through_its_dequantized_weight():
+    """gemlite's int4 layout read back on the GPU (the compiled unpacking) is the weight the
+    numbers kept unpacked give, to the shift's bf16 rounding; a layer that multiplies prompts
+    by it (dequantize_from_rows, a benchmark candidate) gives the product."""
+    module = layer("int4-gemlite")
+    reference = stored_weight("int4-gemlite", module)
+    read_back = module.dequantized(torch.float32)
+    assert read_back.shape == reference.shape
+    assert ((read_back - reference).norm() / reference.norm()).item() < 1e-3
+    module.dequantize_from_rows = 64
+    for rows in (64, 512):
+        x = torch.randn(rows, 3584, dtype=torch.bfloat16, device="cuda")
+        with torch.inference_mode():
+            got = module(x).float()
+        expected = x.float() @ reference.T
+        assert ((got - expected).norm() / expected.norm()).item() < BOUND["int4-gemlite"]
