@@ -184,10 +184,17 @@ def main(argv=None) -> int:
                         help="no wider search: gemlite's own tuning of each shape and row "
                         "bucket, timed against bf16, its configs written (to ship tuned configs "
                         "for a model's shapes); also the only search for 64+ rows")
+    parser.add_argument("--layers", default="qkv,o,gate_up,down",
+                        help="which of the model's linear shapes (a wide search of all four "
+                        "at one row count outlasts one GPU call)")
     parser.add_argument("--budget-s", type=float, default=500,
                         help="start no new shape after this many seconds")
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
+    chosen = args.layers.split(",")
+    shapes = linear_shapes(json.loads(Path(args.config).read_text()))
+    if unknown := set(chosen) - set(shapes):
+        parser.error(f"--layers: {', '.join(sorted(unknown))} (the shapes: {', '.join(shapes)})")
     if not torch.cuda.is_available():
         print("gemlite_search needs a CUDA GPU")
         return 2
@@ -207,7 +214,7 @@ def main(argv=None) -> int:
             "config": Path(args.config).name, "weights": args.weights}
     rows_list = [int(r) for r in args.rows.split(",")]
     results = []
-    for name, (n, k) in linear_shapes(json.loads(Path(args.config).read_text())).items():
+    for name, (n, k) in ((name, shapes[name]) for name in chosen):
         if time.perf_counter() - start > args.budget_s:
             results.append({"layer": name, "skipped": "time"})
             continue

@@ -22,7 +22,8 @@
 #            gemlite's split-K configs for decode batches searched wider than its own list,
 #            against bf16 (SEARCH_ROWS, default 32; SEARCH_WEIGHTS int8, fp8 or int4;
 #            SEARCH_ARGS=--held-only: gemlite's own tuning only, the configs to ship for a
-#            shape); writes $OUT/search/gemlite-configs.json
+#            shape; SEARCH_LAYERS: some of qkv,o,gate_up,down); writes
+#            $OUT/search/gemlite-configs.json
 # Run from the repository root on the GPU machine, the wheels the image lacks in folders named
 # .whl* (e.g. .whl/: transformers, tokenizers; .whl-gemlite/: gemlite; .whl-bnb/:
 # bitsandbytes; one version of each package across them):
@@ -97,6 +98,7 @@ for step in $STEPS; do
       timeout "${SEARCH_S:-540}" $PY benchmarks/gemlite_search.py \
           --config "${SEARCH_CONFIG:-$CONFIG}" ${SEARCH_ARGS:-} \
           --rows "${SEARCH_ROWS:-32}" --weights "${SEARCH_WEIGHTS:-int8}" \
+          --layers "${SEARCH_LAYERS:-qkv,o,gate_up,down}" \
           --budget-s "$(( ${SEARCH_S:-540} - 180 ))" --out "$OUT/search" >"$OUT/search.log" 2>&1
       say "search: exit $?";;
   esac
