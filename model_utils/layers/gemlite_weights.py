@@ -195,8 +195,9 @@ def int4_weight(packed: torch.Tensor, scales: torch.Tensor, shifts: torch.Tensor
 @functools.cache
 def _compiled_int4_weight():
     # Unfused, the unpacking writes int32 temporaries 8x the bf16 weight's size; compiled, it
-    # is one kernel that reads the packed words and writes the weight.
-    return torch.compile(int4_weight, dynamic=False, fullgraph=True)
+    # is one kernel that reads the packed words and writes the weight (sizes left dynamic:
+    # one compile for a model's few shapes).
+    return torch.compile(int4_weight, fullgraph=True)
 
 
 def dequantized_int4(layer: nn.Module, dtype: torch.dtype) -> torch.Tensor:
