@@ -28,7 +28,8 @@
 # .whl* (e.g. .whl/: transformers, tokenizers; .whl-gemlite/: gemlite; .whl-bnb/:
 # bitsandbytes; one version of each package across them):
 #   STEPS="kernels quant" OUT=$OUT benchmarks/gpu_modes.sh
-# Each step has its own time limit (KERNELS_S, TESTS_S, QUANT_S, SWITCH_S) and writes into
+# Each step has its own time limit (KERNELS_S, TESTS_S, QUANT_S, SWITCH_S, QUALITY_S,
+# SEARCH_S, MEMORY_S) and writes into
 # $OUT as it goes.
 set -u
 cd "$(dirname "$0")/.."
@@ -83,6 +84,7 @@ for step in $STEPS; do
       say "switch: exit $?";;
     quality)
       say "quality: a real-width model trained here, every mode against fp32"
+      rm -rf /tmp/peaked-real-width  # never an earlier run's model
       timeout 150 $PY -m model_utils.bench.peaked_model --out /tmp/peaked-real-width \
           ${QUALITY_TRAIN:---hidden 2048 --layers 8 --seconds 75 --max-steps 3000 --batch 16} \
           >"$OUT/quality-training.log" 2>&1

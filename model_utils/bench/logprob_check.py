@@ -275,7 +275,8 @@ def _probed_weight(module) -> torch.Tensor:
 @torch.inference_mode()
 def fp32_copy(model):
     """The model with the weights it computes with, in fp32: a bf16 weight upcast exactly, a
-    quantized one dequantized (so the reference has the same weights, only exact arithmetic).
+    quantized one dequantized (so the reference has the same weights, only exact arithmetic;
+    an int4 weight in fp32 where its kernel rounds each dequantized weight to bf16).
     Built from the config on the model's device (unfused, plain sdpa attention)."""
     import copy
 

@@ -47,8 +47,9 @@ def check_kernels(model: nn.Module, weight_rows: WeightRows | None = None) -> li
     for another kernel while it still has their weights).
     A kernel that runs but gives other numbers than the weights' fails too: each launch
     multiplies random rows and is held to the product of the same weights dequantized (the
-    8-bit layers' own; for an int4 layer, whose packed weights only gemlite reads,
-    `weight_rows`: its dequantized weight at the given output features).
+    8-bit layers' own; for an int4 layer `weight_rows`: its weight at the given output
+    features from the numbers before packing, a reference apart from the packed layout that
+    the kernel reads).
     Returns one line for each repair or removal (empty when every kernel ran)."""
     from triton.runtime.errors import OutOfResources
 
@@ -146,7 +147,8 @@ def checked_weight(layer: nn.Module, outputs: torch.Tensor,
                    weight_rows: WeightRows | None = None) -> torch.Tensor | None:
     """The layer's weights dequantized at the output features `outputs`, fp32 [len, K]: from
     `weight_rows` where given, else from an 8-bit layer's own weights (w = q * scale per row);
-    None for a layer whose weights only gemlite reads and no `weight_rows`."""
+    None for an int4 layer without `weight_rows` (its reference is kept apart from its packed
+    layout)."""
     if weight_rows is not None:
         return weight_rows(outputs).float()
     if not hasattr(layer, "qweight"):

@@ -14,8 +14,8 @@ is made. Only decode rows take it (fewer than GEMLITE_BELOW_ROWS): prompts keep 
 own path, whose speed reading weights matters less.
 
 4-bit (pack_int4): gemlite packs the int4 numbers into its own layout (eight to an int32 word
-along K), which its kernels alone read, so they serve every row count, prompts included: the
-layer's one copy of the weights. They replace PyTorch's tinygemm, which keeps up for one row
+along K), which its kernels read (and int4_weight reads back), so they serve every row count,
+prompts included: the layer's one copy of the weights. They replace PyTorch's tinygemm, which keeps up for one row
 but not for a batch or a prompt (BENCHMARKS.md, "fp8 and gemlite's int4").
 
 gemlite tunes each matrix shape and row count at its first use (tens of seconds each) unless a
@@ -194,10 +194,10 @@ def int4_weight(packed: torch.Tensor, scales: torch.Tensor, shifts: torch.Tensor
 
 @functools.cache
 def _compiled_int4_weight():
-    # Unfused, the unpacking writes int32 temporaries 8x the bf16 weight's size; compiled, it
-    # is one kernel that reads the packed words and writes the weight (sizes left dynamic:
-    # one compile for a model's few shapes).
-    return torch.compile(int4_weight, fullgraph=True)
+    # Unfused, the unpacking writes int32 temporaries twice the bf16 weight's size (8x the
+    # packed one); compiled, it is one kernel that reads the packed words and writes the
+    # weight. Sizes dynamic from the start: one compile for all of a model's shapes a dtype.
+    return torch.compile(int4_weight, dynamic=True, fullgraph=True)
 
 
 def dequantized_int4(layer: nn.Module, dtype: torch.dtype) -> torch.Tensor:

@@ -100,8 +100,8 @@ def test_a_misread_confined_to_one_row_or_tile_is_named_wrong_too():
         assert isinstance(failure, WrongProduct) and str(SLICE_BOUND) in str(failure)
 
 
-def test_weights_only_gemlite_reads_have_no_checked_weight_of_their_own():
-    """An int4 layer in a kernel's packed layout cannot be read back: its check needs the
-    rows from the caller, who still has the bf16 weight."""
+def test_an_int4_layer_takes_its_checked_weight_from_the_caller():
+    """An int4 layer's check is held to rows from the caller, who still has the bf16 weight,
+    not to the layer's own packed layout (the kernel's reading of it is what is checked)."""
     layer = Int4WeightOnlyLinear(linear(), 128, kernel="dequantize")
     assert checked_weight(layer, checked_outputs(layer.out_features, torch.device("cpu"))) is None
