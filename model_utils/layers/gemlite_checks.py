@@ -12,6 +12,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from . import gemlite_borrowed
 from .gemlite_weights import GEMLITE_BELOW_ROWS, config_signature, product, tuned_config
 
 log = logging.getLogger(__name__)
@@ -34,8 +35,8 @@ class KernelFailure(RuntimeError):
 def check_kernels(model: nn.Module, weight_rows: WeightRows | None = None) -> list[str]:
     """Run gemlite's kernel once at every row bucket it serves that has a tuned config (below
     GEMLITE_BELOW_ROWS; for int4, which it serves at every row count, at prompts' powers of two
-    up to CHECKED_PROMPT_ROWS too), for each weight shape and type the model handed it, eagerly, before torch.compile
-    and the CUDA graphs meet it.
+    up to CHECKED_PROMPT_ROWS too), for each weight shape and type the model handed it,
+    eagerly, before torch.compile and the CUDA graphs meet it.
 
     Why: gemlite keys a tuned config by the matrix shape, the row bucket and the input type,
     not the weight's type, so the config tuned for e4m3 weights of a shape is handed to int8
@@ -206,6 +207,7 @@ def forget_tuned(layer: nn.Module, rows: int) -> None:
     # gemlite's table has no weight type (the other type's layers tune again if they need it);
     # Triton's autotuner keys carry every tensor argument's dtype: only this type's go.
     core.GEMLITE_TRITON_CONFIG_CACHE.get(matmul_type, {}).pop(str((bucket, *shape)), None)
+    gemlite_borrowed.BORROWED.discard((matmul_type, str((bucket, *shape))))  # tuned for real
     weight_type = str(layer.gemlite_weight().dtype)
     for kernel in core.GEMLITE_TRITON_MAPPING[matmul_type].kernel:
         for key in [key for key in kernel.cache

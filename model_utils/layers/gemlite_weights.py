@@ -15,15 +15,17 @@ own path, whose speed reading weights matters less.
 
 4-bit (pack_int4): gemlite packs the int4 numbers into its own layout (eight to an int32 word
 along K), which its kernels read (and int4_weight reads back), so they serve every row count,
-prompts included: the layer's one copy of the weights. They replace PyTorch's tinygemm, which keeps up for one row
-but not for a batch or a prompt (BENCHMARKS.md, "fp8 and gemlite's int4").
+prompts included: the layer's one copy of the weights. They replace PyTorch's tinygemm, which
+keeps up for one row but not for a batch or a prompt (BENCHMARKS.md, "fp8 and gemlite's int4").
 
 gemlite tunes each matrix shape and row count at its first use (tens of seconds each) unless a
 tuned config is known: gemlite ships the H100's, this app the H200's and the H100's for the
 shapes measured (gemlite_configs/, added to gemlite's own), and what a load tunes is kept
-beside torch.compile's cache (save_tuned), so it is tuned once. (gemlite keys a config by shape,
-rows and input type, not the weight's type: int8 and fp8 weights of a shape share one;
-gemlite_checks.check_kernels repairs one that does not fit.)
+beside torch.compile's cache (save_tuned), so it is tuned once. A load borrows the configs of
+the nearest tuned shape for a shape that has none (borrow_configs, gemlite_borrowed), so that
+it does not tune for minutes. (gemlite keys a config by shape, rows and input type, not the
+weight's type: int8 and fp8 weights of a shape share one; gemlite_checks.check_kernels repairs
+one that does not fit.)
 
 Its split-K kernels add partial sums atomically, in an order that varies from run to run: the
 same greedy reply in a quantized mode may part at a near-tie between runs (the logprob checks,
@@ -33,11 +35,14 @@ not equal tokens, are what the tests hold it to).
 from __future__ import annotations
 
 import functools
+import json
 import logging
 from pathlib import Path
 
 import torch
 from torch import nn
+
+from . import gemlite_borrowed
 
 log = logging.getLogger(__name__)
 
@@ -125,6 +130,11 @@ def save_tuned(model: nn.Module) -> None:
     try:
         kept.parent.mkdir(parents=True, exist_ok=True)
         sys.modules["gemlite.core"].GemLiteLinear.cache_config(str(kept))
+        if gemlite_borrowed.BORROWED:  # guesses, not tunings: the next load borrows again
+            table = json.loads(kept.read_text())
+            for matmul_type, key in gemlite_borrowed.BORROWED:
+                table.get(matmul_type, {}).pop(key, None)
+            kept.write_text(json.dumps(table))
     except Exception as error:  # noqa: BLE001 - not kept costs tuning again, nothing more
         log.warning("gemlite's tuned configs not kept in %s: %s", kept, error)
 
@@ -215,6 +225,23 @@ def _adopt(layer: nn.Module, packed: nn.Module, *, own: bool = False) -> None:
     layer.register_buffer("gemlite_zeros", packed.zeros.detach(), persistent=own)
     layer.register_buffer("gemlite_meta_scale", packed.meta_scale.detach(), persistent=own)
     layer.gemlite_meta = [int(v) for v in packed.get_meta_args()]
+
+
+def borrow_configs(layer: nn.Module) -> int:
+    """Configs for this layer's shape from the nearest tuned shapes where gemlite's table has
+    none (gemlite_borrowed), before its kernels are first launched: how many."""
+    import gemlite.core as core
+
+    _, _, shape = config_signature(layer, 1)
+    return len(gemlite_borrowed.borrow(core.GEMLITE_TRITON_CONFIG_CACHE, shape))
+
+
+def borrowed_shapes(model: nn.Module) -> list[str]:
+    """The weight shapes gemlite serves in this model with configs borrowed in this process."""
+    shapes = {gemlite_borrowed.parse_key(key)[1:3] for _, key in gemlite_borrowed.BORROWED}
+    return sorted({f"{m.out_features}x{m.in_features}" for m in model.modules()
+                   if getattr(m, "gemlite_meta", None) is not None
+                   and (m.out_features, m.in_features) in shapes})
 
 
 def untuned_shapes(model: nn.Module) -> list[str]:

@@ -191,7 +191,8 @@ def quantize_model(model: nn.Module, bits: int, group: int | None, device: torch
                    progress=None, fmt: str = "int", kernel4: str | None = None) -> dict:
     """Replace the model's Linear layers by weight-only ones (`fmt` "int": int4 / int8 by
     `bits`; "fp8": fp8_weights.Fp8Linear) on `device`, one layer at a time, then move the rest
-    there; int4 layers use `kernel4` (default: int4_kernel's). Returns {quantized, kept, seconds}."""
+    there; int4 layers use `kernel4` (default: int4_kernel's).
+    Returns {quantized, kept, seconds}."""
     start = time.perf_counter()
     if device.type == "cuda":
         # What the engine does to a bf16 model it compiles, done before quantizing (rows are
@@ -230,8 +231,16 @@ def quantize_model(model: nn.Module, bits: int, group: int | None, device: torch
                          f"quantizing to {label}: layer {i + 1} of {len(targets)}")
         model.to(device)
     if attached:  # every row bucket launched once now, not first inside a graph capture
+        for module in model.modules():
+            if getattr(module, "gemlite_meta", None) is not None:
+                gemlite_weights.borrow_configs(module)  # once a shape
         gemlite_checks.check_kernels(model)
     if attached or "gemlite" in kernels4.values():
+        if borrowed := gemlite_weights.borrowed_shapes(model):
+            log.warning("gemlite has no tuned kernels on this GPU for the shapes %s: they run "
+                        "with the nearest tuned shapes' configs (benchmarks/gemlite_search.py "
+                        "--held-only tunes them, to ship in gemlite_configs/)",
+                        ", ".join(borrowed))
         if untuned := gemlite_weights.untuned_shapes(model):
             log.warning("gemlite has no tuned kernels on this GPU for the shapes %s: it tunes "
                         "each at its first use (tens of seconds each, once; kept for later "
@@ -269,6 +278,7 @@ def _int4_layer(linear: nn.Linear, group: int, kernels: dict, kernel: str) -> nn
     if kernel == "gemlite":
         try:
             layer = Int4WeightOnlyLinear(linear, group, kernel=kernel)
+            gemlite_weights.borrow_configs(layer)  # a shape this GPU has none for: no tuning
             # Its products held to the same numbers unpacked, from the bf16 weight at hand
             # (rounded a row at a time: some of its rows round as the whole matrix's do).
             gemlite_checks.check_kernels(layer, weight_rows=lambda rows: dequantize_int4(
