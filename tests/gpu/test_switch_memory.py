@@ -13,7 +13,7 @@ so that a model leaked by the first cycle still fails.
 
 The model is a random Qwen3 of ~525M parameters (1.05 GB in bf16, about 0.4 GB in int4-wo):
 two layers of Qwen2.5-7B's matrix shapes, whose gemlite configs are shipped for the H100 and the
-H200 (a shape without them is tuned at each row bucket's first use, minutes of the first cycle),
+H200 (with other shapes gemlite once tuned every row bucket, minutes of the first cycle),
 so that one model left alive is over the allocated bound on its own: the peaked model of
 conftest (a few MB) could leak whole and still pass."""
 
