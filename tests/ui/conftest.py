@@ -27,6 +27,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def port_taken(output: str) -> bool:
+    """Whether an app's output says that its port was taken (gradio, or the socket itself)."""
+    text = output.lower()
+    return "cannot find empty port" in text or "address already in use" in text
+
+
 class RunningApp:
     def __init__(self, args: list[str], workdir: Path):
         self.port = free_port()
@@ -81,9 +87,17 @@ def start_app(tmp_path_factory):
     apps: list[RunningApp] = []
 
     def start(*args: str) -> RunningApp:
-        app = RunningApp(list(args), tmp_path_factory.mktemp("app"))
-        apps.append(app)
-        return app.wait_ready()
+        for attempt in range(3):
+            app = RunningApp(list(args), tmp_path_factory.mktemp("app"))
+            apps.append(app)
+            try:
+                return app.wait_ready()
+            except RuntimeError as error:
+                # free_port's port is free when picked, not reserved: another process may
+                # take it before the app binds it. Then the app starts again on another.
+                if attempt == 2 or not port_taken(str(error)):
+                    raise
+                app.stop()
 
     yield start
     for app in apps:
