@@ -7,9 +7,10 @@ any shape of the same kind whose sizes its tiles divide, and the configs tuned f
 shape are a fair guess. So before a layer's kernels are first launched, every kernel type and
 row bucket that the table holds for shapes of the layer's kind (group size, elements per
 sample, input type) but not for its own shape gets the config of the nearest such shape (sizes
-compared on a log scale) whose tiles fit. The load check then launches and holds them to the
-weights' numbers like any other (gemlite_checks); one that the GPU cannot launch is tuned anew
-there.
+compared on a log scale) whose tiles divide the layer's sizes. The load check launches those
+of the decode rows and of the prefill graphs (up to 1 024 rows) and holds them to the weights'
+numbers like any other (gemlite_checks); one that fails there is tuned for the shape. Longer
+prompts' larger buckets run borrowed configs unchecked, as they run shipped ones.
 
 Borrowed configs are not kept with what a load tunes (gemlite_weights.save_tuned): the next load
 borrows again, and a shape tuned for real (benchmarks/gemlite_search.py --held-only, shipped in
@@ -36,10 +37,11 @@ def _kind(n: int, k: int, group: int, per_sample: int, type_id: int) -> tuple:
 
 def fits(config: dict, matmul_type: str, n: int, k: int) -> bool:
     """Whether the config's tiles divide this shape: K by a tile's depth times its split (the
-    reversed split-K GEMV always splits in two), N by its width at most."""
+    reversed split-K GEMV always splits in two), N by its width (gemlite's kernels read a
+    tile's scales unmasked)."""
     split = 2 if matmul_type == "GEMV_REVSPLITK" else config.get("SPLIT_K", 1)
     depth, width = config.get("BLOCK_SIZE_K", 1), config.get("BLOCK_SIZE_N", 1)
-    return k % (depth * split) == 0 and width <= n
+    return k % (depth * split) == 0 and n % width == 0
 
 
 def borrowed_configs(table: dict[str, dict[str, dict]], shape: tuple[int, ...]

@@ -78,10 +78,14 @@ def check_kernels(model: nn.Module, weight_rows: WeightRows | None = None) -> li
             x2 = torch.randn(rows, k, dtype=torch.bfloat16, device=device,
                              generator=torch.Generator(device=device).manual_seed(rows))
             failure = check_launch(layers[0], x2, outputs, weight)
-            if isinstance(failure, OutOfResources):
+            lent = failure is not None and _borrowed(layers[0], rows)
+            if isinstance(failure, OutOfResources) or (lent and not isinstance(failure, (
+                    torch.OutOfMemoryError, torch.AcceleratorError))):
                 forget_tuned(layers[0], rows)
-                done.append(f"gemlite's tuned config for {n}x{k} {dtype} at "
-                            f"{_rows_of(first, last)} did not fit this GPU ({failure}); tuned anew")
+                what = "borrowed from another shape" if lent else "tuned"
+                done.append(f"gemlite's {what} config for {n}x{k} {dtype} at "
+                            f"{_rows_of(first, last)} failed on this GPU "
+                            f"({type(failure).__name__}: {failure}); tuned anew")
                 failure = check_launch(layers[0], x2, outputs, weight)
             if isinstance(failure, (torch.OutOfMemoryError, torch.AcceleratorError)):
                 raise failure  # the device's state: no other kernel would do better
@@ -195,6 +199,13 @@ def _row_buckets(layer: nn.Module, below: int) -> list[tuple[int, int]]:
         key = (core.get_matmul_type(rows, layer.gemlite_meta[1]), utils.get_closest_m(rows))
         buckets.setdefault(key, [rows, rows])[1] = rows
     return sorted(tuple(span) for span in buckets.values())
+
+
+def _borrowed(layer: nn.Module, rows: int) -> bool:
+    """Whether the config gemlite holds for this layer at `rows` rows was borrowed from another
+    shape (gemlite_borrowed): a guess, tuned for this shape when it fails."""
+    matmul_type, bucket, shape = config_signature(layer, rows)
+    return (matmul_type, str((bucket, *shape))) in gemlite_borrowed.BORROWED
 
 
 def forget_tuned(layer: nn.Module, rows: int) -> None:

@@ -238,10 +238,10 @@ def borrow_configs(layer: nn.Module) -> int:
 
 def borrowed_shapes(model: nn.Module) -> list[str]:
     """The weight shapes gemlite serves in this model with configs borrowed in this process."""
-    shapes = {gemlite_borrowed.parse_key(key)[1:3] for _, key in gemlite_borrowed.BORROWED}
+    shapes = {gemlite_borrowed.parse_key(key)[1:] for _, key in gemlite_borrowed.BORROWED}
     return sorted({f"{m.out_features}x{m.in_features}" for m in model.modules()
                    if getattr(m, "gemlite_meta", None) is not None
-                   and (m.out_features, m.in_features) in shapes})
+                   and config_signature(m, 1)[2] in shapes})
 
 
 def untuned_shapes(model: nn.Module) -> list[str]:

@@ -197,22 +197,25 @@ def test_gemlite_int4_reads_back_and_multiplies_prompts_through_its_dequantized_
         assert ((got - product).norm() / product.norm()).item() < BOUND["int4-gemlite"]
 
 
-def test_a_shape_without_tuned_configs_runs_with_borrowed_ones_held_to_its_weights():
-    """2560 x 3584 int4 has no config in any shipped table: the load borrows the nearest tuned
-    shape's for every bucket (no tuning) and the load check holds them to the weights."""
+def test_a_shape_without_tuned_configs_runs_with_borrowed_ones_held_to_its_weights(monkeypatch):
+    """2560 x 3584 int4 has no config in any shipped table: its load (weight_only._int4_layer)
+    borrows the nearest tuned shape's for every row bucket up to the prefill graphs' 1024 rows,
+    so nothing is tuned, and the load check holds them to the weights (gemlite serves it)."""
+    from model_utils.layers import gemlite_borrowed, weight_only
     from model_utils.layers.int_quantization import dequantize_int4, quantize_int4
 
     if reason := gemlite_weights.unavailable_reason(torch.device("cuda"), torch.bfloat16):
         pytest.skip(reason)
+    monkeypatch.setattr(gemlite_borrowed, "BORROWED", set())
+    monkeypatch.setattr(gemlite_borrowed, "_SEEN", set())
     torch.manual_seed(0)
     source = nn.Linear(3584, 2560, bias=False, dtype=torch.bfloat16, device="cuda")
-    module = Int4WeightOnlyLinear(source, 128, kernel="gemlite")
-    assert gemlite_weights.tuned_config(module, 1) is None
-    assert gemlite_weights.borrow_configs(module) > 0
-    assert gemlite_weights.tuned_config(module, 1) is not None
-    assert gemlite_weights.tuned_config(module, 32) is not None
-    assert gemlite_checks.check_kernels(module, weight_rows=lambda rows: dequantize_int4(
-        *quantize_int4(source.weight[rows], 128), torch.float32)) == []
+    kernels = {}
+    module = weight_only._int4_layer(source, 128, kernels, "gemlite")
+    assert kernels == {(2560, 3584): "gemlite"} and module.kernel == "gemlite"
+    assert gemlite_borrowed.BORROWED  # nothing shipped for it: every config borrowed
+    for first, last in gemlite_checks._row_buckets(module, 1025):
+        assert gemlite_weights.tuned_config(module, first), (first, last)
     weight = dequantize_int4(*quantize_int4(source.weight, 128), torch.float32)
     for rows in (1, 32, 512):
         x = torch.randn(rows, 3584, dtype=torch.bfloat16, device="cuda")

@@ -3,10 +3,19 @@ format: which shape lends, at which row buckets, and what is never borrowed."""
 
 from __future__ import annotations
 
+import pytest
+
 from model_utils.layers import gemlite_borrowed
 from model_utils.layers.gemlite_borrowed import borrow, borrowed_configs, parse_key
 
 INT4 = (128, 8, 104)  # group size, elements per sample, type id of the app's int4 in bf16
+
+
+@pytest.fixture(autouse=True)
+def own_records(monkeypatch):
+    """What a test borrows stays its own (the records are the process's)."""
+    monkeypatch.setattr(gemlite_borrowed, "BORROWED", set())
+    monkeypatch.setattr(gemlite_borrowed, "_SEEN", set())
 
 
 def key(rows: int, n: int, k: int, kind: tuple = INT4) -> str:
@@ -32,7 +41,8 @@ def test_a_bucket_the_shape_has_is_kept_and_tiles_that_do_not_divide_it_are_pass
     table = {"GEMM_SPLITK": {key(8, 5120, 5120): config(128, split=16, tag="too deep"),
                              key(8, 3584, 3584): config(64, split=4, tag="fits"),
                              key(16, 5120, 5120): config(64, tag="own bucket's")},
-             "GEMV_REVSPLITK": {key(1, 5120, 5120): config(32, width=8192, tag="too wide")}}
+             "GEMV_REVSPLITK": {key(1, 5120, 5120): config(32, width=8192, tag="too wide"),
+                                key(1, 3584, 3584): config(32, width=3584, tag="not a divisor")}}
     shape = (5120, 17408, *INT4)  # 17408 = 2^10 * 17: no multiple of 2048
     table["GEMM_SPLITK"][key(16, 5120, 17408)] = config(32, tag="its own")
     found = borrowed_configs(table, shape)
