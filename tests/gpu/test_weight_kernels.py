@@ -60,18 +60,31 @@ def stored_weight(kind: str, module: nn.Module) -> torch.Tensor:
     return dequantized_weight(module).to("cuda")
 
 
+def product_errors(forward, weight: torch.Tensor, rows_list) -> dict[int, float]:
+    """{rows: the relative error of forward(x) against x @ weight.T in fp32} for random bf16
+    rows x of each count."""
+    errors = {}
+    for rows in rows_list:
+        x = torch.randn(rows, weight.shape[1], dtype=torch.bfloat16, device="cuda")
+        with torch.inference_mode():
+            got = forward(x).float()
+        expected = x.float() @ weight.T
+        errors[rows] = ((got - expected).norm() / expected.norm()).item()
+    return errors
+
+
+def assert_products(forward, weight: torch.Tensor, rows_list, bound: float) -> None:
+    errors = product_errors(forward, weight, rows_list)
+    assert max(errors.values()) < bound, errors
+
+
 @pytest.mark.parametrize("kind", list(BOUND))
 @pytest.mark.parametrize("compiled", [False, True])
 def test_the_kernel_computes_the_product_of_the_stored_weights(kind, compiled):
     module = layer(kind)
     weight = stored_weight(kind, module)
     forward = torch.compile(module, dynamic=False) if compiled else module
-    for rows in ROWS:
-        x = torch.randn(rows, 3584, dtype=torch.bfloat16, device="cuda")
-        with torch.inference_mode():
-            got = forward(x).float()
-        expected = x.float() @ weight.T
-        error = ((got - expected).norm() / expected.norm()).item()
+    for rows, error in product_errors(forward, weight, ROWS).items():
         print(f"{kind} compiled={compiled} rows={rows}: {error:.2e} of the product")
         assert error < BOUND[kind], (kind, rows, error)
 
@@ -98,12 +111,7 @@ def test_a_tuned_config_the_gpu_cannot_launch_is_tuned_anew():
     # Launched at the bucket's smallest row count: one launch stands for every count in it.
     assert len(repairs) == 1 and f"-{rows} rows" in repairs[0] and "tuned anew" in repairs[0]
     assert module.gemlite_meta is not None  # still served by gemlite
-    weight = dequantized_weight(module).to("cuda")
-    x = torch.randn(7, 3584, dtype=torch.bfloat16, device="cuda")
-    with torch.inference_mode():
-        got = module(x).float()
-    expected = x.float() @ weight.T
-    assert ((got - expected).norm() / expected.norm()).item() < BOUND["int8-gemlite"]
+    assert_products(module, dequantized_weight(module).to("cuda"), [7], BOUND["int8-gemlite"])
 
 
 def test_gemlite_int4_keeps_one_packed_copy_of_the_weights_and_the_apps_shift():
@@ -140,12 +148,7 @@ def test_gemlite_int4_takes_a_row_of_one_group():
     module = Int4WeightOnlyLinear(linear_layer(128), 128, kernel="gemlite")
     weight = Int4WeightOnlyLinear(linear_layer(128), 128, kernel="dequantize").dequantized(
         torch.float32)
-    for rows in (1, 7, 64):
-        x = torch.randn(rows, 128, dtype=torch.bfloat16, device="cuda")
-        with torch.inference_mode():
-            got = module(x).float()
-        expected = x.float() @ weight.T
-        assert ((got - expected).norm() / expected.norm()).item() < BOUND["int4-gemlite"]
+    assert_products(module, weight, (1, 7, 64), BOUND["int4-gemlite"])
 
 
 def test_a_gemlite_int4_kernel_that_reads_the_weights_wrong_fails_its_check():
@@ -187,14 +190,9 @@ def test_gemlite_int4_reads_back_and_multiplies_prompts_through_its_dequantized_
     read_back = module.dequantized(torch.float32)
     assert read_back.shape == expected.shape
     assert (read_back - expected).abs().max() <= 1e-6 * expected.abs().max()
-    reference = stored_weight("int4-gemlite", module)
     module.dequantize_from_rows = 64
-    for rows in (64, 512):
-        x = torch.randn(rows, 3584, dtype=torch.bfloat16, device="cuda")
-        with torch.inference_mode():
-            got = module(x).float()
-        product = x.float() @ reference.T
-        assert ((got - product).norm() / product.norm()).item() < BOUND["int4-gemlite"]
+    assert_products(module, stored_weight("int4-gemlite", module), (64, 512),
+                    BOUND["int4-gemlite"])
 
 
 def test_a_shape_without_tuned_configs_runs_with_borrowed_ones_held_to_its_weights(monkeypatch):
@@ -217,9 +215,4 @@ def test_a_shape_without_tuned_configs_runs_with_borrowed_ones_held_to_its_weigh
     for first, last in gemlite_checks._row_buckets(module, 1025):
         assert gemlite_weights.tuned_config(module, first), (first, last)
     weight = dequantize_int4(*quantize_int4(source.weight, 128), torch.float32)
-    for rows in (1, 32, 512):
-        x = torch.randn(rows, 3584, dtype=torch.bfloat16, device="cuda")
-        with torch.inference_mode():
-            got = module(x).float()
-        expected = x.float() @ weight.T
-        assert ((got - expected).norm() / expected.norm()).item() < BOUND["int4-gemlite"]
+    assert_products(module, weight, (1, 32, 512), BOUND["int4-gemlite"])
