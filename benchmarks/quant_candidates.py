@@ -7,7 +7,7 @@ One process, one GPU, a checkpoint of the config's shape with random bf16 weight
 not depend on the values). Each candidate is loaded through the engine (the path a user's load
 takes: compiled one-row step, CUDA graphs for every batch size and for the prefills), then:
 time to first token and decode tokens/s for one stream (128-token prompt, 256 new tokens,
-greedy), the aggregate for 32 concurrent streams, the weights' memory and the peak while
+greedy), the aggregate for 8 and for 32 concurrent streams (--streams), the weights' memory and the peak while
 loading, mean KL and top-1 agreement of next-token distributions against the fp32 model, and a
 torch.profiler summary of one decode step (per kernel). Candidates:
 
@@ -233,11 +233,13 @@ def measure(engine: Engine, folder: str, candidate: str, args, prompts, referenc
         engine_decode(engine, prompts["long"][0], 1)  # its prefill graph's first replay
         longs = [engine_decode(engine, prompt, 1)[1] for prompt in prompts["long"][1:]]
         result["ttft_ms_long"] = round(statistics.median(s.ttft_ms for s in longs), 2)
-    if args.streams > 1:
-        many = engine_concurrent(engine, prompts["streams"], args.new_tokens)
-        result[f"aggregate_tok_s_{args.streams}"] = round(many["aggregate"], 1)
-        result[f"ttft_ms_p50_{args.streams}"] = round(many["ttft_ms"], 2)
-        result["batched_with"] = many["batched_with"]
+    for streams in args.streams:
+        # fresh prompts for each count: the first `streams` of a list no count has sent
+        fresh = prompts["streams"][sum(c for c in args.streams if c < streams):][:streams]
+        many = engine_concurrent(engine, fresh, args.new_tokens)
+        result[f"aggregate_tok_s_{streams}"] = round(many["aggregate"], 1)
+        result[f"ttft_ms_p50_{streams}"] = round(many["ttft_ms"], 2)
+        result[f"batched_with_{streams}"] = many["batched_with"]
     if reference is not None:
         model = engine.manager.loaded.model
         result.update(engine.worker.call(lambda: quality.compare(
@@ -271,7 +273,8 @@ def main(argv=None) -> int:
     parser.add_argument("--candidates", default=DEFAULT)
     parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=256)
-    parser.add_argument("--streams", type=int, default=32)
+    parser.add_argument("--streams", default="8,32",
+                        help="concurrent stream counts, each measured on its own")
     parser.add_argument("--long-prompt-tokens", type=int, default=1024,
                         help="a longer prompt's time to first token, its prefill (0: skip)")
     parser.add_argument("--quality-positions", type=int, default=254)
@@ -280,6 +283,7 @@ def main(argv=None) -> int:
                              "candidate's expected time")
     parser.add_argument("--out", required=True, help="folder for quant_candidates.json / .md")
     args = parser.parse_args(argv)
+    args.streams = sorted({int(n) for n in args.streams.split(",") if int(n) > 1})
     logging.basicConfig(level=logging.WARNING)
     start = time.perf_counter()
     out = Path(args.out)
@@ -298,10 +302,10 @@ def main(argv=None) -> int:
     keep_tuning_on_timeout(out / "gemlite-configs.json")
     folder = Path(tempfile.mkdtemp(prefix="quant-candidates-"))
     build_random_model(Path(args.config), folder, "cuda" if CUDA else "cpu")
-    engine = Engine(max_batch=max(args.streams, 1), max_queue=64)
+    engine = Engine(max_batch=max(args.streams, default=1), max_queue=64)
     engine.registry.allow_root(str(folder))
     vocab = json.loads((folder / "config.json").read_text()).get("vocab_size", 1000)
-    short = random_prompts(3 + args.streams, args.prompt_tokens, vocab)
+    short = random_prompts(3 + sum(args.streams), args.prompt_tokens, vocab)
     prompts = {"warm": short[0], "singles": short[1:3], "streams": short[3:],
                "long": random_prompts(3, args.long_prompt_tokens, vocab, seed=1)
                if args.long_prompt_tokens else []}
