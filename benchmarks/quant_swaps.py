@@ -183,21 +183,6 @@ def gemlite_for_prompts_too(model):
             module.gemlite_below_rows = 1 << 30
 
 
-def int4_dequantized_prompts(model):
-    """The app's int4-wo with inputs of 64 rows or more (prompts) multiplied by the weight
-    dequantized to bf16, one layer at a time, through cuBLAS, instead of gemlite's GEMM: the
-    unpacking costs about one extra write of the bf16 weights a prompt, against a GEMM that
-    dequantizes in its inner loop."""
-    from model_utils.layers.gemlite_weights import GEMLITE_BELOW_ROWS
-    from model_utils.layers.weight_only import Int4WeightOnlyLinear
-
-    layers = [m for m in model.modules() if isinstance(m, Int4WeightOnlyLinear)]
-    if not layers or any(m.kernel != "gemlite" for m in layers):
-        raise RuntimeError("the app's int4 layers run without gemlite's layout here")
-    for module in layers:
-        module.dequantize_from_rows = GEMLITE_BELOW_ROWS
-
-
 def fp8_weight_only_below(rows: int):
     """The app's fp8 mode with inputs of fewer than `rows` rows multiplied unquantized (the
     weight-only product, compiled into a reduction over the fp8 weights) instead of through
@@ -225,7 +210,6 @@ SWAPS = {"torchao-int4": (torchao_int4, "torchao", True, "bf16"),
          "int8-wo-aten": (aten_int8, "torch", False, "int8-wo"),
          "int8-wo-hybrid": (lambda m: aten_int8(m, rows_from=2), "torch", False, "int8-wo"),
          "int4-wo-head8": (int8_head_gemlite, "gemlite", True, "int4-wo"),
-         "int4-wo-dq-prompts": (int4_dequantized_prompts, "gemlite", True, "int4-wo"),
          "int4-wo-g64": (app_int4(64), "torch", False, "bf16"),
          "int4-wo-tinygemm": (app_int4(kernel="tinygemm"), "torch", True, "bf16"),
          "int8-wo-head8": (int8_head_gemlite, "gemlite", True, "int8-wo"),

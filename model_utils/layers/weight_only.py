@@ -62,10 +62,6 @@ class Int4WeightOnlyLinear(nn.Module):
     kept in the layout of the kernel that multiplies it (INT4_KERNELS)."""
 
     gemlite_meta = None  # set by gemlite_weights.pack_int4 for the "gemlite" kernel
-    # With gemlite's layout, inputs of this many rows or more are multiplied by the weight
-    # dequantized to bf16 (cuBLAS) instead of gemlite's GEMM; None: gemlite's at every count.
-    # A benchmark candidate (benchmarks/quant_swaps.py) for prompts, not the mode's default.
-    dequantize_from_rows: int | None = None
 
     def __init__(self, linear: nn.Linear, group: int, *, kernel: str):
         super().__init__()
@@ -98,10 +94,7 @@ class Int4WeightOnlyLinear(nn.Module):
             return F.linear(x, self.dequantized(x.dtype), self.bias)
         x2 = x.reshape(-1, self.in_features).contiguous()
         if self.kernel == "gemlite":
-            if self.dequantize_from_rows is not None and len(x2) >= self.dequantize_from_rows:
-                y = x2 @ gemlite_weights.dequantized_int4(self, x2.dtype)
-            else:
-                y = gemlite_weights.product(self, x2)
+            y = gemlite_weights.product(self, x2)
         else:
             y = torch.ops.aten._weight_int4pack_mm(x2, self.packed, self.group,
                                                    self.scales_and_zeros)

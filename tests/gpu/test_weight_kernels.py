@@ -174,12 +174,10 @@ def test_a_gemlite_int4_kernel_that_reads_the_weights_wrong_fails_its_check():
         assert isinstance(failure, gemlite_checks.WrongProduct), (len(x), failure)
 
 
-def test_gemlite_int4_reads_back_and_multiplies_prompts_through_its_dequantized_weight():
+def test_gemlite_int4_reads_back():
     """gemlite's int4 layout read back on the GPU (the compiled unpacking) is the weight of
     the numbers before packing, in gemlite's form q * scale + shift (the app's (q - 8) *
-    scale + zero parts from it by the shift's bf16 rounding, 3e-3 of the weight); a layer
-    that multiplies prompts by it (dequantize_from_rows, a benchmark candidate) gives the
-    product."""
+    scale + zero parts from it by the shift's bf16 rounding, 3e-3 of the weight)."""
     from model_utils.layers.int_quantization import quantize_int4
 
     module = layer("int4-gemlite")
@@ -190,9 +188,6 @@ def test_gemlite_int4_reads_back_and_multiplies_prompts_through_its_dequantized_
     read_back = module.dequantized(torch.float32)
     assert read_back.shape == expected.shape
     assert (read_back - expected).abs().max() <= 1e-6 * expected.abs().max()
-    module.dequantize_from_rows = 64
-    assert_products(module, stored_weight("int4-gemlite", module), (64, 512),
-                    BOUND["int4-gemlite"])
 
 
 def test_a_shape_without_tuned_configs_runs_with_borrowed_ones_held_to_its_weights(monkeypatch):
