@@ -43,7 +43,6 @@ def test_a_parked_model_leaves_the_gpu_and_comes_back_answering_the_same(peaked_
         assert first == made_ahead
         last = max(t.data_ptr() + t.numel() * t.element_size() for t in parked)
         assert last - first <= sum(t.numel() * t.element_size() for t in parked) + 256 * len(parked)
-        int8_only = torch.cuda.memory_allocated(0)
         assert engine.manager.last_unload.leftover == {}, engine.manager.last_unload
 
         back = engine.load(LoadRequest(str(peaked_gpu), "bf16", CUDA, context_tokens=CONTEXT))
@@ -53,7 +52,10 @@ def test_a_parked_model_leaves_the_gpu_and_comes_back_answering_the_same(peaked_
         # Its compiled code was kept, and so was which one-row forward its first load timed.
         assert "timed at an earlier load" in engine.status()["decode_path_reason"]
         assert reply(engine) == first_reply
-        assert torch.cuda.memory_allocated(0) > int8_only  # bf16's weights are back on the card
+        # Every weight is back on the card, none left in the page-locked buffer. (The card's
+        # allocated total cannot tell: this model's weights are a few MB, and with gemlite the
+        # int8-wo load held 30 MB more besides its weights than this bf16 one, on an H100.)
+        assert all(t.is_cuda for t in [*model.parameters(), *model.buffers()])
 
         # The buffer bf16 left stays as a spare, and the next switch parks bf16 into it.
         engine.load(LoadRequest(str(peaked_gpu), "int8-wo", CUDA, context_tokens=CONTEXT))
