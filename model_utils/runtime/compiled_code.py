@@ -28,8 +28,11 @@ import weakref
 import torch
 
 # How many kinds of model (class, mode, configuration) keep their compiled code in a process:
-# a switch among the last few modes finds its code; more would only grow the process.
-KEPT_KINDS = 4
+# a switch among the last few modes finds its code; more would only grow the process. Eight
+# hold every GPU mode of one model a user cycles through: with four, a cycle through five
+# compiled modes compiled at every load, and each compile left its guards behind (RSS +11 MB a
+# cycle, BENCHMARKS.md "Switching modes").
+KEPT_KINDS = 8
 
 _kept: list[str] = []  # kinds whose code dynamo holds now, the most recently used last
 # Per kept kind, which forward each compiled shape's graph kept (cuda_graphs.GraphedBatchStep's
