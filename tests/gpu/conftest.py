@@ -7,6 +7,8 @@ Without CUDA every test here is skipped with the reason.
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 
@@ -62,3 +64,24 @@ def fp32_eager(peaked_gpu):
     assert engine.serving.decode_path == "eager"
     yield engine
     engine.unload()
+
+
+def holders(target, depth: int = 6) -> list[str]:
+    """What keeps `target` alive: the chain of referrers (types, and names where modules)
+    from it outwards, breadth first, frames and this test's own lists left out."""
+    import types
+
+    seen, chains, frontier = {id(target)}, [], [(target, type(target).__name__)]
+    for _ in range(depth):
+        nxt = []
+        for obj, path in frontier:
+            for ref in gc.get_referrers(obj):
+                if id(ref) in seen or isinstance(ref, types.FrameType) or ref is frontier:
+                    continue
+                seen.add(id(ref))
+                name = getattr(ref, "__qualname__", None) or getattr(ref, "__name__", None)
+                step = f"{path} <- {type(ref).__name__}{f' {name}' if name else ''}"
+                nxt.append((ref, step))
+                chains.append(step)
+        frontier = nxt[:40]
+    return chains[-40:]

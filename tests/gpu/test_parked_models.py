@@ -12,7 +12,7 @@ import torch
 from model_utils.loading.loaded_model import LoadRequest
 from model_utils.runtime.generation_settings import GenerationSettings
 
-from .conftest import CONTEXT, CUDA, gpu_marks, load_engine
+from .conftest import CONTEXT, CUDA, gpu_marks, holders, load_engine
 
 pytestmark = gpu_marks()
 ASK = [{"role": "user", "content": "the quick brown fox"}]
@@ -65,27 +65,6 @@ def test_a_parked_model_leaves_the_gpu_and_comes_back_answering_the_same(peaked_
         assert reply(engine) == first_reply
     finally:
         engine.unload()
-
-
-def holders(target, depth: int = 6) -> list[str]:
-    """What keeps `target` alive: the chain of referrers (types, and names where modules)
-    from it outwards, breadth first, frames and this test's own lists left out."""
-    import types
-
-    seen, chains, frontier = {id(target)}, [], [(target, type(target).__name__)]
-    for _ in range(depth):
-        nxt = []
-        for obj, path in frontier:
-            for ref in gc.get_referrers(obj):
-                if id(ref) in seen or isinstance(ref, types.FrameType) or ref is frontier:
-                    continue
-                seen.add(id(ref))
-                name = getattr(ref, "__qualname__", None) or getattr(ref, "__name__", None)
-                step = f"{path} <- {type(ref).__name__}{f' {name}' if name else ''}"
-                nxt.append((ref, step))
-                chains.append(step)
-        frontier = nxt[:40]
-    return chains[-40:]
 
 
 def test_an_unload_frees_the_models_parked_after_switches_back_and_forth(peaked_gpu, monkeypatch):
