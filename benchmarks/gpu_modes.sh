@@ -10,7 +10,7 @@
 #   quant    benchmarks/quant_candidates.py on the Qwen2.5-7B shape: by default bf16, the app's
 #            int8-wo (gemlite's kernels for decode rows when gemlite is installed), the same with
 #            lm_head in int8 too, and fp8; any other mode or variant by QUANT_CANDIDATES; one
-#            stream and 32 streams, TTFT (128 and 1024 tokens), KL against fp32 (QUANT_CONFIG:
+#            stream, 8 and 32 streams, TTFT (128 and 1024 tokens), KL against fp32 (QUANT_CONFIG:
 #            another shape, e.g. benchmarks/configs/qwen3-14b.config.json)
 #   switch   benchmarks/switch_times.py on the Qwen2.5-7B shape (SWITCH_MODES, SWITCH_CYCLES;
 #            SWITCH_PARK_GB: the engine's --park-gb; SWITCH_ARGS: more of its flags)

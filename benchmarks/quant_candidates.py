@@ -282,7 +282,10 @@ def main(argv=None) -> int:
                              "candidate's expected time")
     parser.add_argument("--out", required=True, help="folder for quant_candidates.json / .md")
     args = parser.parse_args(argv)
-    args.streams = sorted({int(n) for n in args.streams.split(",") if int(n) > 1})
+    try:
+        args.streams = sorted({int(n) for n in args.streams.split(",") if int(n) > 1})
+    except ValueError:
+        parser.error(f"--streams {args.streams!r}: whole numbers separated by commas")
     logging.basicConfig(level=logging.WARNING)
     start = time.perf_counter()
     out = Path(args.out)

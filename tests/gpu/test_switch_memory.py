@@ -49,6 +49,9 @@ CYCLES = int(os.environ.get("QWEN_SWITCH_CYCLES", "20"))
 # QWEN_SWITCH_MODES cycles through others too (every GPU mode: bf16,int4-wo,int8-wo,fp8,nf4,
 # int8; the bitsandbytes ones need it installed).
 MODES = tuple(os.environ.get("QWEN_SWITCH_MODES", "bf16,int8-wo").split(","))
+# QWEN_SWITCH_KEPT_KINDS keeps fewer kinds' compiled code than the modes cycled (e.g. 2), so
+# that loads forget it: what a forget leaves behind (model_utils/runtime/compiled_code.py).
+KEPT_KINDS = os.environ.get("QWEN_SWITCH_KEPT_KINDS")
 BOUNDS_MB = {"allocated": 64, "nvml": 128, "rss": 256}
 # The first cycle's one-time growth (see above; measured in BENCHMARKS.md, "Switching modes"):
 # the compilers' and kernels' code, gemlite's tuning of int8-wo's shapes among it; each mode
@@ -98,7 +101,11 @@ def mid_model(tmp_path_factory):
     return build_random_model(root / "config.json", root / "model", "cuda")
 
 
-def test_twenty_switch_cycles_give_the_memory_back(mid_model):
+def test_twenty_switch_cycles_give_the_memory_back(mid_model, monkeypatch):
+    if KEPT_KINDS:
+        from model_utils.runtime import compiled_code
+
+        monkeypatch.setattr(compiled_code, "KEPT_KINDS", int(KEPT_KINDS))
     process_tuning.tune_process()  # as app.py: the allocator, glibc's mmap threshold, GC
     torch.zeros(1, device="cuda")  # the CUDA context is the process's, not a model's
     torch.cuda.synchronize()

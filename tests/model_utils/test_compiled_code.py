@@ -79,7 +79,7 @@ def test_past_the_kept_kinds_everything_compiled_is_forgotten(fresh):
     before = guard_managers()
     for i in range(compiled_code.KEPT_KINDS):
         assert compiled_code.reuse_or_make_room(f"kind {i}") is False
-    compiled_first_call(load(0))  # the code of "kind 3"
+    compiled_first_call(load(0))  # the code of the last kind made room for
     assert compiled_code.reuse_or_make_room("kind 0") is True  # now the most recent
     assert guard_managers() > before
     assert compiled_code.reuse_or_make_room("one kind more") is False  # forgets all
