@@ -11,7 +11,8 @@
 #            int8-wo (gemlite's kernels for decode rows when gemlite is installed), the same with
 #            lm_head in int8 too, and fp8; any other mode or variant by QUANT_CANDIDATES; one
 #            stream, 8 and 32 streams, TTFT (128 and 1024 tokens), KL against fp32 (QUANT_CONFIG:
-#            another shape, e.g. benchmarks/configs/qwen3-14b.config.json)
+#            another shape, e.g. benchmarks/configs/qwen3-14b.config.json;
+#            QUANT_ARGS: more of its flags, e.g. --compiled-rows 32)
 #   switch   benchmarks/switch_times.py on the Qwen2.5-7B shape (SWITCH_MODES, SWITCH_CYCLES;
 #            SWITCH_PARK_GB: the engine's --park-gb; SWITCH_ARGS: more of its flags)
 #   quality  every mode's KL and top-1 agreement against fp32 on a real-width Qwen3-architecture
@@ -74,7 +75,7 @@ for step in $STEPS; do
       say "quant: the candidates side by side, Qwen2.5-7B shape"
       timeout "${QUANT_S:-540}" $PY benchmarks/quant_candidates.py --config "${QUANT_CONFIG:-$CONFIG}" \
           --candidates "${QUANT_CANDIDATES:-bf16,int8-wo,int8-wo-head8,int8-wo-gemlite-prompts,fp8}" \
-          --budget-s "$(( ${QUANT_S:-540} - 40 ))" --out "$OUT" >"$OUT/quant.log" 2>&1
+          --budget-s "$(( ${QUANT_S:-540} - 40 ))" --out "$OUT" ${QUANT_ARGS:-} >"$OUT/quant.log" 2>&1
       say "quant: exit $?";;
     switch)
       say "switch: click to first token, cold and warm, Qwen2.5-7B shape"

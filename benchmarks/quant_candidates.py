@@ -70,6 +70,7 @@ from model_utils.bench.measure import (
 )
 from model_utils.bench.run import quality_reference
 from model_utils.engine import Engine
+from model_utils.engine_config import EngineConfig
 from model_utils.layers.decode_fusions import fuse_for_decoding
 from model_utils.loading.loaded_model import LoadRequest
 from model_utils.loading.placement import Placement
@@ -281,6 +282,7 @@ def main(argv=None) -> int:
                         help="start no candidate after this many seconds minus one "
                              "candidate's expected time")
     parser.add_argument("--out", required=True, help="folder for quant_candidates.json / .md")
+    EngineConfig.add_cli_args(parser, only=("compiled_rows",))  # for every candidate alike
     args = parser.parse_args(argv)
     try:
         args.streams = sorted({int(n) for n in args.streams.split(",") if int(n) > 1})
@@ -295,7 +297,7 @@ def main(argv=None) -> int:
     meta = {"gpu": torch.cuda.get_device_name(0) if CUDA else platform.processor() or "cpu",
             "torch": torch.__version__, "transformers": transformers.__version__,
             "config": Path(args.config).name, "prompt_tokens": args.prompt_tokens,
-            "new_tokens": args.new_tokens}
+            "new_tokens": args.new_tokens, "compiled_rows": args.compiled_rows}
     for package in ("torchao", "gemlite", "triton", "bitsandbytes"):
         try:
             meta[package] = __import__(package).__version__
@@ -304,7 +306,8 @@ def main(argv=None) -> int:
     keep_tuning_on_timeout(out / "gemlite-configs.json")
     folder = Path(tempfile.mkdtemp(prefix="quant-candidates-"))
     build_random_model(Path(args.config), folder, "cuda" if CUDA else "cpu")
-    engine = Engine(max_batch=max(args.streams, default=1), max_queue=64)
+    engine = Engine(EngineConfig.from_args(args, max_batch=max(args.streams, default=1),
+                                           max_queue=64))
     engine.registry.allow_root(str(folder))
     vocab = json.loads((folder / "config.json").read_text()).get("vocab_size", 1000)
     short = random_prompts(3 + sum(args.streams), args.prompt_tokens, vocab)
