@@ -1,9 +1,10 @@
 """Forget, load and compile again, N times, on the CPU: the demo model's paged decode step
 (runner.BatchRunner at 1, 2 and 4 rows) through the engine's shared inductor backend
-(cuda_graphs.compile_forward), compiled_code.forget_compiled_code before each load; prints the
-live FrameSummary / StackSummary / guard-manager / list / dict counts after each. A check of
-whether dynamo's guards pile up across forgets off the GPU (they did on an H100, BENCHMARKS.md
-"Switching modes"). Add "dyn" for torch's automatic dynamic shapes.
+(cuda_graphs.compile_forward), then compiled_code.forget_compiled_code; prints the live
+FrameSummary / StackSummary / guard-manager / list / dict counts after each forget. A check of
+whether what dynamo built piles up across forgets off the GPU (it did on an H100, BENCHMARKS.md
+"Switching modes"). Add "dyn" for torch's automatic dynamic shapes (the row count symbolic from
+the second shape, as the engine compiles rows 2 and up with --compiled-rows above 1).
 
     python benchmarks/cpu-2026-12-06/compile_forget_growth.py 8
 """
@@ -40,11 +41,12 @@ def counts() -> dict:
 
 
 dynamic = None if "dyn" in sys.argv else False
+compiled_code.forget_compiled_code()
 for cycle in range(int(sys.argv[1])):
-    compiled_code.forget_compiled_code()
     model = load(cycle)
     runner = BatchRunner(model, context_tokens=64, max_batch=4, step_fn=Step(model, dynamic),
                          kv_tokens=256)
     runner.warm_up((1, 2, 4))
     del runner, model
+    compiled_code.forget_compiled_code()
     print(cycle, counts(), flush=True)
