@@ -17,8 +17,11 @@ process, so the finalizers and their guard managers, with every guard and its st
 did too: a few thousand objects and about 14 MB of RSS a load on the 7B shape
 (BENCHMARKS.md, "Switching modes"). forget_compiled_code detaches them. On a GPU, loads that
 forget still left guards and their stack summaries behind (about 11 MB of RSS a cycle of five
-compiled modes); what holds them is not found yet (tests/gpu/test_switch_memory.py with
-QWEN_SWITCH_KEPT_KINDS=2 forgets on purpose and names the holders)."""
+compiled modes). On the CPU the same happens with automatic dynamic shapes (a ShapeEnv and its
+fake weights a forget, held from C++), not with fixed ones
+(benchmarks/cpu-2026-12-06/compile_forget_growth.py); what holds them is not found yet
+(tests/gpu/test_switch_memory.py with QWEN_SWITCH_KEPT_KINDS=2 forgets on purpose and names
+the holders)."""
 
 from __future__ import annotations
 
