@@ -1,4 +1,5 @@
-"""gemlite's kernels for decode batches (its GEMVs for 1-4 rows, its split-K GEMM for 5-63),
+"""gemlite's kernels for decode batches (its GEMVs for 1-2 rows, int4's for one; its split-K GEMM
+up to 63: the app's choice, gemlite_weights.kernel_for_rows),
 tuned among wider grids of configs than its own "fast" lists (grid()), shape by shape, against
 bf16's cuBLAS on the same shape and rows; with --held-only (and at 64+ rows), gemlite's own
 tuning only, timed: the configs to ship for a model's shapes, so that its first load does not
@@ -44,10 +45,10 @@ def grid(matmul_type: str, rows: int) -> list | None:
     """The configs to search for gemlite's kernel at `rows` rows, None for a kernel not searched
     (its GEMM from 64 rows).
 
-    Split-K GEMM (5-63 rows): tiles as high as the bucket's rows (16 or 32), 64-256 wide and
-    deep, split-K 1-8, 4 or 8 warps, 4 or 5 stages (gemlite's pruner lowers the stages where
+    Split-K GEMM (3-63 rows, int4 from 2): tiles as high as the bucket's rows (16 or 32),
+    64-256 wide and deep, split-K 1-8, 4 or 8 warps, 4 or 5 stages (gemlite's pruner lowers the stages where
     shared memory is short): 144, about as many Triton compiles.
-    int4's GEMV (1-4 rows, "reversed split-K"): 128-1024 columns and 8-64 rows a program, 1-8
+    int4's GEMV (one row, "reversed split-K"): 128-1024 columns and 8-64 rows a program, 1-8
     warps (8 to 128 weights a thread), 1 or 2 stages, either load order: 172 (its own "max"
     list stops at 512 columns and 4 warps, one load order).
     The 8-bit GEMV (1-2 rows): 4-32 columns, 256-1024 rows deep, 4 or 8 warps, 1 or 2 stages:

@@ -4,8 +4,9 @@ A decode step multiplies a few rows by every weight: the time goes to reading th
 an 8-bit weight read at the memory's speed halves bf16's step. Neither of the app's own 8-bit
 paths does that: inductor's reduction over int8 reached bf16's speed, no better, and fp8's
 torch._scaled_mm runs a 128x128 tile for a one-row input (BENCHMARKS.md, "Modes and
-quantization"). gemlite (PyPI; pure Python and Triton) ships a weight-only GEMV for 1-2 rows, a
-split-K GEMM up to 64 and a GEMM beyond, as one custom op that torch.compile and CUDA graphs take.
+quantization"). gemlite (PyPI; pure Python and Triton) ships a weight-only GEMV for the fewest rows
+(1-2 for 8-bit weights; for int4 one row here, kernel_for_rows), a split-K GEMM up to 64 and a
+GEMM beyond, as one custom op that torch.compile and CUDA graphs take.
 
 8-bit (attach): gemlite's layout is the app's own, the [N, K] int8 or e4m3 weight read through
 its transpose (a view), one scale per output row. So a layer keeps its one weight tensor and
@@ -47,7 +48,7 @@ from . import gemlite_borrowed
 log = logging.getLogger(__name__)
 
 CONFIGS = Path(__file__).with_name("gemlite_configs")
-# Rows below this multiply through gemlite (its GEMV for 1-2 rows, split-K GEMM above): every
+# Rows below this multiply through gemlite (its GEMV for the fewest, split-K GEMM above): every
 # decode batch the engine captures (up to 32 rows, plus a next turn's tail rows).
 GEMLITE_BELOW_ROWS = 64
 
@@ -73,8 +74,29 @@ def _import_problem() -> str | None:
     # rounds to 8 bits: int4's GEMV, whose shipped configs split K in blocks of 8 to 32, then
     # missed the product by up to 4% (18944 input features). fp32 sums, one cast at the end.
     gemlite.core.set_native_atomic_bfp16(False)
+    gemlite.core.get_matmul_type = kernel_for_rows(gemlite.core.get_matmul_type)
     _load_configs()
     return None
+
+
+def kernel_for_rows(gemlite_choice):
+    """gemlite's choice of kernel by row count, but int4 at 2-4 rows through its split-K GEMM
+    instead of its GEMV. The GEMV unpacks the weights again for each row: on the 7B shape the
+    int4 step grew with every row from one to four, past bf16's and past int4's own step at
+    eight rows, where the split-K GEMM runs (BENCHMARKS.md, "int4-wo as the app loads it").
+    gemlite ships split-K configs tuned for 2 and 4 rows. Set as gemlite's own function, which
+    its custom op calls at run time, so that a step compiled for a symbolic row count takes no
+    guard on it."""
+    if getattr(gemlite_choice, "int4_split_k_from_two_rows", False):
+        return gemlite_choice
+
+    def choice(batch_size: int, W_nbits: int, mx_dtype: bool = False) -> str:  # noqa: N803
+        if W_nbits < 8 and not mx_dtype and 1 < batch_size <= 4:
+            return "GEMM_SPLITK"
+        return gemlite_choice(batch_size, W_nbits, mx_dtype)
+
+    choice.int4_split_k_from_two_rows = True
+    return choice
 
 
 def _tuned_file() -> Path | None:

@@ -33,10 +33,17 @@ def largest_live_tensors(device_type: str, *, top: int = 5) -> list[str]:
     """The largest tensors on devices of this type that something still references, as
     'bfloat16 [152064, 3584] 1.016 GB on cuda:0': what an unload's leftover is made of, where
     the garbage collector can see it (a graph pool or a library's C++ buffer it cannot)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
     found: dict[int, torch.Tensor] = {}  # one per storage: views name the tensor they cut
     for obj in gc.get_objects():
-        with contextlib.suppress(Exception):  # some objects raise on isinstance checks
-            if isinstance(obj, torch.Tensor) and obj.device.type == device_type:
+        # type(obj), not isinstance: an object's own __class__ may warn (torch.distributed's
+        # deprecated reduce_op). A fake tensor (torch.compile's tracing) holds no memory.
+        kind = type(obj)
+        if not issubclass(kind, torch.Tensor) or issubclass(kind, FakeTensor):
+            continue
+        with contextlib.suppress(Exception):  # a tensor subclass may refuse these
+            if obj.device.type == device_type:
                 key = obj.untyped_storage().data_ptr()
                 if key not in found or obj.numel() > found[key].numel():
                     found[key] = obj

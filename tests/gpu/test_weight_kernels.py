@@ -21,7 +21,7 @@ from .conftest import gpu_marks
 
 pytestmark = gpu_marks()
 
-ROWS = [1, 2, 7, 31, 64, 512, 1024]
+ROWS = [1, 2, 4, 7, 31, 64, 512, 1024]  # int4: GEMV at 1, split-K GEMM at 2-63
 # The layers are 3584 x 3584, Qwen2.5-7B's attention output: gemlite's configs for it are
 # shipped for both GPUs (other shapes are tuned at each row bucket's first use, minutes in all).
 OUT_FEATURES = 3584
@@ -87,6 +87,15 @@ def test_the_kernel_computes_the_product_of_the_stored_weights(kind, compiled):
     for rows, error in product_errors(forward, weight, ROWS).items():
         print(f"{kind} compiled={compiled} rows={rows}: {error:.2e} of the product")
         assert error < BOUND[kind], (kind, rows, error)
+
+
+def test_gemlite_multiplies_int4_by_its_gemv_for_one_row_only():
+    layer("int4-gemlite")  # imports gemlite, or skips
+    import gemlite.core as core
+
+    assert [core.get_matmul_type(rows, 4) for rows in (1, 2, 4, 5, 64)] == [
+        "GEMV_REVSPLITK", "GEMM_SPLITK", "GEMM_SPLITK", "GEMM_SPLITK", "GEMM"]
+    assert core.get_matmul_type(2, 8) == "GEMV_SPLITK"  # 8-bit weights: gemlite's own choice
 
 
 def test_a_tuned_config_the_gpu_cannot_launch_is_tuned_anew():

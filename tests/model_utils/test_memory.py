@@ -57,6 +57,23 @@ def test_the_largest_live_tensors_name_what_is_still_referenced():
     del kept, view
 
 
+def test_fake_tensors_left_by_tracing_are_not_counted_and_raise_no_warning():
+    import warnings
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from model_utils.loading.memory_accounting import largest_live_tensors
+
+    with FakeTensorMode():  # what torch.compile's tracing leaves behind: no memory of its own
+        fake = torch.empty(16384, 16384, dtype=torch.bfloat16)
+    with warnings.catch_warnings(record=True) as warned:
+        warnings.simplefilter("always")
+        listed = " ".join(largest_live_tensors("cpu", top=50))
+    assert "[16384, 16384]" not in listed
+    assert not [w for w in warned if "FakeTensor" in str(w.message)]  # its data_ptr warns
+    del fake
+
+
 def test_an_unload_is_reported_in_the_status_until_the_next_load(demo_path):
     from model_utils.engine import Engine
     from model_utils.loading.loaded_model import LoadRequest
