@@ -46,8 +46,8 @@ def grid(matmul_type: str, rows: int) -> list | None:
     (its GEMM from 64 rows).
 
     Split-K GEMM (3-63 rows, int4 from 2): tiles as high as the bucket's rows (16 or 32),
-    64-256 wide and deep, split-K 1-8, 4 or 8 warps, 4 or 5 stages (gemlite's pruner lowers the stages where
-    shared memory is short): 144, about as many Triton compiles.
+    64-256 wide and deep, split-K 1-8, 4 or 8 warps, 4 or 5 stages (gemlite's pruner lowers the
+    stages where shared memory is short): 144, about as many Triton compiles.
     int4's GEMV (one row, "reversed split-K"): 128-1024 columns and 8-64 rows a program, 1-8
     warps (8 to 128 weights a thread), 1 or 2 stages, either load order: 172 (its own "max"
     list stops at 512 columns and 4 warps, one load order).
