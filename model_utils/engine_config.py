@@ -56,9 +56,9 @@ class EngineConfig:
     compiled_rows: int | None = field(default=None, metadata=_flag(
         "batched steps of up to this many rows are torch.compile'd before capture, larger "
         "ones capture the plain forward (64: compile all; rows 2 and up share one "
-        "compilation)", metavar="N", shown="every batch size for a model with "
-        "linear-attention layers (Qwen3.5), where the plain forward's many small kernels cost "
-        "a quarter of the step; 1 otherwise"))
+        "compilation)", metavar="N", shown="every batch size: the compiled step was faster "
+        "than the plain forward's graph at every row count measured, for Qwen3.5 and the 7B "
+        "shape, bf16 and int4-wo (BENCHMARKS.md)"))
     compile_while_idle: bool = field(default=False, metadata=_flag(
         "a load whose decode step was not compiled in this process yet is ready before the "
         "compiling: replies decode on CUDA graphs of the plain forward at first, and the "

@@ -24,7 +24,6 @@ from model_utils.loading.loaded_model import LoadedModel
 from model_utils.memory import torch_cuda_gb
 
 from . import compile_cache, compiled_code, cuda_graphs, kv_cache, paged_attention
-from .linear_states import linear_layers
 from .runner import BatchRunner, EagerStep
 from .scheduler import Scheduler
 from .serving import Serving
@@ -79,7 +78,7 @@ class DecodePreparation:
             why = "eager path: compilation turned off (--no-compile)"
         elif applies:
             fused = fuse_for_decoding(loaded.model)  # before compiling: it traces the fusions
-            rows = self._compiled_rows(loaded)
+            rows = self._compiled_rows()
             kind = compiled_code.model_kind(loaded.model, loaded.mode.name,
                                             f"{self.config.compile_mode}, {rows} rows")
             serving.compiled_code_kept = self.worker.call(
@@ -221,13 +220,13 @@ class DecodePreparation:
         serving.repost_idle_work = post
         post()
 
-    def _compiled_rows(self, loaded: LoadedModel) -> int:
-        """The configured --compiled-rows, or by default: every batch size for a model with
-        linear-attention layers (their plain forward's graph took 1.3x the compiled one's at 8
-        and 32 rows, BENCHMARKS.md), one row otherwise."""
+    def _compiled_rows(self) -> int:
+        """The configured --compiled-rows, or by default every batch size: the plain forward's
+        graph took 1.2-1.3x the compiled one's at 2-32 rows, for a model with linear-attention
+        layers and for an attention-only one alike (BENCHMARKS.md, "Many streams")."""
         if self.config.compiled_rows is not None:
             return self.config.compiled_rows
-        return self.config.max_batch if linear_layers(loaded.model) else 1
+        return self.config.max_batch
 
     @staticmethod
     def _record_memory(serving: Serving, stage: str) -> None:
