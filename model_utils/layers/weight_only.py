@@ -27,6 +27,7 @@ at a time. lm_head stays in the compute dtype (as bitsandbytes leaves it).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections import Counter
@@ -200,6 +201,7 @@ def quantize_model(model: nn.Module, bits: int, group: int | None, device: torch
     # Names only: a list of the modules would keep every bf16 weight alive to the end.
     targets = [name for name, module in model.named_modules() if type(module) is nn.Linear]
     kept, attached = [], 0
+    parts = Counter()  # seconds by part of the work, for the log: where a slow load goes
     with torch.no_grad():
         for i, name in enumerate(targets):
             parent_name, _, child = name.rpartition(".")
@@ -208,13 +210,17 @@ def quantize_model(model: nn.Module, bits: int, group: int | None, device: torch
             if not quantizable(name, linear, bits, group, fmt):
                 kept.append(name)
                 continue
-            linear.to(device)  # this one layer in the compute dtype, on the device
-            if fmt == "fp8":
-                layer = Fp8Linear(linear)
-            elif bits == 4:
-                layer = _int4_layer(linear, group, kernels4, kernel4)
-            else:
-                layer = Int8WeightOnlyLinear(linear)
+            with _timed(parts, "moving", device):
+                linear.to(device)  # this one layer in the compute dtype, on the device
+            first = bits == 4 and (linear.out_features, linear.in_features) not in kernels4
+            part = "each shape's first layer, checked" if first else "rounding and packing"
+            with _timed(parts, part, device):
+                if fmt == "fp8":
+                    layer = Fp8Linear(linear)
+                elif bits == 4:
+                    layer = _int4_layer(linear, group, kernels4, kernel4)
+                else:
+                    layer = Int8WeightOnlyLinear(linear)
             if gemlite is None and isinstance(layer, (Fp8Linear, Int8WeightOnlyLinear)):
                 attached += gemlite_weights.attach(layer)
             setattr(parent, child, layer)
@@ -222,12 +228,14 @@ def quantize_model(model: nn.Module, bits: int, group: int | None, device: torch
             if progress and i % 32 == 0:
                 progress(0.3 + 0.3 * i / len(targets),
                          f"quantizing to {label}: layer {i + 1} of {len(targets)}")
-        model.to(device)
+        with _timed(parts, "moving", device):
+            model.to(device)
     if attached:  # every row bucket launched once now, not first inside a graph capture
-        for module in model.modules():
-            if getattr(module, "gemlite_meta", None) is not None:
-                gemlite_weights.borrow_configs(module)  # once a shape
-        gemlite_checks.check_kernels(model)
+        with _timed(parts, "kernel checks", device):
+            for module in model.modules():
+                if getattr(module, "gemlite_meta", None) is not None:
+                    gemlite_weights.borrow_configs(module)  # once a shape
+            gemlite_checks.check_kernels(model)
     if attached or "gemlite" in kernels4.values():
         if borrowed := gemlite_weights.borrowed_shapes(model):
             log.warning("gemlite has no tuned kernels on this GPU for the shapes %s: they run "
@@ -254,9 +262,22 @@ def quantize_model(model: nn.Module, bits: int, group: int | None, device: torch
                   f"{'fp8 scaled_mm' if fmt == 'fp8' else kernel} above")
     model.weight_only = {"bits": bits, "group": group, "format": fmt, "kernel": kernel}
     seconds = time.perf_counter() - start
-    log.info("quantized %d Linear layers to %s (%s) in %.1f s; kept %s", len(targets) -
-             len(kept), label, model.weight_only["kernel"], seconds, kept or "none")
-    return {"quantized": len(targets) - len(kept), "kept": kept, "seconds": seconds}
+    log.info("quantized %d Linear layers to %s (%s) in %.1f s (%s); kept %s",
+             len(targets) - len(kept), label, model.weight_only["kernel"], seconds,
+             ", ".join(f"{part} {t:.1f} s" for part, t in parts.items()), kept or "none")
+    return {"quantized": len(targets) - len(kept), "kept": kept, "seconds": seconds,
+            "parts": {part: round(t, 2) for part, t in parts.items()}}
+
+
+@contextlib.contextmanager
+def _timed(parts: Counter, part: str, device: torch.device):
+    """Add the seconds the block takes to parts[part], the GPU's queued work included (one
+    synchronization a layer: the load waits for that work at its end anyway)."""
+    start = time.perf_counter()
+    yield
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    parts[part] += time.perf_counter() - start
 
 
 def _int4_layer(linear: nn.Linear, group: int, kernels: dict, kernel: str) -> nn.Module:
