@@ -60,7 +60,7 @@ def live_models(cls: type) -> list:
     gc.collect()
     with warnings.catch_warnings():  # isinstance on a deprecated module attribute warns
         warnings.simplefilter("ignore")
-        return [o for o in gc.get_objects() if isinstance(o, cls)]
+        return [o for o in gc.get_objects() if issubclass(type(o), cls)]
 
 
 def replies_together(engine: Engine, n: int = 3) -> None:
