@@ -15,13 +15,13 @@ weakref.finalize on objects it guarded (the model classes, the forward functions
 so that it can invalidate itself when one of them dies; those objects live as long as the
 process, so the finalizers and their guard managers, with every guard and its stack summary,
 did too: a few thousand objects and about 14 MB of RSS a load on the 7B shape
-(BENCHMARKS.md, "Switching modes"). forget_compiled_code detaches them. On a GPU, loads that
-forget still left guards and their stack summaries behind (about 11 MB of RSS a cycle of five
-compiled modes). On the CPU the same happens with automatic dynamic shapes (a ShapeEnv and its
-fake weights a forget, held from C++), not with fixed ones
-(benchmarks/cpu-2026-12-06/compile_forget_growth.py); what holds them is not found yet
-(tests/gpu/test_switch_memory.py with QWEN_SWITCH_KEPT_KINDS=2 forgets on purpose and names
-the holders)."""
+(BENCHMARKS.md, "Switching modes"). forget_compiled_code detaches them. A step compiled for
+a symbolic row count (the batched step from 2 rows) also left its tracing state behind at each
+forget, a ShapeEnv with its fake weights and the guards' stack summaries (on a GPU about 11 MB
+of RSS a cycle of five compiled modes): the ShapeEnv's tracked fakes hold its symbols from C++,
+a cycle the garbage collector cannot see, and its class's method caches hold the ShapeEnv.
+forget_compiled_code breaks both (_release_shape_envs;
+benchmarks/cpu-2026-12-06/compile_forget_growth.py with "dyn" shows the growth and its end)."""
 
 from __future__ import annotations
 
@@ -36,8 +36,8 @@ import torch
 # How many kinds of model (class, mode, configuration) keep their compiled code in a process:
 # a switch among the last few modes finds its code; more would only grow the process. Eight
 # hold every GPU mode of one model a user cycles through: with four, a cycle through five
-# compiled modes compiled at every load, and each compile left its guards behind (RSS +11 MB a
-# cycle, BENCHMARKS.md "Switching modes").
+# compiled modes compiled anew at every load (seconds a switch, BENCHMARKS.md "Switching
+# modes").
 KEPT_KINDS = 8
 
 _kept: list[str] = []  # kinds whose code dynamo holds now, the most recently used last
@@ -120,22 +120,44 @@ def recompiled() -> None:
 
 def forget_compiled_code() -> int:
     """torch._dynamo.reset(), then detach the finalizers that still hold the discarded guard
-    managers (after a reset every one of them belongs to code that will never run again).
-    Returns how many were detached."""
+    managers (after a reset every one of them belongs to code that will never run again) and
+    release the tracing states of dynamic-shape compiles. Returns how many finalizers were
+    detached."""
+    from torch._dynamo.convert_frame import compile_lock
     from torch._dynamo.guards import CheckFunctionManager
 
-    torch._dynamo.reset()
-    _kept.clear()
-    _choices.clear()
-    gc.disable()  # a collection now could run a finalizer and change the registry mid-copy
-    try:
-        registry = list(weakref.finalize._registry.items())  # noqa: SLF001 - no API for it
-    finally:
-        gc.enable()
-    detached = 0
-    for finalizer, info in registry:
-        callback = info.func.func if isinstance(info.func, functools.partial) else info.func
-        if isinstance(getattr(callback, "__self__", None), CheckFunctionManager):
-            finalizer.detach()
-            detached += 1
+    with compile_lock:  # an RLock (reset takes it too): no frame is traced meanwhile
+        torch._dynamo.reset()
+        _kept.clear()
+        _choices.clear()
+        gc.disable()  # a collection now could run a finalizer and change the registry mid-copy
+        try:
+            registry = list(weakref.finalize._registry.items())  # noqa: SLF001 - no API for it
+        finally:
+            gc.enable()
+        detached = 0
+        for finalizer, info in registry:
+            callback = info.func.func if isinstance(info.func, functools.partial) else info.func
+            if isinstance(getattr(callback, "__self__", None), CheckFunctionManager):
+                finalizer.detach()
+                detached += 1
+        _release_shape_envs()
     return detached
+
+
+def _release_shape_envs() -> None:
+    """Let the tracing state of code compiled with dynamic shapes go (a ShapeEnv, its
+    FakeTensorMode and fake inputs and weights). A ShapeEnv's tracked_fakes hold fake tensors
+    whose sizes are its own symbols: the C++ SymInts of a fake (s0, 1) tensor hold their
+    SymNode, which holds the ShapeEnv, a cycle through C++ that gc cannot see, so it outlived
+    the reset. tracked_fakes serve only a compile's guards (none runs: the caller holds the
+    compile lock). ShapeEnv's method lru_caches, keyed by the ShapeEnv, hold recent ones too."""
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    for shape_env in [o for o in gc.get_objects() if type(o) is ShapeEnv]:
+        if shape_env.tracked_fakes:
+            shape_env.tracked_fakes.clear()
+    for attribute in vars(ShapeEnv).values():
+        clear = getattr(attribute, "cache_clear", None)
+        if callable(clear):
+            clear()

@@ -106,6 +106,33 @@ def test_no_guard_manager_outlives_a_forget(fresh):
         assert guard_managers() == before
 
 
+def test_no_tracing_state_of_a_dynamic_shape_compile_outlives_a_forget(fresh):
+    """A compile with a symbolic size (the engine's batched step from 2 rows) leaves a ShapeEnv
+    whose fake inputs hold its symbols from C++: a cycle the garbage collector cannot see, which
+    kept every forget's ShapeEnv, FakeTensorMode and fake weights alive."""
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    def live() -> tuple[int, int]:
+        gc.collect()
+        objects = gc.get_objects()
+        return (sum(type(o) is ShapeEnv for o in objects),
+                sum(issubclass(type(o), FakeTensor) for o in objects))
+
+    weight = torch.randn(8, 8)
+    after_forgets = []
+    for _ in range(4):
+        step = torch.compile(lambda x: torch.relu(x @ weight), backend="aot_eager", dynamic=None)
+        for rows in (1, 2, 4, 3):  # the row count symbolic from the second shape
+            x = torch.ones(rows, 8)
+            assert torch.allclose(step(x), torch.relu(x @ weight))
+        compiled_code.forget_compiled_code()
+        after_forgets.append(live())
+    # torch keeps a little of the latest compile (one ShapeEnv, a few fakes) until the next:
+    # the same after every forget, where each forget used to leave one more state behind.
+    assert after_forgets == after_forgets[:1] * 4, after_forgets
+
+
 class CompiledStep:
     """The runner's decode step through a compiled forward (as cuda_graphs.GraphedBatchStep's,
     without the graph capture, which needs a GPU)."""
