@@ -158,18 +158,15 @@ class GraphedBatchStep:
     One graph per row bucket; a shape whose capture fails runs the plain forward uncaptured
     (logged): it never fails a reply.
 
-    Which forward is captured: the torch.compile'd one for up to `compiled_rows` rows (default
-    1 row: one reply decodes at 192 tok/s on the H200, bf16 7B, where the plain forward's graph
-    gave 5.11 against 7.05 ms a step), the model's plain forward for any other shape (see
-    _capture_any). One row has a compilation of its own (fixed shapes); two rows and more share
-    one with the number of rows symbolic (compile_forward's dynamic=None), so that compiling
-    them all costs two compilations, not one per row bucket.
-    Why not compile every batch size by default: on the H200 each shape compiled for its fixed
-    size cost 43-53 s of inductor compilation (2, 4, ..., 32 rows, measured), which would add
-    minutes to each load. A CUDA graph of the plain forward still removes the per-kernel launch
-    cost, which is what made eager decoding slow: measured on the H200, 8.2 ms per step for 32
-    rows (3492 tok/s through the engine) against 5.9 ms for 8 rows compiled. Attention is the
-    same paged decode kernel in both.
+    Which forward is captured: the torch.compile'd one for up to `compiled_rows` rows (the
+    engine's default: every batch size, EngineConfig.compiled_rows), the model's plain forward
+    for any other shape (see _capture_any). One row has a compilation of its own (fixed
+    shapes); two rows and more share one with the number of rows symbolic (compile_forward's
+    dynamic=None), so that compiling them all costs two compilations, not one per row bucket
+    (a compilation per fixed size would add minutes to a load). A CUDA graph of the plain
+    forward already removes the per-kernel launch cost, which is what made eager decoding slow;
+    the compiled step's fused kernels make its graph faster still at every row count measured
+    (BENCHMARKS.md, "Many streams"). Attention is the same paged decode kernel in both.
     """
 
     replays_graphs = True  # see BatchRunner.tail_rows
