@@ -18,7 +18,8 @@
 #   quality  every mode's KL and top-1 agreement against fp32 on a real-width Qwen3-architecture
 #            model (hidden 2048, 8 layers) trained here for 75 s on the project's documents
 #            (model_utils/bench/peaked_model.py; QUALITY_TRAIN: other training flags,
-#            QUALITY_MODES: other modes; the bitsandbytes modes need it installed); plain
+#            QUALITY_MODES: other modes; the bitsandbytes modes need it installed;
+#            QUALITY_ARGS: more of the bench's flags, e.g. --int4-group 64); plain
 #            forwards of 128-token windows, so each mode's prompt path (fp8: _scaled_mm)
 #   search   benchmarks/gemlite_search.py on the Qwen2.5-7B shape (SEARCH_CONFIG: another):
 #            gemlite's split-K configs for decode batches searched wider than its own list,
@@ -95,7 +96,7 @@ for step in $STEPS; do
           --modes "${QUALITY_MODES:-fp32,bf16,fp16,int4-wo,int8-wo,fp8,int8,nf4,nf4-dq,fp4,fp4-dq}" \
           --batch 1 --prompt-tokens 32 --new-tokens 8 --match-prompts 1 --no-logprobs \
           --no-compile --quality-positions 384 --out "$OUT/quality-per-mode.json" \
-          >"$OUT/quality.log" 2>&1
+          ${QUALITY_ARGS:-} >"$OUT/quality.log" 2>&1
       say "quality: exit $?";;
     search)
       say "search: gemlite's split-K configs, wider, Qwen2.5-7B shape"

@@ -27,7 +27,7 @@ import json
 import logging
 import sys
 import tempfile
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
@@ -57,6 +57,8 @@ __all__ = ["LOADED_LIMITS", "BenchRow", "bench_loaded", "bench_mode", "build_ran
 
 def run(args: argparse.Namespace) -> list[BenchRow]:
     batches = [int(b) for b in args.batch.split(",")]
+    if args.int4_group:
+        use_int4_group(args.int4_group)
     engine = build_engine(EngineConfig.from_args(args, max_batch=args.max_batch or max(batches)))
     model_name = args.model
     if args.random_from_config:
@@ -85,6 +87,19 @@ def run(args: argparse.Namespace) -> list[BenchRow]:
                            logprobs=not args.no_logprobs, reference=reference)
         print(markdown_table(rows[-len(batches):]), flush=True)
     return rows
+
+
+def use_int4_group(group: int) -> None:
+    """int4-wo in groups of `group` weights, in this process only: what another group size
+    would cost in speed and quality, measured before the mode's default changes."""
+    from model_utils.loading import modes
+
+    if group < 32 or group & (group - 1):
+        raise ValueError(f"--int4-group {group}: a power of two from 32")
+    mode = modes.MODES["int4-wo"]
+    modes.MODES["int4-wo"] = replace(
+        mode, label=mode.label.replace(f"group {mode.group_size}", f"group {group}"),
+        group_size=group, bytes_per_param=0.5 + 4 / group)
 
 
 def quality_reference(engine: Engine, model_name: str, positions: int):
@@ -126,6 +141,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "(default: on the CPU only)")
     parser.add_argument("--quality-positions", type=int, default=381,
                         help="teacher-forced positions for kl_vs_fp32 / top1_vs_fp32 (0: skip)")
+    parser.add_argument("--int4-group", type=int, metavar="N",
+                        help="int4-wo in groups of N weights instead of the mode's 128 (this "
+                             "run only; the JSON's meta records it)")
     parser.add_argument("--out", default="results.json", help="JSON file to write")
     parser.add_argument("--chart", help="PNG chart (default: next to --out)")
     return parser
@@ -142,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     print("\n" + markdown_table(rows))
     print("\n" + summary_table(rows))
     meta = {"torch": torch.__version__, "cuda": torch.cuda.get_device_name(0)
-            if torch.cuda.is_available() else None}
+            if torch.cuda.is_available() else None, "int4_group": args.int4_group or 128}
     import transformers
 
     meta["transformers"] = transformers.__version__

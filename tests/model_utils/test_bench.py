@@ -102,3 +102,23 @@ def test_the_summary_shows_units_and_a_dash_where_a_figure_does_not_apply():
     cells = [c.strip() for c in line.strip("|").split("|")]
     assert cells == ["nf4", "1", "12.35", "250", "-", "1.25", "yes", "-", "0.50"]
 
+
+
+def test_int4_group_replaces_the_modes_group_in_this_process_only(monkeypatch):
+    from model_utils.bench.run import use_int4_group
+    from model_utils.loading import modes
+
+    monkeypatch.setitem(modes.MODES, "int4-wo", modes.MODES["int4-wo"])  # restored after
+    use_int4_group(64)
+    mode = modes.get_mode("int4-wo")  # what every load of the mode reads
+    assert (mode.group_size, mode.bytes_per_param) == (64, 0.5 + 4 / 64)
+    assert "group 64" in mode.label and "group 128" not in mode.label
+
+
+def test_bench_refuses_a_group_that_is_not_a_power_of_two(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-m", "model_utils.bench", "--modes", "int4-wo", "--int4-group", "48",
+         "--out", str(tmp_path / "r.json")], cwd=ROOT, capture_output=True, text=True,
+        timeout=120)
+    assert result.returncode == 2
+    assert "--int4-group 48: a power of two from 32" in result.stderr
