@@ -5,7 +5,7 @@
 
 One process, one GPU, a checkpoint of the config's shape with random bf16 weights (speed does
 not depend on the values). Each candidate is loaded through the engine (the path a user's load
-takes: compiled one-row step, CUDA graphs for every batch size and for the prefills), then:
+takes: compiled decode steps, CUDA graphs for every batch size and for the prefills), then:
 time to first token and decode tokens/s for one stream (128-token prompt, 256 new tokens,
 greedy), the aggregate for 8 and for 32 concurrent streams (--streams), the weights' memory and the peak while
 loading, mean KL and top-1 agreement of next-token distributions against the fp32 model, and a

@@ -7,7 +7,8 @@ A model of the config's shape (with --layers layers: the cost of a step is per l
 attention throughout, or with --keep-layer-types the config's first layer types, so that a
 hybrid model's linear-attention layers are profiled too) and random bf16 weights is loaded
 through the engine in each of --modes (bf16 by default), once per --compiled-rows value (1: the
-one-row step torch.compile'd before capture, the default; 0: the plain forward captured). For
+one-row step torch.compile'd before capture; 32: every batch up to 32 rows, as the engine's
+default; 0: the plain forward captured). For
 each row count the step's graph is replayed and timed with CUDA events, then profiled: the
 kernels of one replay, the costliest first. A kernel that reads or writes far more than the
 weights and one token per row would shows at the top.

@@ -35,6 +35,7 @@ import torch
 from model_utils.engine import Engine
 from model_utils.engine_config import EngineConfig, add_model_args
 from model_utils.engine_factory import build_engine
+from model_utils.loading.modes import get_mode
 from model_utils.loading.placement import Placement
 
 from . import quality
@@ -94,12 +95,19 @@ def use_int4_group(group: int) -> None:
     would cost in speed and quality, measured before the mode's default changes."""
     from model_utils.loading import modes
 
-    if group < 32 or group & (group - 1):
-        raise ValueError(f"--int4-group {group}: a power of two from 32")
     mode = modes.MODES["int4-wo"]
     modes.MODES["int4-wo"] = replace(
         mode, label=mode.label.replace(f"group {mode.group_size}", f"group {group}"),
         group_size=group, bytes_per_param=0.5 + 4 / group)
+
+
+def _int4_group(text: str) -> int:
+    """--int4-group's value: a group size the int4 layers and gemlite take."""
+    group = int(text) if text.isdigit() else 0
+    if group not in (32, 64, 128, 256):
+        raise argparse.ArgumentTypeError(f"{text}: one of 32, 64, 128, 256 (a layer whose "
+                                         "input features it does not divide stays in bf16)")
+    return group
 
 
 def quality_reference(engine: Engine, model_name: str, positions: int):
@@ -141,7 +149,7 @@ def build_parser() -> argparse.ArgumentParser:
                              "(default: on the CPU only)")
     parser.add_argument("--quality-positions", type=int, default=381,
                         help="teacher-forced positions for kl_vs_fp32 / top1_vs_fp32 (0: skip)")
-    parser.add_argument("--int4-group", type=int, metavar="N",
+    parser.add_argument("--int4-group", type=_int4_group, metavar="N",
                         help="int4-wo in groups of N weights instead of the mode's 128 (this "
                              "run only; the JSON's meta records it)")
     parser.add_argument("--out", default="results.json", help="JSON file to write")
@@ -160,7 +168,8 @@ def main(argv: list[str] | None = None) -> int:
     print("\n" + markdown_table(rows))
     print("\n" + summary_table(rows))
     meta = {"torch": torch.__version__, "cuda": torch.cuda.get_device_name(0)
-            if torch.cuda.is_available() else None, "int4_group": args.int4_group or 128}
+            if torch.cuda.is_available() else None,
+            "int4_group": get_mode("int4-wo").group_size}
     import transformers
 
     meta["transformers"] = transformers.__version__

@@ -186,7 +186,7 @@ def quantize_model(model: nn.Module, bits: int, group: int | None, device: torch
     """Replace the model's Linear layers by weight-only ones (`fmt` "int": int4 / int8 by
     `bits`; "fp8": fp8_weights.Fp8Linear) on `device`, one layer at a time, then move the rest
     there; int4 layers use `kernel4` (default: int4_kernel's).
-    Returns {quantized, kept, seconds}."""
+    Returns {quantized, kept, seconds, parts: seconds by part of the work}."""
     start = time.perf_counter()
     if device.type == "cuda":
         # What the engine does to a bf16 model it compiles, done before quantizing (rows are
@@ -212,7 +212,8 @@ def quantize_model(model: nn.Module, bits: int, group: int | None, device: torch
                 continue
             with _timed(parts, "moving", device):
                 linear.to(device)  # this one layer in the compute dtype, on the device
-            first = bits == 4 and (linear.out_features, linear.in_features) not in kernels4
+            first = kernel4 == "gemlite" and bits == 4 and (
+                linear.out_features, linear.in_features) not in kernels4
             part = "each shape's first layer, checked" if first else "rounding and packing"
             with _timed(parts, part, device):
                 if fmt == "fp8":

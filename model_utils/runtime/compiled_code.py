@@ -17,8 +17,8 @@ process, so the finalizers and their guard managers, with every guard and its st
 did too: a few thousand objects and about 14 MB of RSS a load on the 7B shape
 (BENCHMARKS.md, "Switching modes"). forget_compiled_code detaches them. A step compiled for
 a symbolic row count (the batched step from 2 rows) also left its tracing state behind at each
-forget, a ShapeEnv with its fake weights and the guards' stack summaries (on a GPU about 11 MB
-of RSS a cycle of five compiled modes): the ShapeEnv's tracked fakes hold its symbols from C++,
+forget, a ShapeEnv with its fake weights and the guards' stack summaries (RSS that grew with
+every cycle of five compiled modes on a GPU): the ShapeEnv's tracked fakes hold its symbols from C++,
 a cycle the garbage collector cannot see, and its class's method caches hold the ShapeEnv.
 forget_compiled_code breaks both (_release_shape_envs;
 benchmarks/cpu-2026-12-06/compile_forget_growth.py with "dyn" shows the growth and its end)."""

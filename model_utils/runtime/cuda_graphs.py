@@ -213,12 +213,12 @@ class GraphedBatchStep:
     def _capture_any(self, kv: PagedKV, b: int) -> Captured | None:
         """The graph this shape replays, None when no forward captures (logged).
 
-        Up to compiled_rows rows, the shape of nearly every single chat, the compiled forward
+        Up to compiled_rows rows (every batch size by default), the compiled forward
         and the plain one are both captured and timed, and the faster is kept (`chosen` says
         which, with both times): compiling is expected to win, and a compiled step that loses
         (a kernel of a new torch or Triton, a mode that compiles badly) costs nothing but the
-        timing. Any other shape captures the plain forward alone: a new compilation (43-53 s on
-        the H200) would stall every reply decoding. A shape timed at an earlier load of the
+        timing. Any other shape captures the plain forward alone: a new compilation (tens of
+        seconds) would stall every reply decoding. A shape timed at an earlier load of the
         same kind (known_choices) captures the forward kept then.
         """
         compiles = b <= self.compiled_rows and kv.may_compile

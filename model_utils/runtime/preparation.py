@@ -222,8 +222,9 @@ class DecodePreparation:
 
     def _compiled_rows(self) -> int:
         """The configured --compiled-rows, or by default every batch size: the plain forward's
-        graph took 1.2-1.3x the compiled one's at 2-32 rows, for a model with linear-attention
-        layers and for an attention-only one alike (BENCHMARKS.md, "Many streams")."""
+        graph was slower than the compiled one's at every row count measured, for a model with
+        linear-attention layers and for an attention-only one alike (BENCHMARKS.md, "Many
+        streams")."""
         if self.config.compiled_rows is not None:
             return self.config.compiled_rows
         return self.config.max_batch

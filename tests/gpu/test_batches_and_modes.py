@@ -51,7 +51,8 @@ QUANTIZED = [name for name, mode in MODES.items() if mode.is_quantized]
 
 @pytest.mark.parametrize("mode", ["bf16", "fp16", *QUANTIZED])
 def test_every_mode_is_close_to_plain_generate_in_that_mode(peaked_gpu, mode):
-    # nf4 compiles its one-row step; the others capture the plain forward only, which keeps this test within minutes (each compile costs ~20 s).
+    # nf4 compiles its one-row step; the others capture the plain forward only, which keeps
+    # this test within minutes (each compile costs ~20 s).
     # 3 prompts alone and 6 together, 64 tokens each: the mean KL over 192 and 384 positions.
     # Over half of that the ratio moved by tenths between runs, as much as the limit.
     engine = load_engine(peaked_gpu, mode, max_batch=6, compiled_rows=1 if mode == "nf4" else 0)

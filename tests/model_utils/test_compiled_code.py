@@ -212,3 +212,13 @@ def test_loads_share_one_inductor_backend_that_dynamo_keeps():
     compile_forward(torch.nn.Linear(4, 4), "default", dynamic=None)  # another setting
     assert len(cached_backends) == before + 1
     assert callable(compiled) and getattr(compiled, "_torchdynamo_orig_callable", None)
+
+
+def test_every_batch_size_is_compiled_unless_configured():
+    """--compiled-rows by default: every batch size the engine decodes, for every model."""
+    from model_utils.engine_config import EngineConfig
+    from model_utils.runtime.preparation import DecodePreparation
+
+    assert DecodePreparation(EngineConfig(max_batch=12), worker=None)._compiled_rows() == 12
+    assert DecodePreparation(EngineConfig(max_batch=12, compiled_rows=1),
+                             worker=None)._compiled_rows() == 1
