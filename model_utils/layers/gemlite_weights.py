@@ -75,8 +75,40 @@ def _import_problem() -> str | None:
     # missed the product by up to 4% (18944 input features). fp32 sums, one cast at the end.
     gemlite.core.set_native_atomic_bfp16(False)
     gemlite.core.get_matmul_type = kernel_for_rows(gemlite.core.get_matmul_type)
+    for kernels in gemlite.core.GEMLITE_TRITON_MAPPING.values():
+        for kernel in kernels.kernel:
+            untime_lone_configs(kernel)
     _load_configs()
     return None
+
+
+def untime_lone_configs(autotuner) -> None:
+    """Let a Triton autotuner launch the one config its pruning leaves without timing it
+    first. Triton times every config left after pruning, even a lone one, at each kernel's
+    first launch for a shape in a process (about a tenth of a second each: its timing loop);
+    gemlite prunes to the one config its table holds, so a load that launched a dozen row
+    buckets of four weight shapes spent seconds choosing among one (BENCHMARKS.md, "int4-wo
+    as the app loads it"). Where pruning leaves several, they are timed as before (gemlite
+    tuning a shape it has no config for). Anything but an autotuner is left alone."""
+    from triton.runtime.autotuner import Autotuner
+
+    if not isinstance(autotuner, Autotuner) or getattr(autotuner, "lone_config_untimed", False):
+        return
+    prune, timing = autotuner.prune_configs, autotuner._bench
+    left = {"configs": 0}
+
+    def counted_prune(kwargs):
+        configs = prune(kwargs)
+        left["configs"] = len(configs)
+        return configs
+
+    def timed(*args, config, **meta):
+        if left["configs"] == 1:
+            return [0.0, 0.0, 0.0]  # the median and quantiles Triton compares: nothing to beat
+        return timing(*args, config=config, **meta)
+
+    autotuner.prune_configs, autotuner._bench = counted_prune, timed
+    autotuner.lone_config_untimed = True
 
 
 def kernel_for_rows(gemlite_choice):

@@ -30,3 +30,47 @@ def test_8_bit_weights_and_mx_formats_keep_gemlites_choice():
 def test_wrapping_twice_changes_nothing():
     once = kernel_for_rows(gemlite_06_choice)
     assert kernel_for_rows(once) is once
+
+
+# -- the first launch of a config gemlite's table holds (gemlite_weights.untime_lone_configs) ----
+def autotuner(pruned_to: int, timings: list):
+    """A real Triton autotuner over two configs, pruned to `pruned_to` of them, whose timing
+    function (Triton's do_bench hook) records each config it is asked to time."""
+    import triton
+
+    def kernel(x, BLOCK: "triton.language.constexpr"):  # noqa: N803 - Triton's meta name
+        pass
+
+    configs = [triton.Config({"BLOCK": 16}), triton.Config({"BLOCK": 32})]
+
+    def timed(call, quantiles):
+        timings.append(call)
+        return [1.0, 1.0, 1.0]
+
+    return triton.autotune(configs=configs, key=[], do_bench=timed, prune_configs_by={
+        "early_config_prune": lambda found, nargs, **kw: found[:pruned_to]})(triton.jit(kernel))
+
+
+def test_a_lone_config_left_by_pruning_is_launched_untimed():
+    from model_utils.layers.gemlite_weights import untime_lone_configs
+
+    timings = []
+    tuner = autotuner(1, timings)
+    untime_lone_configs(tuner)
+    tuner.nargs = {"x": None}
+    (config,) = tuner.prune_configs({})
+    assert tuner._bench(None, config=config) == [0.0, 0.0, 0.0]
+    assert timings == []
+
+
+def test_configs_left_to_choose_among_are_timed_as_before():
+    from model_utils.layers.gemlite_weights import untime_lone_configs
+
+    timings = []
+    tuner = autotuner(2, timings)
+    untime_lone_configs(tuner)
+    untime_lone_configs(tuner)  # once only
+    tuner.nargs = {"x": None}
+    configs = tuner.prune_configs({})
+    assert [tuner._bench(None, config=config) for config in configs] == [[1.0] * 3] * 2
+    assert len(timings) == 2
