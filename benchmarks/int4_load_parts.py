@@ -3,11 +3,17 @@ shape of a model (the Qwen2.5-7B shape by default, fused as the engine fuses it)
 and multiplied by the number of layers. Prints a table and writes JSON.
 
     python benchmarks/int4_load_parts.py --out /tmp/parts.json
+
+With --first-launches SHAPE (qkv, o, gate_up or down) it times instead each row count's first
+launch of gemlite's kernel in this process and the next one, for one layer of that shape: what
+a load's kernel check pays per row bucket (run it twice: the second process finds Triton's disk
+cache full).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import time
 from unittest import mock
@@ -68,15 +74,34 @@ def parts_of(name: str, n: int, k: int, group: int) -> dict:
     return row
 
 
+def first_launches(name: str, group: int) -> None:
+    n, k = SHAPES[name]
+    linear = nn.Linear(k, n, dtype=torch.bfloat16, device="cuda")
+    layer = Int4WeightOnlyLinear(linear, group, kernel="gemlite")
+    gemlite_weights.borrow_configs(layer)
+    print(f"| rows | kernel | row bucket | first launch ms | next launch ms |  ({name}, {n}x{k})")
+    print("|---|---|---|---|---|")
+    for rows in (1, 2, 3, 4, 8, 16, 32, 64, 128, 256, 512, 1024):
+        launch = functools.partial(gemlite_weights.product, layer,
+                                   torch.randn(rows, k, dtype=torch.bfloat16, device="cuda"))
+        first, again = first_call_seconds(launch), first_call_seconds(launch)
+        kernel, bucket, _ = gemlite_weights.config_signature(layer, rows)
+        print(f"| {rows} | {kernel} | {bucket} | {first * 1e3:.1f} | {again * 1e3:.2f} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--layers", type=int, default=28, help="decoder layers of the model")
     parser.add_argument("--group", type=int, default=128)
     parser.add_argument("--out", default="int4-load-parts.json")
+    parser.add_argument("--first-launches", choices=sorted(SHAPES), metavar="SHAPE",
+                        help="time each row count's first launch for one layer of this shape")
     args = parser.parse_args()
     reason = gemlite_weights.unavailable_reason(torch.device("cuda"), torch.bfloat16)
     if reason:
         raise SystemExit(reason)
+    if args.first_launches:
+        return first_launches(args.first_launches, args.group)
     rows = [parts_of(name, n, k, args.group) for name, (n, k) in SHAPES.items()]
     columns = [c for c in rows[0] if c.endswith("_s")]
     print("| layer | shape | " + " | ".join(c[:-2] + " ms" for c in columns) + " |")
