@@ -15,11 +15,15 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import sys
 import time
+from pathlib import Path
 from unittest import mock
 
 import torch
 from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from model_utils.layers import gemlite_checks, gemlite_weights, int_quantization
 from model_utils.layers.int_quantization import dequantize_int4, quantize_int4
@@ -93,7 +97,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--layers", type=int, default=28, help="decoder layers of the model")
     parser.add_argument("--group", type=int, default=128)
-    parser.add_argument("--out", default="int4-load-parts.json")
+    parser.add_argument("--out", default="int4-load-parts.json",
+                        help="the parts' JSON (--first-launches prints its table only)")
     parser.add_argument("--first-launches", choices=sorted(SHAPES), metavar="SHAPE",
                         help="time each row count's first launch for one layer of this shape")
     args = parser.parse_args()
