@@ -76,7 +76,8 @@ def _import_problem() -> str | None:
     gemlite.core.set_native_atomic_bfp16(False)
     gemlite.core.get_matmul_type = kernel_for_rows(gemlite.core.get_matmul_type)
     for kernels in gemlite.core.GEMLITE_TRITON_MAPPING.values():
-        for kernel in kernels.kernel:
+        found = kernels.kernel  # a list of autotuners a matmul type (one, in some versions)
+        for kernel in found if isinstance(found, (list, tuple)) else [found]:
             untime_lone_configs(kernel)
     _load_configs()
     return None
@@ -88,22 +89,26 @@ def untime_lone_configs(autotuner) -> None:
     first launch for a shape in a process (about a tenth of a second each: its timing loop);
     gemlite prunes to the one config its table holds, so a load that launched a dozen row
     buckets of four weight shapes spent seconds choosing among one (BENCHMARKS.md, "int4-wo
-    as the app loads it"). Where pruning leaves several, they are timed as before (gemlite
-    tuning a shape it has no config for). Anything but an autotuner is left alone."""
+    on the H200 at the new defaults"). Where pruning leaves several, they are timed as before
+    (gemlite tuning a shape it has no config for). Anything but an autotuner, or one of a
+    Triton without the timing step this wraps, is left alone."""
+    import threading
+
     from triton.runtime.autotuner import Autotuner
 
-    if not isinstance(autotuner, Autotuner) or getattr(autotuner, "lone_config_untimed", False):
+    if (not isinstance(autotuner, Autotuner) or not hasattr(autotuner, "_bench")
+            or getattr(autotuner, "lone_config_untimed", False)):
         return
     prune, timing = autotuner.prune_configs, autotuner._bench
-    left = {"configs": 0}
+    left = threading.local()  # how many configs this thread's last pruning left
 
     def counted_prune(kwargs):
         configs = prune(kwargs)
-        left["configs"] = len(configs)
+        left.configs = len(configs)
         return configs
 
     def timed(*args, config, **meta):
-        if left["configs"] == 1:
+        if getattr(left, "configs", 0) == 1:
             return [0.0, 0.0, 0.0]  # the median and quantiles Triton compares: nothing to beat
         return timing(*args, config=config, **meta)
 

@@ -124,9 +124,9 @@ MODES: dict[str, Mode] = {
         # + one bf16 scale and one bf16 zero point per 128 weights
         Mode("int4-wo", "int4 weight-only, group 128", "bf16", group=FAST,
              weight_only_bits=4, group_size=128, bytes_per_param=0.5 + 4 / 128,
-             speed_note="with gemlite faster than bf16 for one reply, slower for several "
-                        "at once and for the first token; without it, fastest for one "
-                        "reply, slow for many"),
+             speed_note="with gemlite faster than bf16 for one reply, slower for many at "
+                        "once and for the first token; without it, fastest for one reply, "
+                        "slow for many"),
         # + one bf16 scale per output row (rows of 3584-18944 weights in a 7B model)
         Mode("int8-wo", "int8 weight-only, per-row scales", "bf16", group=FAST,
              weight_only_bits=8, bytes_per_param=1.0, bytes_per_row=2.0,

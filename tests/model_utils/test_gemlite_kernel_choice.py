@@ -33,9 +33,21 @@ def test_wrapping_twice_changes_nothing():
 
 
 # -- the first launch of a config gemlite's table holds (gemlite_weights.untime_lone_configs) ----
+class Launches:
+    """Stands in for the compiled kernel behind a real Triton autotuner: records each launch's
+    meta-parameters (a CPU has no GPU to launch on)."""
+
+    def __init__(self):
+        self.blocks = []
+
+    def run(self, *args, BLOCK, **kwargs):  # noqa: N803 - Triton's meta name
+        self.blocks.append(BLOCK)
+
+
 def autotuner(pruned_to: int, timings: list):
-    """A real Triton autotuner over two configs, pruned to `pruned_to` of them, whose timing
-    function (Triton's do_bench hook) records each config it is asked to time."""
+    """A real Triton autotuner over two configs, pruned to the first `pruned_to` of them; its
+    timing function (Triton's do_bench hook) records each config it is asked to time, the
+    second timed faster; its kernel records launches instead of launching."""
     import triton
 
     def kernel(x, BLOCK: "triton.language.constexpr"):  # noqa: N803 - Triton's meta name
@@ -45,10 +57,12 @@ def autotuner(pruned_to: int, timings: list):
 
     def timed(call, quantiles):
         timings.append(call)
-        return [1.0, 1.0, 1.0]
+        return [float(3 - len(timings))] * 3
 
-    return triton.autotune(configs=configs, key=[], do_bench=timed, prune_configs_by={
+    tuner = triton.autotune(configs=configs, key=[], do_bench=timed, prune_configs_by={
         "early_config_prune": lambda found, nargs, **kw: found[:pruned_to]})(triton.jit(kernel))
+    tuner.fn = Launches()
+    return tuner
 
 
 def test_a_lone_config_left_by_pruning_is_launched_untimed():
@@ -57,9 +71,9 @@ def test_a_lone_config_left_by_pruning_is_launched_untimed():
     timings = []
     tuner = autotuner(1, timings)
     untime_lone_configs(tuner)
-    tuner.nargs = {"x": None}
-    (config,) = tuner.prune_configs({})
-    assert tuner._bench(None, config=config) == [0.0, 0.0, 0.0]
+    tuner.run(None)
+    tuner.run(None)  # chosen once for the key
+    assert tuner.fn.blocks == [16, 16]
     assert timings == []
 
 
@@ -69,8 +83,16 @@ def test_configs_left_to_choose_among_are_timed_as_before():
     timings = []
     tuner = autotuner(2, timings)
     untime_lone_configs(tuner)
+    wrapped = tuner._bench
     untime_lone_configs(tuner)  # once only
-    tuner.nargs = {"x": None}
-    configs = tuner.prune_configs({})
-    assert [tuner._bench(None, config=config) for config in configs] == [[1.0] * 3] * 2
-    assert len(timings) == 2
+    assert tuner._bench is wrapped
+    tuner.run(None)
+    assert len(timings) == 2 and tuner.fn.blocks == [32]  # the faster one
+
+
+def test_without_the_change_triton_times_a_lone_config():
+    """What the wrapper is for: Triton's own autotuner times a lone config before launching."""
+    timings = []
+    tuner = autotuner(1, timings)
+    tuner.run(None)
+    assert len(timings) == 1 and tuner.fn.blocks == [16]
