@@ -86,8 +86,8 @@ def aten_int8(model, *, rows_from: int = 1):
 
 def app_int4(group: int = 128, kernel: str | None = None):
     """The app's int4-wo layers (each group's range searched) in groups of `group` weights
-    (the mode's: 128; finer costs speed and gives KL), through `kernel` (the mode's: gemlite
-    where installed, else tinygemm)."""
+    (the mode's: 128; finer costs speed and gives KL), through `kernel` (the mode's: the first
+    of weight_only.INT4_KERNELS that runs here)."""
 
     def swap(model):
         from model_utils.layers.weight_only import inductor_options, quantize_model
@@ -212,6 +212,8 @@ SWAPS = {"torchao-int4": (torchao_int4, "torchao", True, "bf16"),
          "int4-wo-head8": (int8_head_gemlite, "gemlite", True, "int4-wo"),
          "int4-wo-g64": (app_int4(64), "torch", False, "bf16"),
          "int4-wo-tinygemm": (app_int4(kernel="tinygemm"), "torch", True, "bf16"),
+         "int4-wo-gemlite": (app_int4(kernel="gemlite"), "gemlite", True, "bf16"),
+         "int4-wo-mslk": (app_int4(kernel="mslk"), "mslk", True, "bf16"),
          "int8-wo-head8": (int8_head_gemlite, "gemlite", True, "int8-wo"),
          "int8-wo-gemlite-prompts": (gemlite_for_prompts_too, "gemlite", True, "int8-wo"),
          "fp8-wo-below-8": (fp8_weight_only_below(8), "torch", False, "fp8"),

@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import fp8_weights, gemlite_checks, gemlite_weights
+from . import fp8_weights, gemlite_checks, gemlite_weights, mslk_int4
 from .decode_fusions import fuse_for_decoding
 from .fp8_weights import Fp8Linear
 from .int_quantization import (
@@ -52,9 +52,10 @@ log = logging.getLogger(__name__)
 INT4_INNER_K_TILES = 8  # tinygemm's packing: in_features must be a multiple of 16 x this
 TINYGEMM_K_MULTIPLE = 16 * INT4_INNER_K_TILES
 TINYGEMM_N_MULTIPLE = 8
-# How int4 weights are kept and multiplied, the first that runs here (int4_kernel): gemlite's
-# kernels, PyTorch's tinygemm (slow for batches and prompts), or dequantized in the forward.
-INT4_KERNELS = ("gemlite", "tinygemm", "dequantize")
+# How int4 weights are kept and multiplied: MSLK's CUTLASS kernel (Hopper; a benchmark's
+# candidate, int4_kernel does not pick it), gemlite's Triton kernels, PyTorch's tinygemm (slow
+# for batches and prompts), or dequantized in the forward.
+INT4_KERNELS = ("mslk", "gemlite", "tinygemm", "dequantize")
 
 
 # -- the layers ----------------------------------------------------------------------------------
@@ -72,7 +73,12 @@ class Int4WeightOnlyLinear(nn.Module):
                                                            linear.out_features, group)
         q, scales, zeros = quantize_int4(linear.weight, group)
         self.kernel = kernel
-        if kernel == "gemlite":
+        if kernel == "mslk":
+            packed, scales, zeros = mslk_int4.pack(q, scales, zeros)
+            self.register_buffer("packed", packed)
+            self.register_buffer("mslk_scales", scales)
+            self.register_buffer("mslk_zeros", zeros)
+        elif kernel == "gemlite":
             self.register_buffer("packed", gemlite_weights.pack_int4(self, q, scales, zeros,
                                                                      group))
         elif kernel == "tinygemm":
@@ -94,7 +100,9 @@ class Int4WeightOnlyLinear(nn.Module):
         if self.kernel == "dequantize":
             return F.linear(x, self.dequantized(x.dtype), self.bias)
         x2 = x.reshape(-1, self.in_features).contiguous()
-        if self.kernel == "gemlite":
+        if self.kernel == "mslk":
+            y = mslk_int4.product(x2, self.packed, self.mslk_scales, self.mslk_zeros)
+        elif self.kernel == "gemlite":
             y = gemlite_weights.product(self, x2)
         else:
             y = torch.ops.aten._weight_int4pack_mm(x2, self.packed, self.group,
@@ -110,6 +118,8 @@ class Int4WeightOnlyLinear(nn.Module):
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
         if not self.readable:
             raise NotImplementedError(f"{self.kernel}'s packed layout is read by its kernel only")
+        if self.kernel == "mslk":
+            return mslk_int4.dequantized(self.packed, self.mslk_scales, self.mslk_zeros, dtype)
         if self.kernel == "gemlite":
             return gemlite_weights.dequantized_int4(self, dtype).t()
         return dequantize_int4(unpack_nibbles(self.packed), self.scales, self.zeros, dtype)
@@ -212,7 +222,7 @@ def quantize_model(model: nn.Module, bits: int, group: int | None, device: torch
                 continue
             with _timed(parts, "moving", device):
                 linear.to(device)  # this one layer in the compute dtype, on the device
-            first = kernel4 == "gemlite" and bits == 4 and (
+            first = kernel4 in ("mslk", "gemlite") and bits == 4 and (
                 linear.out_features, linear.in_features) not in kernels4
             part = "each shape's first layer, checked" if first else "rounding and packing"
             with _timed(parts, part, device):
@@ -283,33 +293,45 @@ def _timed(parts: Counter, part: str, device: torch.device):
 
 def _int4_layer(linear: nn.Linear, group: int, kernels: dict, kernel: str) -> nn.Module:
     """The int4 layer of `linear`, through the kernel `kernels` holds for its shape. A shape's
-    first layer sets it: `kernel`, unless that is gemlite and gemlite cannot pack it or its
-    kernel fails or computes other numbers at a row count with a tuned config (decode rows,
-    and the prefill graphs' up to gemlite_checks.CHECKED_PROMPT_ROWS); then
-    tinygemm for that shape (in the log and the kernel line), from the bf16 weight at hand."""
+    first layer sets it: `kernel`, checked (its products held to the same numbers unpacked, at
+    the row counts it will serve), or, where that kernel cannot pack the shape, fails or
+    computes other numbers, the next that runs here (mslk, gemlite, then tinygemm; in the log
+    and the kernel line), from the bf16 weight at hand."""
     shape = (linear.out_features, linear.in_features)
     if shape in kernels:
         return Int4WeightOnlyLinear(linear, group, kernel=kernels[shape])
-    if kernel == "gemlite":
+    # The reference: the weight at some output features, rounded a row at a time (some of its
+    # rows round as the whole matrix's do), apart from the packed layout the kernel reads.
+    def weight_rows(rows):
+        return dequantize_int4(*quantize_int4(linear.weight[rows], group), torch.float32)
+
+    while kernel in ("mslk", "gemlite"):
         try:
             layer = Int4WeightOnlyLinear(linear, group, kernel=kernel)
-            gemlite_weights.borrow_configs(layer)  # a shape this GPU has none for: no tuning
-            # Its products held to the same numbers unpacked, from the bf16 weight at hand
-            # (rounded a row at a time: some of its rows round as the whole matrix's do).
-            gemlite_checks.check_kernels(layer, weight_rows=lambda rows: dequantize_int4(
-                *quantize_int4(linear.weight[rows], group), torch.float32))
+            if kernel == "mslk":
+                mslk_int4.check(layer, weight_rows)
+            else:
+                gemlite_weights.borrow_configs(layer)  # a shape this GPU has none for
+                gemlite_checks.check_kernels(layer, weight_rows=weight_rows)
             kernels[shape] = kernel
             return layer
         except (torch.OutOfMemoryError, torch.AcceleratorError):
-            raise  # the device's state, not gemlite's reach: no other kernel would do better
-        except Exception as error:  # noqa: BLE001 - gemlite's packing or kernel, for this shape
+            raise  # the device's state, not the kernel's reach: no other would do better
+        except Exception as error:  # noqa: BLE001 - the kernel's packing or product, this shape
             layer = None  # its packed copy (and, past the handler, the traceback's) goes first
-            log.warning("gemlite's int4 kernels do not serve %dx%d weights here (%s: %s); "
-                        "tinygemm does", *shape, type(error).__name__, error)
-        kernel = "tinygemm"
+            following = _next_int4_kernel(kernel, linear.weight.device)
+            log.warning("%s's int4 kernels do not serve %dx%d weights here (%s: %s); %s does",
+                        kernel, *shape, type(error).__name__, error, following)
+            kernel = following
     layer = Int4WeightOnlyLinear(linear, group, kernel=kernel)
     kernels[shape] = kernel
     return layer
+
+
+def _next_int4_kernel(failed: str, device: torch.device) -> str:
+    if failed == "mslk" and gemlite_weights.unavailable_reason(device, torch.bfloat16) is None:
+        return "gemlite"
+    return "tinygemm"
 
 
 def load_quantized(path, bits: int, group: int | None, *, device_map: dict, dtype: torch.dtype,

@@ -1,5 +1,5 @@
 """The fast quantized layers' GPU kernels against the weights they hold, dequantized to fp32:
-int4 through tinygemm and through gemlite (every row count; against the same numbers kept
+int4 through tinygemm, gemlite and MSLK (every row count; against the same numbers kept
 unpacked), int8 weight-only and fp8 (weight-only below 64 rows, _scaled_mm above) with and
 without gemlite's kernels for the decode rows, at decode row counts and prefill lengths, eager
 and compiled (the decode step's graphs replay the compiled form)."""
@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from model_utils.bench.logprob_check import dequantized_weight
-from model_utils.layers import gemlite_checks, gemlite_weights
+from model_utils.layers import gemlite_checks, gemlite_weights, mslk_int4
 from model_utils.layers.fp8_weights import Fp8Linear
 from model_utils.layers.weight_only import Int4WeightOnlyLinear, Int8WeightOnlyLinear
 
@@ -28,7 +28,7 @@ OUT_FEATURES = 3584
 # Relative error of the product against fp32 over the stored weights: bf16 arithmetic for the
 # weight-only layers; fp8 from 64 rows also rounds each input to e4m3 (three mantissa bits).
 BOUND = {"int4": 0.01, "int8": 0.01, "fp8": 0.06, "int4-gemlite": 0.01, "int8-gemlite": 0.01,
-         "fp8-gemlite": 0.06}
+         "fp8-gemlite": 0.06, "int4-mslk": 0.01}
 
 
 def linear_layer(in_features: int = 3584) -> nn.Linear:
@@ -37,6 +37,10 @@ def linear_layer(in_features: int = 3584) -> nn.Linear:
 
 
 def layer(kind: str) -> nn.Module:
+    if kind == "int4-mslk":
+        if reason := mslk_int4.unavailable_reason(torch.device("cuda"), torch.bfloat16):
+            pytest.skip(reason)
+        return Int4WeightOnlyLinear(linear_layer(), 128, kernel="mslk")
     gemlite = kind.endswith("gemlite")
     if gemlite and (reason := gemlite_weights.unavailable_reason(torch.device("cuda"),
                                                                  torch.bfloat16)):
@@ -220,3 +224,12 @@ def test_a_shape_without_tuned_configs_runs_with_borrowed_ones_held_to_its_weigh
         assert gemlite_weights.tuned_config(module, first), (first, last)
     weight = dequantize_int4(*quantize_int4(source.weight, 128), torch.float32)
     assert_products(module, weight, (1, 32, 512), BOUND["int4-gemlite"])
+
+
+def test_mslk_reads_back_the_int4_weights_it_holds():
+    """MSLK's shuffled layout is read back through its own kernel (the identity's product):
+    the weights the tests and the logprob checks compare against."""
+    module = layer("int4-mslk")
+    read_back, stored = module.dequantized(torch.float32), stored_weight("int4", module)
+    # The kernel dequantizes in bf16: within bf16's rounding of each weight.
+    assert ((read_back - stored).norm() / stored.norm()).item() < 4e-3

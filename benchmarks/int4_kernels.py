@@ -1,0 +1,197 @@
+"""The int4 kernels that can multiply the app's int4-wo weights on a Hopper GPU, side by side with
+bf16's cuBLAS, per linear shape of a model and per row count: gemlite's (the app's kernel today,
+with the configs it holds) and MSLK's CUTLASS mixed-input GEMMs (pip `mslk-cuda`: prebuilt, no
+compiling at install), `bf16i4bf16_shuffled` (weights pre-shuffled once at load) and
+`bf16i4bf16_rowwise` (plain packing). All read the app's numbers unchanged: MSLK's bf16 form is
+w = q_signed * scale + zero with q_signed = q - 8, the app's own (int_quantization).
+
+Each is timed as CUDA-graph replays cycling through copies of the weight that overflow the L2
+cache (gemlite_search.replay_us), and checked against x @ the dequantized weight in fp32 (the
+largest error over the largest output). Also tried: one compile of MSLK's op with
+torch.compile(fullgraph, dynamic rows), which the engine's compiled step needs. Prints a table,
+writes JSON.
+
+    python benchmarks/int4_kernels.py --out /tmp/int4-kernels.json   # on a GPU, mslk installed
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from gemlite_search import copies_for, linear_shapes, replay_us  # noqa: E402
+
+from model_utils.layers import gemlite_weights  # noqa: E402
+from model_utils.layers.int_quantization import dequantize_int4, quantize_int4  # noqa: E402
+from model_utils.layers.weight_only import Int4WeightOnlyLinear  # noqa: E402
+
+
+def mslk_packing(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, shuffled: bool):
+    """The app's int4 numbers (q uint8 [N, K] 0..15, bf16 scales and zeros [N, K/group]) in
+    MSLK's layout: q - 8 as a signed nibble (q ^ 8), two a byte with the even column low,
+    scales and zeros [K/group, N]; pre-shuffled for the shuffled kernel."""
+    nibbles = q ^ 8
+    packed = (nibbles[:, ::2] | (nibbles[:, 1::2] << 4)).contiguous().view(torch.int8)
+    scales_t, zeros_t = scales.t().contiguous(), zeros.t().contiguous()
+    if shuffled:
+        packed, scales_t = torch.ops.mslk.preshuffle_i4(packed, scales_t)
+    return packed, scales_t, zeros_t
+
+
+def give_fake_kernels() -> list[str]:
+    """Shape-only versions of MSLK's int4 ops where it registers none (torch.compile traces with
+    them): out [M, N] bf16, N the packed weight's rows. Which ops needed one."""
+    given = []
+    for op in ("bf16i4bf16_shuffled", "bf16i4bf16_rowwise"):
+        name = f"mslk::{op}"
+        if torch._C._dispatch_has_kernel_for_dispatch_key(name, "Meta"):
+            continue
+        torch.library.register_fake(name)(
+            lambda x, w, scales, zeros: x.new_empty(x.shape[0], w.shape[0]))
+        given.append(op)
+    return given
+
+
+def kernels_for(linear: torch.nn.Linear, group: int) -> dict:
+    """name -> a function of x2 [M, K] giving x2 @ w.T for this weight, and the reference w."""
+    q, scales, zeros = quantize_int4(linear.weight, group)
+    found = {}
+    layer = Int4WeightOnlyLinear(linear, group, kernel="gemlite")
+    gemlite_weights.borrow_configs(layer)
+    found["gemlite"] = functools.partial(gemlite_weights.product, layer)
+    if hasattr(torch.ops, "mslk") and hasattr(torch.ops.mslk, "bf16i4bf16_shuffled"):
+        shuffled = mslk_packing(q, scales, zeros, shuffled=True)
+        plain = mslk_packing(q, scales, zeros, shuffled=False)
+        found["mslk_shuffled"] = lambda x2: torch.ops.mslk.bf16i4bf16_shuffled(x2, *shuffled)
+        found["mslk_rowwise"] = lambda x2: torch.ops.mslk.bf16i4bf16_rowwise(x2, *plain)
+    return found, dequantize_int4(q, scales, zeros, torch.float32)
+
+
+def error_of(fn, x2: torch.Tensor, reference_weight: torch.Tensor) -> float:
+    expected = x2.float() @ reference_weight.t()
+    got = fn(x2).float()
+    return round(((got - expected).abs().max() / expected.abs().max()).item(), 5)
+
+
+def compiles(fn, k: int) -> str:
+    """Whether torch.compile takes the kernel in a full graph with dynamic rows."""
+    try:
+        compiled = torch.compile(lambda x2: fn(x2) * 1, fullgraph=True, dynamic=True)
+        for rows in (3, 5):
+            x2 = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+            torch.testing.assert_close(compiled(x2), fn(x2) * 1)
+        return "yes"
+    except Exception as error:  # noqa: BLE001 - what it says is the finding
+        return f"no: {type(error).__name__}: {str(error).splitlines()[0][:200]}"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", default=str(ROOT / "benchmarks/configs/"
+                                                "qwen2.5-7b-instruct.config.json"))
+    parser.add_argument("--rows", default="1,2,4,8,16,32,64,128,1024")
+    parser.add_argument("--group", type=int, default=128)
+    parser.add_argument("--out", default="int4-kernels.json")
+    args = parser.parse_args()
+    if problem := gemlite_weights.unavailable_reason(torch.device("cuda"), torch.bfloat16):
+        raise SystemExit(problem)
+    try:
+        import mslk  # noqa: F401 - registers torch.ops.mslk
+        mslk_version = mslk.__version__
+        print("fake kernels given to:", give_fake_kernels(), flush=True)
+    except Exception as error:  # noqa: BLE001
+        mslk_version = f"not loaded: {type(error).__name__}: {error}"
+    shapes = linear_shapes(json.loads(Path(args.config).read_text()))
+    meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+            "mslk": mslk_version, "config": Path(args.config).name, "group": args.group}
+    print(json.dumps(meta), flush=True)
+    rows_list = [int(r) for r in args.rows.split(",")]
+    results, compiled = [], {}
+    for name, (n, k) in shapes.items():
+        linears = [torch.nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16)
+                   for _ in range(copies_for(n * k // 2))]
+        start = time.perf_counter()
+        with torch.no_grad():
+            sets = [kernels_for(linear, args.group) for linear in linears]
+        print(f"{name}: packed {len(sets)} copies in {time.perf_counter() - start:.1f} s",
+              flush=True)
+        kernels, reference = sets[0]
+        for kernel in kernels:
+            if kernel not in compiled:
+                compiled[kernel] = compiles(kernels[kernel], k)
+                print(f"compiles {kernel}: {compiled[kernel]}", flush=True)
+        for rows in rows_list:
+            x2 = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+            row = {"layer": name, "n": n, "k": k, "rows": rows,
+                   "bf16_us": round(replay_us([functools.partial(F.linear, x2, linear.weight)
+                                               for linear in linears]), 1)}
+            for kernel in kernels:
+                try:
+                    row[f"{kernel}_us"] = round(replay_us([functools.partial(s[0][kernel], x2)
+                                                           for s in sets]), 1)
+                    row[f"{kernel}_error"] = error_of(kernels[kernel], x2, reference)
+                except Exception as error:  # noqa: BLE001 - a shape a kernel refuses
+                    row[f"{kernel}_us"] = f"{type(error).__name__}: {str(error)[:160]}"
+            results.append(row)
+            print(json.dumps(row), flush=True)
+            Path(args.out).write_text(json.dumps({"meta": meta, "compiles": compiled,
+                                                  "results": results}, indent=1))
+        del linears, sets, kernels
+        torch.cuda.empty_cache()
+    if "mslk_shuffled" in compiled:
+        meta["mslk_group_64"] = group_64_check(shapes["qkv"])
+        print("mslk at groups of 64:", meta["mslk_group_64"], flush=True)
+        Path(args.out).write_text(json.dumps({"meta": meta, "compiles": compiled,
+                                              "results": results}, indent=1))
+    print(table(results, meta))
+    return 0
+
+
+def group_64_check(shape: tuple[int, int]) -> dict:
+    """Whether MSLK's kernels take groups of 64 (the finer int4 the quality runs weigh)."""
+    n, k = shape
+    linear = torch.nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16)
+    found = {}
+    try:
+        kernels, reference = kernels_for(linear, 64)
+    except Exception as error:  # noqa: BLE001 - the packing refused it
+        return {"packing": f"{type(error).__name__}: {str(error)[:200]}"}
+    for kernel in ("mslk_shuffled", "mslk_rowwise"):
+        for rows in (1, 128):
+            x2 = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+            try:
+                found[f"{kernel}_{rows}_error"] = error_of(kernels[kernel], x2, reference)
+            except Exception as error:  # noqa: BLE001
+                found[f"{kernel}_{rows}_error"] = f"{type(error).__name__}: {str(error)[:200]}"
+    return found
+
+
+def table(results: list[dict], meta: dict) -> str:
+    kernels = [c[:-3] for c in results[0] if c.endswith("_us") and c != "bf16_us"]
+    lines = [f"{meta['gpu']}, {meta['config']}, int4 group {meta['group']}, torch "
+             f"{meta['torch']}, mslk {meta['mslk']}", "",
+             "| layer | rows | bf16 µs | " + " | ".join(f"{k} µs (x bf16)" for k in kernels)
+             + " |", "|---|---|---|" + "---|" * len(kernels)]
+    for r in results:
+        cells = []
+        for kernel in kernels:
+            us = r.get(f"{kernel}_us")
+            cells.append(f"{us} ({r['bf16_us'] / us:.2f}x)" if isinstance(us, float) else "-")
+        lines.append(f"| {r['layer']} | {r['rows']} | {r['bf16_us']} | " + " | ".join(cells)
+                     + " |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

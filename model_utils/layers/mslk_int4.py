@@ -1,0 +1,112 @@
+"""MSLK's CUTLASS mixed-input GEMM for the app's int4 weights on a Hopper GPU.
+
+MSLK (pip `mslk-cuda`, PyTorch's kernel library formerly FBGEMM's gen_ai kernels: prebuilt, no
+compiling at install) multiplies bf16 rows by int4 weights with bf16 group scales and zero
+points, w = q_signed * scale + zero with q_signed = q - 8: the app's own numbers
+(int_quantization), so they are repacked, not rounded again. Its `bf16i4bf16_shuffled` reads
+the weights pre-shuffled once at load into the order its Hopper tensor-core kernel loads them,
+and it serves every row count from one copy, a decode step's few rows and a prompt's thousand.
+Its kernel is chosen by a fixed heuristic, not tuned at a shape's first use as gemlite's Triton
+kernels are: nothing to ship or wait for at a load. A candidate of the benchmarks
+(benchmarks/int4_kernels.py, quant_candidates' int4-wo-mslk) until measured against gemlite's;
+weight_only.int4_kernel does not pick it.
+
+Imported lazily (mslk loads its CUDA library at import). The wheel on PyPI (1.1.0) is built
+against torch 2.11 and CUDA 13: under another torch its import fails, and unavailable_reason
+says so.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+OP = "bf16i4bf16_shuffled"
+
+
+def unavailable_reason(device: torch.device, compute_dtype: torch.dtype) -> str | None:
+    """Why MSLK's int4 kernel cannot serve int4 layers here, or None when it can."""
+    if device.type != "cuda":
+        return "MSLK's int4 kernel is for CUDA GPUs"
+    if compute_dtype != torch.bfloat16:
+        return f"MSLK's int4 kernel takes bf16 inputs, not {compute_dtype}"
+    if torch.cuda.get_device_capability(device) != (9, 0):
+        return "MSLK's int4 kernel is built for Hopper GPUs (compute capability 9.0)"
+    return _import_problem()
+
+
+@functools.cache
+def _import_problem() -> str | None:
+    try:
+        import mslk  # noqa: F401 - registers torch.ops.mslk
+    except Exception as error:  # noqa: BLE001 - not installed, or built for another torch
+        return f"mslk is not available ({type(error).__name__}: {error})"
+    if not hasattr(torch.ops.mslk, OP):
+        return f"this mslk has no {OP}"
+    _give_fake_kernel()
+    return None
+
+
+def _give_fake_kernel() -> None:
+    """The op's output shape for torch.compile's tracing, where MSLK registers none."""
+    name = f"mslk::{OP}"
+    if not torch._C._dispatch_has_kernel_for_dispatch_key(name, "Meta"):
+        torch.library.register_fake(name)(
+            lambda x, weight, scales, zeros: x.new_empty(x.shape[0], weight.shape[0]))
+
+
+def pack(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor):
+    """The app's int4 numbers (q uint8 [N, K] in 0..15; bf16 scales and zeros [N, K/group])
+    as the kernel reads them: (weight int8 [N, K/2], scales, zeros [K/group, N]). Each byte
+    holds two signed nibbles (q - 8, that is q ^ 8), the even column low, then shuffled."""
+    if (problem := _import_problem()) is not None:
+        raise RuntimeError(problem)
+    packed, scales = torch.ops.mslk.preshuffle_i4(signed_nibbles(q), scales.t().contiguous())
+    return packed, scales, zeros.t().contiguous()
+
+
+def signed_nibbles(q: torch.Tensor) -> torch.Tensor:
+    """q uint8 [N, K] in 0..15 -> int8 [N, K/2]: q - 8 as 4-bit two's complement (q ^ 8), the
+    even column in the low nibble (MSLK's pack_int4)."""
+    nibbles = q ^ 8
+    return (nibbles[:, ::2] | (nibbles[:, 1::2] << 4)).contiguous().view(torch.int8)
+
+
+def product(x2: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
+            zeros: torch.Tensor) -> torch.Tensor:
+    """x2 [M, K] bf16 @ the dequantized weight.T: [M, N] bf16."""
+    return torch.ops.mslk.bf16i4bf16_shuffled(x2, weight, scales, zeros)
+
+
+def dequantized(weight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                dtype: torch.dtype) -> torch.Tensor:
+    """The [N, K] weight the shuffled layout holds, read through the kernel itself: the
+    identity's product is each weight once, as the kernel dequantizes it (the layout's order
+    is MSLK's own, not a documented format to unpack by hand)."""
+    k = weight.shape[1] * 2
+    identity = torch.eye(k, dtype=torch.bfloat16, device=weight.device)
+    return product(identity, weight, scales, zeros).t().to(dtype)
+
+
+# Row counts a shape's first layer is checked at, at load: MSLK picks its tile by the row
+# count (a decode step's few, a batch's tens, a prompt's hundreds or thousands).
+CHECKED_ROWS = (1, 3, 8, 32, 128, 1024)
+
+
+def check(layer, weight_rows) -> None:
+    """Run the layer's product at CHECKED_ROWS once and hold it to the weights' own numbers
+    (`weight_rows`: the dequantized weight at some output features, from the numbers before
+    packing); raises what the kernel raised or gemlite_checks.WrongProduct."""
+    from .gemlite_checks import checked_outputs, off_product
+
+    device = layer.packed.device
+    outputs = checked_outputs(layer.out_features, device)
+    with torch.inference_mode():
+        weight = weight_rows(outputs).float()
+        for rows in CHECKED_ROWS:
+            x2 = torch.randn(rows, layer.in_features, dtype=torch.bfloat16, device=device,
+                             generator=torch.Generator(device=device).manual_seed(rows))
+            got = product(x2, layer.packed, layer.mslk_scales, layer.mslk_zeros)
+            if (failure := off_product(got[:, outputs].float(), x2.float() @ weight.T)):
+                raise failure
