@@ -52,8 +52,4 @@ fi
 
 # test.sh reuses this set-up without starting the app.
 [ "${1:-}" = "--setup-only" ] && exit 0
-
-if [ "${1:-}" = "--setup-only" ]; then
-    exit 0
-fi
 exec "$VENV/bin/python" app.py "$@"
