@@ -32,54 +32,33 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from gemlite_search import copies_for, linear_shapes, replay_us  # noqa: E402
 
-from model_utils.layers import gemlite_weights  # noqa: E402
+from model_utils.layers import gemlite_weights, mslk_int4  # noqa: E402
 from model_utils.layers.int_quantization import dequantize_int4, quantize_int4  # noqa: E402
 from model_utils.layers.weight_only import Int4WeightOnlyLinear  # noqa: E402
 
 
-def mslk_packing(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, shuffled: bool):
-    """The app's int4 numbers (q uint8 [N, K] 0..15, bf16 scales and zeros [N, K/group]) in
-    MSLK's layout: q - 8 as a signed nibble (q ^ 8), two a byte with the even column low,
-    scales and zeros [K/group, N]; pre-shuffled for the shuffled kernel."""
-    nibbles = q ^ 8
-    packed = (nibbles[:, ::2] | (nibbles[:, 1::2] << 4)).contiguous().view(torch.int8)
-    scales_t, zeros_t = scales.t().contiguous(), zeros.t().contiguous()
-    if shuffled:
-        packed, scales_t = torch.ops.mslk.preshuffle_i4(packed, scales_t)
-    return packed, scales_t, zeros_t
-
-
-def give_fake_kernels() -> list[str]:
-    """Shape-only versions of MSLK's int4 ops where it registers none (torch.compile traces with
-    them): out [M, N] bf16, N the packed weight's rows. Which ops needed one."""
-    given = []
-    for op in ("bf16i4bf16_shuffled", "bf16i4bf16_rowwise"):
-        name = f"mslk::{op}"
-        if torch._C._dispatch_has_kernel_for_dispatch_key(name, "Meta"):
-            continue
-        torch.library.register_fake(name)(
-            lambda x, w, scales, zeros: x.new_empty(x.shape[0], w.shape[0]))
-        given.append(op)
-    return given
-
-
-def kernels_for(linear: torch.nn.Linear, group: int) -> dict:
-    """name -> a function of x2 [M, K] giving x2 @ w.T for this weight, and the reference w."""
+def kernels_for(linear: torch.nn.Linear, group: int, mslk: bool) -> dict:
+    """name -> a function of x2 [M, K] giving x2 @ w.T for this weight's int4 numbers."""
     q, scales, zeros = quantize_int4(linear.weight, group)
     found = {}
     layer = Int4WeightOnlyLinear(linear, group, kernel="gemlite")
     gemlite_weights.borrow_configs(layer)
     found["gemlite"] = functools.partial(gemlite_weights.product, layer)
-    if hasattr(torch.ops, "mslk") and hasattr(torch.ops.mslk, "bf16i4bf16_shuffled"):
-        shuffled = mslk_packing(q, scales, zeros, shuffled=True)
-        plain = mslk_packing(q, scales, zeros, shuffled=False)
+    if mslk:
+        shuffled = mslk_int4.pack(q, scales, zeros)
+        # the unshuffled layout: MSLK's signed nibbles, its scales and zeros as they are
+        plain = (mslk_int4.signed_nibbles(q), scales.t().contiguous(), zeros.t().contiguous())
         found["mslk_shuffled"] = lambda x2: torch.ops.mslk.bf16i4bf16_shuffled(x2, *shuffled)
         found["mslk_rowwise"] = lambda x2: torch.ops.mslk.bf16i4bf16_rowwise(x2, *plain)
-    return found, dequantize_int4(q, scales, zeros, torch.float32)
+    return found
 
 
-def error_of(fn, x2: torch.Tensor, reference_weight: torch.Tensor) -> float:
-    expected = x2.float() @ reference_weight.t()
+def reference_weight(linear: torch.nn.Linear, group: int) -> torch.Tensor:
+    return dequantize_int4(*quantize_int4(linear.weight, group), torch.float32)
+
+
+def error_of(fn, x2: torch.Tensor, weight: torch.Tensor) -> float:
+    expected = x2.float() @ weight.t()
     got = fn(x2).float()
     return round(((got - expected).abs().max() / expected.abs().max()).item(), 5)
 
@@ -106,12 +85,12 @@ def main() -> int:
     args = parser.parse_args()
     if problem := gemlite_weights.unavailable_reason(torch.device("cuda"), torch.bfloat16):
         raise SystemExit(problem)
-    try:
-        import mslk  # noqa: F401 - registers torch.ops.mslk
+    mslk_problem = mslk_int4.unavailable_reason(torch.device("cuda"), torch.bfloat16)
+    if mslk_problem is None:
+        import mslk
         mslk_version = mslk.__version__
-        print("fake kernels given to:", give_fake_kernels(), flush=True)
-    except Exception as error:  # noqa: BLE001
-        mslk_version = f"not loaded: {type(error).__name__}: {error}"
+    else:
+        mslk_version = f"not used: {mslk_problem}"
     shapes = linear_shapes(json.loads(Path(args.config).read_text()))
     meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
             "mslk": mslk_version, "config": Path(args.config).name, "group": args.group}
@@ -123,10 +102,12 @@ def main() -> int:
                    for _ in range(copies_for(n * k // 2))]
         start = time.perf_counter()
         with torch.no_grad():
-            sets = [kernels_for(linear, args.group) for linear in linears]
+            sets = [kernels_for(linear, args.group, mslk_problem is None)
+                    for linear in linears]
+            reference = reference_weight(linears[0], args.group)
         print(f"{name}: packed {len(sets)} copies in {time.perf_counter() - start:.1f} s",
               flush=True)
-        kernels, reference = sets[0]
+        kernels = sets[0]
         for kernel in kernels:
             if kernel not in compiled:
                 compiled[kernel] = compiles(kernels[kernel], k)
@@ -138,7 +119,7 @@ def main() -> int:
                                                for linear in linears]), 1)}
             for kernel in kernels:
                 try:
-                    row[f"{kernel}_us"] = round(replay_us([functools.partial(s[0][kernel], x2)
+                    row[f"{kernel}_us"] = round(replay_us([functools.partial(s[kernel], x2)
                                                            for s in sets]), 1)
                     row[f"{kernel}_error"] = error_of(kernels[kernel], x2, reference)
                 except Exception as error:  # noqa: BLE001 - a shape a kernel refuses
@@ -147,7 +128,7 @@ def main() -> int:
             print(json.dumps(row), flush=True)
             Path(args.out).write_text(json.dumps({"meta": meta, "compiles": compiled,
                                                   "results": results}, indent=1))
-        del linears, sets, kernels
+        del linears, sets, kernels, reference
         torch.cuda.empty_cache()
     if "mslk_shuffled" in compiled:
         meta["mslk_group_64"] = group_64_check(shapes["qkv"])
@@ -164,7 +145,7 @@ def group_64_check(shape: tuple[int, int]) -> dict:
     linear = torch.nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16)
     found = {}
     try:
-        kernels, reference = kernels_for(linear, 64)
+        kernels, reference = kernels_for(linear, 64, mslk=True), reference_weight(linear, 64)
     except Exception as error:  # noqa: BLE001 - the packing refused it
         return {"packing": f"{type(error).__name__}: {str(error)[:200]}"}
     for kernel in ("mslk_shuffled", "mslk_rowwise"):

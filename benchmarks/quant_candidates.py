@@ -16,8 +16,9 @@ torch.profiler summary of one decode step (per kernel). Candidates:
   int4_packing_format="tile_packed_to_4d", group 128) / Int8WeightOnlyConfig, applied to the
   engine's bf16 model before it compiles;
 - gemlite-int8: gemlite's Triton kernels (A16W8_INT8), swapped in the same way (the app's int4-wo
-  runs MSLK's or gemlite's int4 kernel where installed; int4-wo-mslk, int4-wo-gemlite,
-  int4-wo-tinygemm: the app's int4 layers through that kernel);
+  runs gemlite's int4 kernels where gemlite is installed; int4-wo-gemlite, int4-wo-tinygemm and
+  int4-wo-mslk, MSLK's CUTLASS kernel, which the app does not pick: the app's int4 layers
+  through that kernel);
 - int8-wo-aten: the app's int8-wo with PyTorch's own torch._weight_int8pack_mm kernel;
   int8-wo-hybrid: the same for two rows or more (batches, prefills), the compiled one-row step
   as in int8-wo; int4-wo-head8: int4-wo with lm_head in int8 weight-only (gemlite) as well;
@@ -220,6 +221,8 @@ def measure(engine: Engine, folder: str, candidate: str, args, prompts, referenc
               "decode_path_reason": status["decode_path_reason"],
               "load_and_compile_s": round(time.perf_counter() - start, 1),
               "footprint_gb": status["footprint_gb"], **seen}
+    # which kernel each quantized layer runs (a forced one that failed for a shape says so)
+    result["weight_only"] = getattr(engine.manager.loaded.model, "weight_only", None)
     settle(engine)  # the graphs the load left for idle time, before anything is timed
     if swap is not None and mode == "bf16":
         result["footprint_gb"] = None  # the table's count is the bf16 one; see weights_gb

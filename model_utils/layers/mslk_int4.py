@@ -40,27 +40,28 @@ def unavailable_reason(device: torch.device, compute_dtype: torch.dtype) -> str 
 def _import_problem() -> str | None:
     try:
         import mslk  # noqa: F401 - registers torch.ops.mslk
+        if not hasattr(torch.ops.mslk, OP):
+            return f"this mslk has no {OP}"
+        _give_fake_kernel()
     except Exception as error:  # noqa: BLE001 - not installed, or built for another torch
         return f"mslk is not available ({type(error).__name__}: {error})"
-    if not hasattr(torch.ops.mslk, OP):
-        return f"this mslk has no {OP}"
-    _give_fake_kernel()
     return None
 
 
 def _give_fake_kernel() -> None:
-    """The op's output shape for torch.compile's tracing, where MSLK registers none."""
+    """The op's output shape for torch.compile's tracing, where MSLK registers none (the
+    argument names are its schema's)."""
     name = f"mslk::{OP}"
     if not torch._C._dispatch_has_kernel_for_dispatch_key(name, "Meta"):
         torch.library.register_fake(name)(
-            lambda x, weight, scales, zeros: x.new_empty(x.shape[0], weight.shape[0]))
+            lambda X, W, w_scale_group, w_zero_group: X.new_empty(X.shape[0], W.shape[0]))  # noqa: N803
 
 
 def pack(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor):
     """The app's int4 numbers (q uint8 [N, K] in 0..15; bf16 scales and zeros [N, K/group])
     as the kernel reads them: (weight int8 [N, K/2], scales, zeros [K/group, N]). Each byte
     holds two signed nibbles (q - 8, that is q ^ 8), the even column low, then shuffled."""
-    if (problem := _import_problem()) is not None:
+    if (problem := unavailable_reason(q.device, torch.bfloat16)) is not None:
         raise RuntimeError(problem)
     packed, scales = torch.ops.mslk.preshuffle_i4(signed_nibbles(q), scales.t().contiguous())
     return packed, scales, zeros.t().contiguous()
@@ -79,19 +80,31 @@ def product(x2: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
     return torch.ops.mslk.bf16i4bf16_shuffled(x2, weight, scales, zeros)
 
 
+# Input features read back at once: the identity's rows (bf16) and their product stay small.
+READ_BACK_ROWS = 2048
+
+
 def dequantized(weight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                 dtype: torch.dtype) -> torch.Tensor:
     """The [N, K] weight the shuffled layout holds, read through the kernel itself: the
     identity's product is each weight once, as the kernel dequantizes it (the layout's order
-    is MSLK's own, not a documented format to unpack by hand)."""
-    k = weight.shape[1] * 2
-    identity = torch.eye(k, dtype=torch.bfloat16, device=weight.device)
-    return product(identity, weight, scales, zeros).t().to(dtype)
+    is MSLK's own, not a documented format to unpack by hand). READ_BACK_ROWS input features
+    at a time."""
+    n, k = weight.shape[0], weight.shape[1] * 2
+    out = torch.empty(n, k, dtype=dtype, device=weight.device)
+    for first in range(0, k, READ_BACK_ROWS):
+        rows = min(READ_BACK_ROWS, k - first)
+        identity = torch.zeros(rows, k, dtype=torch.bfloat16, device=weight.device)
+        steps = torch.arange(rows, device=weight.device)
+        identity[steps, first + steps] = 1
+        out[:, first:first + rows] = product(identity, weight, scales, zeros).t()
+    return out
 
 
-# Row counts a shape's first layer is checked at, at load: MSLK picks its tile by the row
-# count (a decode step's few, a batch's tens, a prompt's hundreds or thousands).
-CHECKED_ROWS = (1, 3, 8, 32, 128, 1024)
+# Row counts a shape's first layer is checked at, at load: one in each band of rows that MSLK
+# gives its own tile (its choice goes by the row count and the output width: up to 16, 32, 64,
+# 128, 256, 512, 1024 rows, and beyond).
+CHECKED_ROWS = (1, 32, 64, 128, 256, 512, 1024, 2048)
 
 
 def check(layer, weight_rows) -> None:

@@ -295,8 +295,8 @@ def _int4_layer(linear: nn.Linear, group: int, kernels: dict, kernel: str) -> nn
     """The int4 layer of `linear`, through the kernel `kernels` holds for its shape. A shape's
     first layer sets it: `kernel`, checked (its products held to the same numbers unpacked, at
     the row counts it will serve), or, where that kernel cannot pack the shape, fails or
-    computes other numbers, the next that runs here (mslk, gemlite, then tinygemm; in the log
-    and the kernel line), from the bf16 weight at hand."""
+    computes other numbers, the next that runs here (mslk, gemlite, then tinygemm, or off a
+    GPU the dequantizing path; in the log and the kernel line), from the bf16 weight at hand."""
     shape = (linear.out_features, linear.in_features)
     if shape in kernels:
         return Int4WeightOnlyLinear(linear, group, kernel=kernels[shape])
@@ -329,6 +329,8 @@ def _int4_layer(linear: nn.Linear, group: int, kernels: dict, kernel: str) -> nn
 
 
 def _next_int4_kernel(failed: str, device: torch.device) -> str:
+    if device.type != "cuda":
+        return "dequantize"
     if failed == "mslk" and gemlite_weights.unavailable_reason(device, torch.bfloat16) is None:
         return "gemlite"
     return "tinygemm"
