@@ -27,12 +27,15 @@
 #            SEARCH_ARGS=--held-only: gemlite's own tuning only, the configs to ship for a
 #            shape; SEARCH_LAYERS: some of qkv,o,gate_up,down); writes
 #            $OUT/search/gemlite-configs.json
+#   int4kernels  benchmarks/int4_kernels.py on the Qwen2.5-7B shape: the kernels that can
+#            multiply int4-wo's numbers (gemlite's; MSLK's where mslk-cuda loads) against bf16's
+#            per linear shape and row count (INT4_ROWS, default 1,2,4,8,16,32,64,128,1024)
 # Run from the repository root on the GPU machine, the wheels the image lacks in folders named
 # .whl* (e.g. .whl/: transformers, tokenizers; .whl-gemlite/: gemlite; .whl-bnb/:
 # bitsandbytes; one version of each package across them):
 #   STEPS="kernels quant" OUT=$OUT benchmarks/gpu_modes.sh
 # Each step has its own time limit (KERNELS_S, TESTS_S, QUANT_S, SWITCH_S, QUALITY_S,
-# SEARCH_S, MEMORY_S) and writes into
+# SEARCH_S, MEMORY_S, INT4_KERNELS_S) and writes into
 # $OUT as it goes.
 set -u
 cd "$(dirname "$0")/.."
@@ -98,6 +101,12 @@ for step in $STEPS; do
           --no-compile --quality-positions 384 --out "$OUT/quality-per-mode.json" \
           ${QUALITY_ARGS:-} >"$OUT/quality.log" 2>&1
       say "quality: exit $?";;
+    int4kernels)
+      say "int4kernels: the int4 kernels against bf16, per shape and row count"
+      timeout "${INT4_KERNELS_S:-240}" $PY benchmarks/int4_kernels.py --config "$CONFIG" \
+          --rows "${INT4_ROWS:-1,2,4,8,16,32,64,128,1024}" --out "$OUT/int4-kernels.json" \
+          >"$OUT/int4-kernels.log" 2>&1
+      say "int4kernels: exit $?";;
     search)
       say "search: gemlite's split-K configs, wider, Qwen2.5-7B shape"
       timeout "${SEARCH_S:-540}" $PY benchmarks/gemlite_search.py \
