@@ -231,5 +231,6 @@ def test_mslk_reads_back_the_int4_weights_it_holds():
     the weights the tests and the logprob checks compare against."""
     module = layer("int4-mslk")
     read_back, stored = module.dequantized(torch.float32), stored_weight("int4", module)
-    # The kernel dequantizes in bf16: within bf16's rounding of each weight.
-    assert ((read_back - stored).norm() / stored.norm()).item() < 4e-3
+    # The kernel dequantizes in bf16 (a rounding or two of each weight); a misread layout is
+    # off by the weights' own size.
+    assert ((read_back - stored).norm() / stored.norm()).item() < 1e-2
