@@ -86,8 +86,8 @@ def aten_int8(model, *, rows_from: int = 1):
 
 def app_int4(group: int = 128, kernel: str | None = None):
     """The app's int4-wo layers (each group's range searched) in groups of `group` weights
-    (the mode's: 128; finer costs speed and gives KL), through `kernel` (the mode's: weight_only.int4_kernel's, gemlite where installed, else
-    tinygemm)."""
+    (the mode's: 128; finer costs speed and gives KL), through `kernel` (the mode's:
+    weight_only.int4_kernel's, gemlite where installed, else tinygemm)."""
 
     def swap(model):
         from model_utils.layers.weight_only import inductor_options, quantize_model
