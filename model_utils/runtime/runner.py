@@ -165,8 +165,7 @@ class BatchRunner:
 
     def cache_bytes(self) -> int:
         """Bytes of the KV cache replies decode in (and the linear layers' kept states)."""
-        return (self.kv.nbytes if self.kv else 0) + \
-            (self.snapshots.nbytes if self.snapshots else 0)
+        return (self.kv.nbytes if self.kv else 0) + (self.snapshots.nbytes if self.snapshots else 0)
 
     # -- what the scheduler asks for -----------------------------------------------------------
     @property
@@ -204,11 +203,9 @@ class BatchRunner:
 
     def set_up(self, request: Request) -> None:
         """A request's own sampling state on the device; raises for settings it cannot take."""
-        self._samplers[request] = RowSampler.set_up(request.settings, request.input_ids,
-                                                    request.eos_ids, self.device,
-                                                    request.logprobs,
-                                                    logprob_k=request.logprob_k,
-                                                    chosen=request.chosen)
+        self._samplers[request] = RowSampler.set_up(
+            request.settings, request.input_ids, request.eos_ids, self.device,
+            request.logprobs, logprob_k=request.logprob_k, chosen=request.chosen)
 
     def is_set_up(self, request: Request) -> bool:
         return request in self._samplers
@@ -226,8 +223,7 @@ class BatchRunner:
         if padded:
             return Prefilled(self.padded_prefill([r.prompt_ids for r in requests],
                                                  [r.blocks for r in requests]))
-        return Prefilled(torch.cat([self.forward_prompt(r.prompt_ids, r.blocks,
-                                                        r.cached_tokens)
+        return Prefilled(torch.cat([self.forward_prompt(r.prompt_ids, r.blocks, r.cached_tokens)
                                     for r in requests]))
 
     def forward_prompt(self, tokens: list[int], blocks: list[int], cached: int = 0,
@@ -265,14 +261,18 @@ class BatchRunner:
             ids = torch.tensor([tokens[start:stop]], device=self.device)
             positions = torch.arange(start, stop, device=self.device)[None]
             view = kv.states.prefill_view(fresh=start == 0) if kv.states else None
-            if view is not None and start < point < stop:
-                view.keep_at, view.keep_into = point - start, \
-                    self.snapshots.target(self._name(tokens, point))
+            kept = self._name(tokens, point) if view is not None and start < point < stop else None
+            if kept is not None:
+                view.keep_at, view.keep_into = point - start, self.snapshots.target(kept)
             try:
                 logits = self.model(input_ids=ids, position_ids=positions,
                                     attention_mask=kv.no_masks, paged=step, use_cache=False,
                                     logits_to_keep=1,
                                     **({"cache": view} if view else {})).logits[:, -1]
+            except BaseException:
+                if kept is not None:  # a later prompt would start from half-written states
+                    self.snapshots.discard(kept)
+                raise
             finally:
                 if view is not None:
                     view.keep_at, view.keep_into = 0, None

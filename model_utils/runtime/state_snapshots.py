@@ -68,7 +68,8 @@ class StateSnapshots:
     def target(self, name: int) -> tuple[dict, dict]:
         """({layer: conv state}, {layer: recurrent state}) of the snapshot `name`, to be
         written by the forward that passes its point (layers/gated_delta.py keeps them there
-        mid-prompt, linear_states.StateView.keep)."""
+        mid-prompt, linear_states.StateView.keep). If that forward fails, `discard(name)`:
+        the slot holds no states of that prefix."""
         index = self._reserve(name)
         self.saved += 1
         return ({i: t[index:index + 1] for i, t in self.conv.items()},
@@ -92,6 +93,13 @@ class StateSnapshots:
                    (self.states.conv, self.states.recurrent), slot)
         self.restored += 1
         return True
+
+    def discard(self, name: int) -> None:
+        """Forget the snapshot `name` (its forward failed before writing it whole)."""
+        index = self._slots.pop(name, None)
+        if index is not None:
+            self._free.append(index)
+            self.saved -= 1
 
     def clear(self) -> None:
         self._free.extend(self._slots.values())

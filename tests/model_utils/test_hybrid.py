@@ -308,6 +308,40 @@ def test_a_conversation_through_the_chat_template_reuses_its_earlier_turns(stron
         fresh.unload()
 
 
+def test_a_prefill_that_fails_keeps_no_states_for_later_prompts(strong_hybrid, monkeypatch):
+    """A prompt whose forward fails past its snapshot's reservation (out of memory, say) must
+    not leave that snapshot named: a later prompt that names the same blocks would start from
+    states nobody wrote."""
+    serving = strong_hybrid.serving
+    runner = serving.scheduler.runner
+    monkeypatch.setattr(runner, "min_reuse_tokens", 16)
+    first = [(17 * j) % 650 + 9 for j in range(120)]  # tokens no other test here sends
+    reply, _ = submit(serving, first, greedy(20))
+    failing = first + reply + [(3 * j) % 500 + 40 for j in range(30)]  # kept at 144
+    failed = []
+
+    def fail_once(module, args, kwargs):
+        if not failed:
+            failed.append(True)
+            raise RuntimeError("out of memory")
+
+    hook = serving.loaded.model.model.layers[0].register_forward_pre_hook(fail_once,
+                                                                       with_kwargs=True)
+    try:
+        with pytest.raises(RuntimeError, match="out of memory"):
+            submit(serving, failing, greedy(5))
+    finally:
+        hook.remove()
+    assert runner._name(failing, 144) not in runner.snapshots
+    # a longer prompt computed afresh names the blocks up to that point ...
+    longer = failing + [(5 * j) % 400 + 60 for j in range(30)]
+    assert submit(serving, longer, greedy(5))[0] == alone(serving, longer, greedy(5))
+    # ... and one that parts from it after 150 tokens starts from states computed for it
+    parting = failing[:150] + [(13 * j) % 300 + 90 for j in range(20)]
+    got, stats = submit(serving, parting, greedy(10))
+    assert got == alone(serving, parting, greedy(10)), stats.cached_tokens
+
+
 @pytest.mark.parametrize("architecture", ["qwen3_next", "qwen3_5_moe"])
 def test_the_other_hybrids_batch_as_each_alone_and_as_plain_generate(tmp_path, architecture):
     """Qwen3-Next and Qwen3.5-MoE: the same Gated DeltaNet layers beside mixture-of-experts
