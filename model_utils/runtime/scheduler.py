@@ -79,8 +79,7 @@ class Scheduler:
     def submit(self, input_ids: list[int], settings: GenerationSettings, *, eos_ids: set[int],
                stop: threading.Event, stats: ReplyStats,
                logprobs: list[TopK] | None = None, logprob_k: int = 5,
-               chosen: list | None = None,
-               constraint: Constraint | None = None) -> Iterator[int]:
+               chosen: list | None = None, constraint: Constraint | None = None) -> Iterator[int]:
         """Queue one reply; returns the iterator of its token ids. Raises QueueFull when
         max_batch replies are decoding and max_queue more are waiting. `logprobs`: a list that
         receives each token's top-k log-probabilities (see Request.logprobs); it may hold one
@@ -187,6 +186,7 @@ class Scheduler:
         """Prefill a group; if that fails, prefill each of its requests alone, so that a
         request that cannot be prefilled (whatever the cause) ends by itself and the others
         of its group go on."""
+        before = {r: (r.new_tokens, r.sampled) for r in requests}  # a resumed one's counts
         try:
             self._prefill(requests, padded)
             return
@@ -198,11 +198,12 @@ class Scheduler:
             log.warning("prefill of %d prompts together failed (%s): each alone now",
                         len(requests), error)
         for request in self._unplaced(requests):
-            if request.new_tokens:  # its first token is out already: a retry would repeat it
+            handed_out, request.sampled = before[request]
+            if request.new_tokens > handed_out:  # a token is out: a retry would repeat it
                 self._fail_unplaced([request], error)
                 continue
-            request.sampled = 0
-            self.runner.release(request)  # set up afresh: a new generator, seen ids
+            if not request.preempted:  # set up afresh (a resumed reply keeps the state it had)
+                self.runner.release(request)
             try:
                 self._prefill([request], padded)
             except Exception as alone:  # noqa: BLE001 - this request fails, the others go on

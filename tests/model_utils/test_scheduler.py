@@ -283,6 +283,22 @@ def test_a_group_whose_prefill_fails_is_prefilled_again_one_by_one():
     assert [list(s) for s, _ in streams] == [expected(i, 5) for i in (1, 2, 3)]
 
 
+def test_a_resumed_reply_in_a_group_that_fails_for_another_goes_on_alone():
+    runner = ListRunner(blocks=9, padded=True)  # room for one of the two long replies at a time
+    runner.bad_groups.add(3)  # request 3 fails any group's prefill, not its own
+    h = Harness(runner, max_batch=3)
+    one, two = h.submit(1, 14), h.submit(2, 14)
+    late = {}
+    runner.on_step = lambda step, rows: step == 2 and late.setdefault("3", h.submit(3, 3))
+    h.run()
+    # Request 2 was preempted and resumed in one group with request 3: that group failed, and
+    # each went on alone, request 2 from the tokens it had.
+    assert h.scheduler.preemptions >= 1 and runner.prefilled[:3] == [[1, 2], [2], [3]]
+    assert [list(s) for s, _ in (one, two, late["3"])] == \
+        [expected(1, 14), expected(2, 14), expected(3, 3)]
+    assert not runner.set_up_now
+
+
 def test_a_row_whose_sampling_fails_ends_alone_and_the_others_go_on():
     runner = ListRunner()
     runner.bad_sampling[2] = 2  # request 2's sampling raises in the second step
