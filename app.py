@@ -208,10 +208,8 @@ def main(argv: list[str] | None = None) -> int:
     if not args.backend:  # allocator, GC, warnings and the compile cache of a local model
         process_tuning.tune_process(compile_cache=args.compile_cache)
     engine = remote_engine(args) if args.backend else build_engine(engine_config)
-    if not args.backend and (args.model.startswith(("/", ".", "~"))
-                             or Path(args.model).expanduser().is_dir()):
-        # The operator named this folder on the command line: it may be loaded from the UI too.
-        engine.registry.allow_root(args.model)
+    if not args.backend:
+        engine.registry.allow_named_folder(args.model)
     info = ui.AppInfo()
     if not args.backend:  # a model server's models are loaded there
         load_initial_model(engine, args, info)

@@ -120,21 +120,31 @@ class StreamPrinter:
             self.line_open = not text.endswith("\n")
 
 
+def named_model_registry(args):
+    """The registry with the folder named by --model allowed (the operator named it)."""
+    from .loading.registry import ModelRegistry
+
+    registry = ModelRegistry(args.models_dir)
+    registry.allow_named_folder(args.model)
+    return registry
+
+
 def cmd_chat(args) -> int:
     from .chat.prompt import normalize_messages
-    from .loading.registry import ModelRegistry
 
     messages = read_messages(args)
     normalize_messages(messages, args.system)  # a malformed message is refused right away
-    # An unknown model or a path outside the allowed folders is refused here, before torch
-    # and transformers are imported (seconds); the engine resolves the name again to load it.
-    ModelRegistry(args.models_dir).resolve(args.model)
+    # An unknown model is refused here, before torch and transformers are imported
+    # (seconds); the engine resolves the name again to load it. A folder named here is allowed.
+    named_model_registry(args).resolve(args.model)
     settings = requested_settings(args)
     placement = requested_placement(args)
     _quiet_transformers(args.verbose)
     from model_utils.loading.loaded_model import LoadRequest
 
     engine = build_engine(EngineConfig.from_args(args))
+    if hasattr(engine, "registry"):  # a local engine (--tp's has its workers' own)
+        engine.registry.allow_named_folder(args.model)
     request = LoadRequest(model=args.model, mode=args.mode, placement=placement,
                           compute_dtype=args.compute_dtype, context_tokens=args.context_tokens)
     try:
@@ -214,11 +224,10 @@ def _load_and_reply(engine, request, messages, settings, args) -> int:
 def cmd_prompt(args) -> int:
     """The prompt text, through the same prepare_prompt the chat path uses (trimming included)."""
     from .chat.prompt import normalize_messages
-    from .loading.registry import ModelRegistry
 
     messages = read_messages(args)
     normalize_messages(messages, args.system)
-    source = ModelRegistry(args.models_dir).resolve(args.model)
+    source = named_model_registry(args).resolve(args.model)
     _quiet_transformers(args.verbose)
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 

@@ -55,6 +55,12 @@ class ModelRegistry:
         """Allow one more folder (the --model the operator named on the command line)."""
         self._extra_roots.append(Path(path).expanduser().resolve())
 
+    def allow_named_folder(self, model: str) -> None:
+        """The operator named `model` on the command line: if it is a folder (not a registry
+        name or hub id), it may be loaded, from the UI too."""
+        if model.startswith(("/", ".", "~")) or Path(model).expanduser().is_dir():
+            self.allow_root(model)
+
     @property
     def roots(self) -> list[Path]:
         roots = [self.cache_dir.resolve(), self.hub_cache.resolve(), *self._extra_roots]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -54,7 +55,10 @@ def _cases(folder) -> dict[str, list[str]]:
         # Refusals: exit 2, one line on stderr.
         "unknown model": ["chat", "--model", "nope", "--prompt", "hi"],
         "uncached hub id": ["chat", "--model", "acme/not-downloaded", "--prompt", "hi"],
-        "outside the roots": ["chat", "--model", "/etc", "--prompt", "hi"],
+        # A folder named on the command line is the operator's choice: allowed, and read.
+        "a folder that is no model": ["chat", "--model", "/etc", "--prompt", "hi"],
+        "a model folder named directly": ["prompt", "--model", str(folder / "my-model"),
+                                          "--messages", str(conv)],
         "dot-dot out of models_dir": ["prompt", "--models-dir", str(folder), "--model",
                                       "sub/../../..", "--prompt", "hi"],
         "unknown mode": ["chat", "--mode", "int3", "--prompt", "hi"],
@@ -82,7 +86,13 @@ def _cases(folder) -> dict[str, list[str]]:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, demo_path) -> dict[str, subprocess.CompletedProcess]:
-    cases = _cases(tmp_path_factory.mktemp("cli"))
+    folder = tmp_path_factory.mktemp("cli")
+    copy = folder / "my-model"  # outside every allowed folder; the tokenizer is all prompt reads
+    copy.mkdir()
+    for file in demo_path.iterdir():
+        if file.is_file() and not file.name.endswith(".safetensors"):
+            shutil.copy(file, copy / file.name)
+    cases = _cases(folder)
 
     # One torch thread per process: two processes at a time on two cores then take half the
     # wall time of one after the other, where two threads each made it slower than serial.
@@ -131,6 +141,12 @@ def test_prompt_prints_exactly_the_rendered_prompt(runs, demo_tokenizer):
     assert result.stderr == ""
 
 
+def test_a_model_folder_named_directly_is_read(runs, demo_tokenizer):
+    result = runs["a model folder named directly"]
+    _ok(result)
+    assert result.stdout == render_prompt(demo_tokenizer, CONVERSATION)
+
+
 def test_prompt_with_system_and_thinking_off(runs, demo_tokenizer):
     result = runs["prompt wrapped, no thinking, system"]
     _ok(result)
@@ -143,7 +159,7 @@ def test_prompt_with_system_and_thinking_off(runs, demo_tokenizer):
 REFUSALS = {
     "unknown model": "neither a folder path, a hub id nor 'demo'",
     "uncached hub id": "not in the local Hugging Face cache",
-    "outside the roots": "outside the allowed model folders",
+    "a folder that is no model": "'/etc' has no config.json",
     "dot-dot out of models_dir": "outside the allowed model folders",
     "unknown mode": "unknown mode 'int3'",
     "negative temperature": "temperature: must be >= 0 and <= 100, got -1.0",
