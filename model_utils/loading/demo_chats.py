@@ -52,8 +52,8 @@ TOPICS: list[tuple[list[str], str, str | None]] = [
     # -- modes ---------------------------------------------------------------------------------
     (["What modes are there?", "Which modes can I choose?", "What are the modes?",
       "What do the modes mean?", "List the precision modes"],
-     "The modes are fp32, bf16, fp16, int8, nf4, nf4-dq, fp4 and fp4-dq. They set how many "
-     "bytes each weight takes in memory.", None),
+     "The modes are fp32, bf16, fp16, int4-wo, int8-wo, fp8, int8, nf4, nf4-dq, fp4 and "
+     "fp4-dq. They set how many bytes each weight takes in memory.", None),
     (["What is fp32?", "What does fp32 mean?", "Tell me about the fp32 mode"],
      "fp32 is full precision: 4 bytes per parameter. It is the most exact mode and the "
      "largest one.", None),
@@ -86,16 +86,16 @@ TOPICS: list[tuple[list[str], str, str | None]] = [
      "which saves about 0.4 bits per parameter.", None),
     (["Which mode should I pick?", "Which mode is best?", "What mode should I use?",
       "Which mode do you recommend?"],
-     "Use bf16 when the model fits on your GPU. If it does not, try int8, then nf4 or nf4-dq, "
-     "which need about a quarter of the memory.",
-     "The best mode depends on memory. bf16 is exact enough and fast, int8 halves it, nf4 "
-     "quarters it. So start with bf16 and go down only if it does not fit."),
+     "Use bf16 when the model fits on your GPU. If it does not, try int8-wo, which halves the "
+     "memory, then int4-wo, which needs about a third of it.",
+     "The best mode depends on memory. bf16 is exact enough and fast, int8-wo halves it, "
+     "int4-wo takes about a third. So start with bf16 and go down only if it does not fit."),
     (["How much memory does a 7B model need?", "How big is a 7B model?",
       "Will a 7B model fit on my GPU?"],
-     "About 15 GB in bf16, 8 GB in int8 and 5 GB in nf4, plus the KV cache. The Model tab "
-     "shows the estimate before you load.",
-     "7 billion parameters times the bytes per parameter: 2 in bf16, about 1 in int8, about "
-     "half a byte in nf4."),
+     "About 15 GB in bf16, 8 GB in int8-wo and 5 GB in int4-wo, plus the KV cache. The Model "
+     "tab shows the estimate before you load.",
+     "7 billion parameters times the bytes per parameter: 2 in bf16, about 1 in int8-wo, "
+     "about half a byte in int4-wo."),
     (["What is the compute dtype?", "What does compute dtype mean?"],
      "The compute dtype is the type the 4-bit modes compute in after unpacking the weights. "
      "bf16 is the default; change it under Advanced in the Model tab.", None),
@@ -170,8 +170,8 @@ TOPICS: list[tuple[list[str], str, str | None]] = [
      "The bench command prints a table and writes JSON with --out and a chart. Measured "
      "figures are in BENCHMARKS.md.", None),
     (["What is the fast path?", "Why is the GPU so fast?"],
-     "On a CUDA GPU replies decode with a static KV cache and CUDA graphs. On the CPU the eager "
-     "path is used.", None),
+     "On a CUDA GPU replies decode together in a paged KV cache, through CUDA graphs. On the "
+     "CPU the eager path is used.", None),
     # -- command line and the rest -------------------------------------------------------------
     (["What does the CLI do?", "Is there a command line?", "How do I chat without a browser?",
       "What is python -m model_utils chat?"],
