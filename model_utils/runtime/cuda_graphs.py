@@ -81,7 +81,7 @@ def support(loaded: LoadedModel) -> tuple[bool, str]:
                        "the compiled path needs the whole model on one GPU")
     if not loaded.mode.compiles:  # bitsandbytes' int8 breaks CUDA-graph capture
         return False, f"eager path: bitsandbytes {loaded.mode.name} does not compile to CUDA graphs"
-    return True, "compiled path: static KV cache + CUDA graphs"
+    return True, "compiled path: paged KV cache + CUDA graphs"
 
 
 class GraphCapture:
