@@ -8,8 +8,11 @@ middleware around the whole app):
 - Content-Type: with no logins, POST /v1/... must be application/json. A cross-site page may
   send text/plain without the browser asking first (no CORS preflight); it may not send JSON.
 - Logins: FastAPI's schema and docs (/openapi.json, /docs, /redoc) need one when logins are on.
-- Logins on /login: failures logged and limited (login_limit.py). A page session of a user
-  taken out of --auth-file ends at its next request (logins.py reads the file again).
+- Logins: failures logged and limited (login_limit.py), on /login and wherever a login is
+  taken from the Authorization header (/v1/..., the docs): a wrong one is a 401 here, and one
+  for a user name that failed too often a 429 with Retry-After, before any route sees it. A
+  page session of a user taken out of --auth-file ends at its next request (logins.py reads
+  the file again).
 - Images: every response says (Content-Security-Policy) that the page loads images and media
   from this app only (and data:/blob: URLs). A reply or an imported conversation may hold
   ![](http://elsewhere/pixel) or <img src=http://...>, which the chatbot's Markdown draws: the
@@ -26,6 +29,7 @@ import base64
 import hmac
 import json
 import logging
+import math
 
 from starlette.middleware import Middleware
 
@@ -43,8 +47,10 @@ REALM = 'Bearer realm="Qwen chat"'
 CONTENT_POLICY = b"img-src 'self' data: blob:; media-src 'self' data: blob:"
 
 
-def login_user(authorization: str, logins: list[tuple[str, str]]) -> str | None:
-    """The user named by "Bearer user:password" or HTTP basic auth, if the login is right."""
+def given_login(authorization: str) -> tuple[str, str]:
+    """(user, password) of "Bearer user:password" or HTTP basic auth. A token without a colon
+    (an API key meant for another server) names no user: ("", token), so that the key is
+    never logged as a user name."""
     scheme, _, value = authorization.partition(" ")
     given = ""
     if scheme.lower() == "bearer":
@@ -54,7 +60,13 @@ def login_user(authorization: str, logins: list[tuple[str, str]]) -> str | None:
             given = base64.b64decode(value.strip(), validate=True).decode()
         except (ValueError, UnicodeDecodeError):
             given = ""
-    user, _, password = given.partition(":")
+    user, colon, password = given.partition(":")
+    return (user, password) if colon else ("", given)
+
+
+def login_user(authorization: str, logins: list[tuple[str, str]]) -> str | None:
+    """The user named by "Bearer user:password" or HTTP basic auth, if the login is right."""
+    user, password = given_login(authorization)
     # Every login is compared, so the time taken does not tell which user exists.
     found = None
     for known_user, known_password in logins:
@@ -107,23 +119,44 @@ class RequestGuard:
     async def _limit_login(self, scope, receive, send):
         body = await _read_body(receive, MAX_FORM_BYTES)
         user = form_user(body)
-        address = (scope.get("client") or ("?",))[0]
-        wait = self.login_limiter.wait_s(address, user)
-        if wait > 0:
-            log.warning("login refused for user %r from %s: too many failed logins",
-                        user[:64], address)
-            raise ClientError(429, "too many failed logins for this user: try again in "
-                              f"{wait:.0f} s")
+        address = _address(scope)
+        self._refuse_if_limited(address, user)
 
         async def watch(message):  # gradio answers 400 to wrong credentials
             if message["type"] == "http.response.start":
                 if message["status"] == 400:
-                    self.login_limiter.failed(address, user)
+                    self.login_limiter.failed(address, user, "login form")
                 elif message["status"] < 400:
                     self.login_limiter.succeeded(address, user)
             await send(message)
 
         return _replay(body, receive), watch
+
+    def _refuse_if_limited(self, address: str, user: str) -> None:
+        wait = self.login_limiter.wait_s(address, user)
+        if wait > 0:
+            log.warning("login refused for user %r from %s: too many failed logins",
+                        user[:64], address)
+            raise ClientError(429, "too many failed logins for this user: try again in "
+                              f"{wait:.0f} s", retry_after=str(math.ceil(wait)))
+
+    def _check_login_header(self, scope) -> bool:
+        """The login in the Authorization header, if there is one: True when it is right; a
+        wrong one is counted as a failed login (401), one for a user name that failed too often
+        is refused (429) however right. No header: False (the route says a login is needed)."""
+        authorization = _header(scope, b"authorization")
+        if not authorization:
+            return False
+        user, _ = given_login(authorization)
+        address = _address(scope)
+        self._refuse_if_limited(address, user)
+        if login_user(authorization, self.logins) is None:
+            scheme = authorization.partition(" ")[0].lower()[:16]
+            self.login_limiter.failed(address, user, f"{scheme} login on {scope['path'][:80]!r}")
+            raise ClientError(401, "a login is required, and the one sent is not right: "
+                              "Authorization: Bearer user:password (or HTTP basic auth)")
+        self.login_limiter.succeeded(address, user)
+        return True
 
     async def _check(self, scope, receive):
         if not self._host_ok(scope):
@@ -131,8 +164,11 @@ class RequestGuard:
             raise ClientError(400, "this server does not answer to that Host name (only to "
                               "the names it is served under; see --allowed-host)")
         path, method = scope["path"], scope["method"]
-        if self.logins and path in DOCS_PATHS and not self._logged_in(scope):
-            raise ClientError(401, "a login is required", kind="authentication_error")
+        if self.logins and (path.startswith("/v1/") or path in DOCS_PATHS):
+            # The paths that take a login from the header (gradio's own take its cookie).
+            logged_in = self._check_login_header(scope)
+            if path in DOCS_PATHS and not (logged_in or self._has_session(scope)):
+                raise ClientError(401, "a login is required")
         content_type = _header(scope, b"content-type").split(";", 1)[0].strip().lower()
         if method == "POST" and path.startswith("/v1/") and not self.logins \
                 and content_type != "application/json":
@@ -147,9 +183,9 @@ class RequestGuard:
         return self.allowed_hosts is None or \
             host_name(_header(scope, b"host")) in self.allowed_hosts
 
-    def _logged_in(self, scope) -> bool:
-        if login_user(_header(scope, b"authorization"), self.logins):
-            return True
+    @staticmethod
+    def _has_session(scope) -> bool:
+        """Whether the request carries a page session (gradio's login cookie) that is open."""
         token = _session_token(scope)
         return bool(token) and token in getattr(scope.get("app"), "tokens", {})
 
@@ -173,6 +209,8 @@ class RequestGuard:
         headers = [(b"content-type", b"application/json")]
         if error.status == 401:
             headers.append((b"www-authenticate", REALM.encode()))
+        if error.retry_after:
+            headers.append((b"retry-after", error.retry_after.encode()))
         body = json.dumps(payload).encode()
         headers.append((b"content-length", str(len(body)).encode()))
         await send({"type": "http.response.start", "status": error.status, "headers": headers})
@@ -208,6 +246,10 @@ def _session_token(scope) -> str | None:
         cookies[name] = value
     return cookies.get(f"access-token-{cookie_id}") or \
         cookies.get(f"access-token-unsecure-{cookie_id}")
+
+
+def _address(scope) -> str:
+    return (scope.get("client") or ("?",))[0]
 
 
 def _header(scope, name: bytes) -> str:

@@ -1,7 +1,9 @@
-"""Failed logins on gradio's /login: each one logged (user name and address, never the
+"""Failed logins, wherever a password is checked (gradio's /login form, and the bearer token or
+HTTP basic auth of /v1 and the API docs): each one logged (user name and address, never the
 password), and after MAX_FAILURES for one user name from one address within WINDOW_S the
 next attempts for it are refused (429) until the oldest failure is that old. Without this a
-password could be guessed at the speed of the network and the log said nothing.
+password could be guessed at the speed of the network and the log said nothing. One limiter
+serves every way in, so a guesser gets no more tries by switching between them.
 
 Keyed by (address, user name): a guesser at one name does not lock the others out, nor the
 same name out of other addresses.
@@ -43,8 +45,9 @@ class LoginLimiter:
                 return 0.0
             return self.window_s - (now - failures[0])
 
-    def failed(self, address: str, user: str) -> None:
-        log.warning("login failed for user %r from %s", user[:64], address)
+    def failed(self, address: str, user: str, via: str) -> None:
+        """Count a failure; `via` says how the login came (for the log line)."""
+        log.warning("login failed for user %r from %s (%s)", user[:64], address, via)
         with self._lock:
             if len(self._failures) > 10_000:  # bounded, whoever sends names
                 self._failures.clear()

@@ -205,9 +205,14 @@ def test_busy_then_a_closed_stream_frees_its_place(http):
     assert response.status_code == 200, response.text
 
 
-def test_with_logins_a_login_is_required(start_app):
-    app = start_app("--model", "demo", "--mode", "fp32", "--placement", "cpu",
-                    "--auth", "ann:secret")
+@pytest.fixture(scope="module")
+def login_app(start_app):
+    return start_app("--model", "demo", "--mode", "fp32", "--placement", "cpu",
+                     "--auth", "ann:secret", "--auth", "bob:right-one")
+
+
+def test_with_logins_a_login_is_required(login_app):
+    app = login_app
     with httpx.Client(base_url=app.url, timeout=120) as client:
         body = {"messages": MESSAGES, **GREEDY}
         refused = client.post("/v1/chat/completions", json=body)
@@ -233,6 +238,44 @@ def test_with_logins_a_login_is_required(start_app):
         assert client.post("/v1/completions", json=text).status_code == 401
         assert client.post("/v1/completions", json=text,
                            headers={"Authorization": "Bearer ann:secret"}).status_code == 200
+
+
+def basic_auth(login: str) -> str:
+    return "Basic " + base64.b64encode(login.encode()).decode()
+
+
+def test_wrong_logins_over_the_api_are_logged_and_limited_as_on_the_login_page(login_app):
+    tries = [("POST", "/v1/chat/completions", "Bearer bob:guess-1"),
+             ("GET", "/v1/models", basic_auth("bob:guess-2")),
+             ("POST", "/v1/completions", "Bearer bob:guess-3"),
+             ("GET", "/openapi.json", "Bearer bob:guess-4"),
+             ("GET", "/v1/models", "Bearer bob:guess-5")]
+    with httpx.Client(base_url=login_app.url, timeout=120) as client:
+        body = {"messages": MESSAGES, **GREEDY}
+        for method, path, authorization in tries:
+            wrong = client.request(method, path, json=body if method == "POST" else None,
+                                   headers={"Authorization": authorization})
+            assert wrong.status_code == 401, (path, wrong.text)
+        # Five failures: the name is refused from this address, the right password too, by
+        # every way in, with the seconds to wait.
+        for authorization in ("Bearer bob:right-one", basic_auth("bob:right-one")):
+            limited = client.get("/v1/models", headers={"Authorization": authorization})
+            assert limited.status_code == 429
+            assert 0 < int(limited.headers["retry-after"]) <= 300
+            assert "too many failed logins for this user" in \
+                limited.json()["error"]["message"]
+        with pytest.raises(openai.RateLimitError):
+            openai.OpenAI(base_url=login_app.url + "/v1", api_key="bob:right-one",
+                          max_retries=0).models.list()
+        form = client.post("/login", data={"username": "bob", "password": "right-one"})
+        assert form.status_code == 429 and int(form.headers["retry-after"]) > 0
+        # Other names are not locked out.
+        assert client.get("/v1/models", headers={"Authorization": "Bearer ann:secret"}) \
+            .status_code == 200
+    log = login_app.log()
+    assert log.count("login failed for user 'bob' from 127.0.0.1") == 5
+    assert "basic login on '/v1/models'" in log
+    assert "guess-" not in log and "right-one" not in log  # passwords are never logged
 
 
 def test_without_a_model_a_reply_is_503_and_no_model_is_listed(start_app):
