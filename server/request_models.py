@@ -101,8 +101,11 @@ class Message(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Any = None
-    reasoning_content: Any = None
+    # validate_default: a message without the key is checked as one with null ("" here), so
+    # a user message without content is refused as empty (an assistant turn with tool_calls
+    # may have none).
+    content: Any = Field(default=None, validate_default=True)
+    reasoning_content: Any = Field(default=None, validate_default=True)
     tool_calls: list[ToolCallIn] | None = None  # an assistant turn's calls
     tool_call_id: str | None = None  # a tool turn: the call it answers
 

@@ -169,6 +169,8 @@ def test_a_streamed_reply_adds_up_to_the_whole_reply(http):
      "messages", "end with a user message"),
     ({"messages": [{"role": "robot", "content": "hi"}]}, "messages", "role"),
     ({"messages": [{"role": "user", "content": "  "}]}, "messages", "is empty"),
+    ({"messages": [{"role": "user", "content": None}]}, "messages", "is empty"),
+    ({"messages": [{"role": "user"}]}, "messages", "is empty"),
     ({"messages": [{"role": "user", "content": "word " * 20000}]}, None, "context window"),
     ({"messages": MESSAGES, "n": 2}, "n", "n=1"),
 ])
