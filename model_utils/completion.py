@@ -22,7 +22,7 @@ from .chat.prompt import PreparedPrompt
 from .chat.reply_stream import reply_updates
 from .chat.updates import ChatUpdate, TokenLogprob
 from .engine import token_logprobs
-from .errors import ChatInputError
+from .errors import ChatInputError, InvalidParameter
 from .runtime.generation import LogprobRecord
 
 if TYPE_CHECKING:
@@ -39,10 +39,30 @@ def encode(engine: Engine, text: str) -> list[int]:
         return loaded.tokenizer(text)["input_ids"]
 
 
+def check_token_ids(engine: Engine, ids: list[int]) -> None:
+    """Refuse (InvalidParameter "prompt") token ids that name no token of the loaded model, so
+    that a caller can refuse a request before it answers anything (a stream, an echo)."""
+    with engine.manager.use() as loaded:
+        _check_ids(loaded, ids)
+
+
+def _check_ids(loaded, ids: list[int]) -> None:
+    """Token ids a client sent must name tokens of this model: an id past the embedding's rows
+    fails inside the model (on a GPU, a device-side assert that poisons the process), and one
+    past the tokenizer's has no text. Both limits, as a checkpoint may pad either. Checked
+    again where the ids are used: the model may have been switched since."""
+    limit = min(len(loaded.tokenizer), loaded.model.config.get_text_config().vocab_size)
+    bad = next((t for t in ids if not 0 <= t < limit), None)
+    if bad is not None:
+        raise InvalidParameter("prompt", f"token id {bad} is not in the model's vocabulary "
+                               f"(ids 0 to {limit - 1})")
+
+
 def prompt_logprobs(engine: Engine, ids: list[int], k: int) -> list[TokenLogprob]:
     """Each prompt token's log-probability given the tokens before it, with `k` alternatives
     (the first token's is None: nothing predicts it)."""
     with engine.manager.use() as loaded:
+        _check_ids(loaded, ids)
         tokenizer, model = loaded.tokenizer, loaded.model
 
         def forward():
@@ -77,6 +97,7 @@ def complete(engine: Engine, ids: list[int], settings: GenerationSettings, *, st
     is cut to what the context leaves."""
     record = LogprobRecord(logprobs) if logprobs is not None else None
     with engine.manager.use() as loaded:
+        _check_ids(loaded, ids)
         settings = settings.resolved(loaded.model.generation_config,
                                      context_tokens=loaded.context_tokens)
         room = loaded.context_tokens - len(ids)

@@ -26,6 +26,7 @@ a bearer token "user:password" or as HTTP basic auth.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import threading
@@ -84,8 +85,10 @@ def register_openai_api(app: FastAPI | APIRouter, engine: Engine,
     models_dir = models_dir_of(engine)
     threads = reply_threads(reply_concurrency(engine))
 
-    def refused(error: BaseException, call: ChatCall | None = None) -> JSONResponse:
-        mapped = client_error(error, context="openai chat")
+    def refused(error: BaseException, call: ChatCall | None = None, *,
+                context: str = "openai chat") -> JSONResponse:
+        """The error's answer; `context` names the endpoint in the log line of a failure."""
+        mapped = client_error(error, context=context)
         message = mapped.message if not logins else hide_paths(mapped.message, models_dir)
         if call is not None:  # the engine's name for the reply length -> the client's
             message = message.replace("max_new_tokens", call.max_tokens_field)
@@ -157,7 +160,8 @@ def register_openai_api(app: FastAPI | APIRouter, engine: Engine,
 
     app.add_api_route("/v1/models", models, methods=["GET"])
     app.add_api_route("/v1/chat/completions", chat_completions, methods=["POST"])
-    register_completions(app, engine, check_login, refused,
+    register_completions(app, engine, check_login,
+                         functools.partial(refused, context="openai completions"),
                          lambda: model_id(engine.status()))
 
 

@@ -4,13 +4,13 @@ template (lm-eval's local-completions, scripts that score text).
     curl http://127.0.0.1:7860/v1/completions -H 'Content-Type: application/json' \\
         -d '{"prompt": "The capital of France is", "max_tokens": 8, "logprobs": 2}'
 
-It takes `prompt` (a string, or token ids; a list of either for several prompts, each its own
-choice), `max_tokens` (default 16; 0 with `echo`: the prompt scored, nothing generated),
-`temperature`, `top_p`, `seed`, `stop`, `logprobs` (0-20 alternatives per token) and `echo`
-(the prompt is given back before the continuation, and with `logprobs` its tokens are scored
-too: the first one's log-probability is null, as OpenAI's is), `stream` (one prompt: server-sent
-events, a chunk per piece of text). The same logins, limits and error shapes as
-/v1/chat/completions.
+It takes `prompt` (a string, or token ids of the model's vocabulary: another id is a 400; a
+list of either for several prompts, each its own choice), `max_tokens` (default 16; 0 with
+`echo`: the prompt scored, nothing generated), `temperature`, `top_p`, `seed`, `stop`,
+`logprobs` (0-20 alternatives per token) and `echo` (the prompt is given back before the
+continuation, and with `logprobs` its tokens are scored too: the first one's log-probability is
+null, as OpenAI's is), `stream` (one prompt: server-sent events, a chunk per piece of text).
+The same logins, limits and error shapes as /v1/chat/completions.
 """
 
 from __future__ import annotations
@@ -103,6 +103,8 @@ def register_completions(app, engine, check_login, refused, model_name) -> None:
                 raise ClientError(400, "the body must be a JSON object")
             body = CompletionRequest.model_validate(data)
             body.refuse_unsupported()
+            # Before anything is answered: a stream or an echo would have begun.
+            await anyio.to_thread.run_sync(check_prompt_ids, engine, body.prompt)
             settings = make_settings({
                 "max_new_tokens": max(body.max_tokens, 1), "temperature": body.temperature,
                 "top_p": body.top_p, "top_k": body.top_k, "seed": body.seed,
@@ -126,6 +128,15 @@ def register_completions(app, engine, check_login, refused, model_name) -> None:
                 "choices": choices, "usage": usage}
 
     app.add_api_route("/v1/completions", completions, methods=["POST"])
+
+
+def check_prompt_ids(engine, prompts: list) -> None:
+    """The token-id prompts' ids are the model's (an InvalidParameter "prompt" if not)."""
+    from model_utils import completion  # torch: not imported by a front end (see below)
+
+    for prompt in prompts:
+        if not isinstance(prompt, str):
+            completion.check_token_ids(engine, prompt)
 
 
 @dataclass

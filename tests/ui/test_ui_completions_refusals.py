@@ -1,0 +1,42 @@
+"""What /v1/completions refuses, over HTTP against the real app (demo model, CPU): each a 400
+naming the field as the client sent it, before anything is answered (a stream included), and
+the server serving on afterwards."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+
+@pytest.fixture(scope="module")
+def app(start_app):
+    return start_app("--model", "demo", "--mode", "fp32", "--placement", "cpu")
+
+
+@pytest.fixture(scope="module")
+def http(app):
+    with httpx.Client(base_url=app.url, timeout=120) as client:
+        yield client
+
+
+def refusal(http, body: dict) -> dict:
+    response = http.post("/v1/completions", json={"model": "demo", **body})
+    assert response.status_code == 400, response.text
+    return response.json()["error"]
+
+
+@pytest.mark.parametrize(("prompt", "extra"), [
+    ([999999999], {}),
+    ([[5, 6], [7, 2050]], {}),  # the demo's vocabulary: 2050 tokens
+    ([[5, 6], [7, 2050]], {"echo": True, "max_tokens": 0}),
+    ([5, 2050], {"echo": True, "logprobs": 1}),
+    ([999999999], {"stream": True}),
+])
+def test_token_ids_outside_the_vocabulary_are_refused(http, app, prompt, extra):
+    error = refusal(http, {"prompt": prompt, "max_tokens": 2, **extra})
+    assert error["param"] == "prompt"
+    assert "is not in the model's vocabulary (ids 0 to 2049)" in error["message"]
+    assert "Traceback" not in app.log()
+    # The model is unharmed: the next request is answered.
+    assert http.post("/v1/completions", json={"prompt": [5, 6], "max_tokens": 2}) \
+        .status_code == 200
