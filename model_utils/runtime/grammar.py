@@ -17,6 +17,7 @@ overlap of host and device for as long as it runs (BENCHMARKS.md).
 from __future__ import annotations
 
 import json
+import re
 import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
@@ -134,7 +135,7 @@ class Grammars:
             tag = structural_tag(fmt, reasoning)
             compiled = self._compile(tag)
         except (ValueError, RuntimeError, TypeError) as error:
-            raise InvalidParameter(fmt.param, _first_line(error)) from None
+            raise InvalidParameter(fmt.param, format_problem(error)) from None
         return Constraint(xgr.GrammarMatcher(compiled), self.vocab_size)
 
     def _compile(self, tag):
@@ -181,9 +182,17 @@ def mask_logits(logits: torch.Tensor, constraints: list[Constraint | None]) -> t
     return logits
 
 
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip().splitlines()
-    return (text[0] if text else type(error).__name__)[:300]
+# xgrammar's C++ errors begin with its log prefix: "[04:12:10] /project/cpp/file.cc:5082: ".
+_LIBRARY_PREFIX = re.compile(r"^(\[[\d:.]+\]\s*)?([^\s:]*\.(cc|cpp|cxx|h|hpp):\d+:\s*)?")
+
+
+def format_problem(error: BaseException) -> str:
+    """What a client is told about a format that cannot be compiled: the first line of the
+    library's error without its log prefix (the time and the library's source file), e.g.
+    'Unsupported type "nonsense"'."""
+    lines = str(error).strip().splitlines()
+    text = _LIBRARY_PREFIX.sub("", lines[0]).strip() if lines else ""
+    return (text or "the format cannot be compiled")[:300]
 
 
 def schema_of(response_format: dict) -> dict:

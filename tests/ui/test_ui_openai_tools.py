@@ -149,6 +149,22 @@ def test_what_cannot_be_met_is_a_400_naming_the_field(app, body, param):
     assert response.json()["error"]["param"] == param, response.text
 
 
+@pytest.mark.parametrize("body, param", [
+    ({"response_format": {"type": "json_schema",
+                          "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}},
+     "response_format"),
+    ({"tools": [{"type": "function", "function": {"name": "f",
+                                                  "parameters": {"type": "nonsense"}}}],
+      "tool_choice": "required"}, "tool_choice"),
+])
+def test_a_schema_the_grammar_refuses_is_named_without_the_librarys_internals(app, body, param):
+    with httpx.Client(base_url=app.url, timeout=60) as http:
+        response = http.post("/v1/chat/completions", json={"messages": ASK, **body})
+    assert response.status_code == 400, response.text
+    # Not the library's log prefix ("[04:12:10] /project/cpp/json_schema_converter.cc:5082: ").
+    assert response.json()["error"]["message"] == f'{param}: Unsupported type "nonsense"'
+
+
 def test_logprobs_whole_and_streamed(client):
     reply = create(client, messages=[{"role": "user", "content": "What is bf16?"}],
                    max_tokens=12, logprobs=True, top_logprobs=3)
