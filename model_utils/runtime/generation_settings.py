@@ -44,7 +44,6 @@ class Setting:
     model_default: Callable[[Any, int], Any] | None = None
     default_text: str = "the model's generation_config"
     low_open: bool = False  # (low, high] rather than [low, high]
-    range_text: str | None = None  # the refusal's words for the range, when not plain bounds
     api_names: tuple[str, ...] = ()  # OpenAI's names for it, the preferred one first
     unset: Any = None  # what a widget or a flag sends for "not set" (seed: -1)
     off: Any = None  # the value at which it changes nothing in a greedy reply (`greedy`)
@@ -76,7 +75,7 @@ class Setting:
         if self.type is int:
             if not isinstance(value, int) or isinstance(value, bool):
                 return f"must be an integer, got {shown(value)}"
-            bounds = f">= {self.low:g}" if self.high is None \
+            bounds = f"at least {self.low:g}" if self.high is None \
                 else f">= {int(self.low)} and <= {int(self.high)}"
         else:
             if not isinstance(value, (int, float)) or isinstance(value, bool) or \
@@ -86,7 +85,7 @@ class Setting:
                 else f">= {self.low:g} and <= {self.high:g}"
         below = value <= self.low if self.low_open else value < self.low
         if below or (self.high is not None and value > self.high):
-            return f"must be {self.range_text or bounds}, got {shown(value)}"
+            return f"must be {bounds}, got {shown(value)}"
         return None
 
     def check(self, value: Any) -> None:
@@ -124,8 +123,6 @@ SETTINGS: tuple[Setting, ...] = (
             model_default=lambda gc, context: min(getattr(gc, "max_new_tokens", None) or context,
                                                   context),
             default_text="the model's generation_config, else what the context window leaves",
-            range_text="between 1 and what the context window leaves after the prompt (a "
-                       "longer one is limited to that)",
             api_names=("max_completion_tokens", "max_tokens")),
     Setting("repetition_penalty", float, 0.01, 10.0, off=1.0,
             help="penalize tokens already in the prompt or the reply (as transformers "

@@ -164,7 +164,7 @@ REFUSALS = {
     "unknown mode": "unknown mode 'int3'",
     "negative temperature": "temperature: must be >= 0 and <= 100, got -1.0",
     "huge seed": "seed: must be >= 0 and <= 9223372036854775807, got 1180591620717411303424",
-    "negative max_new_tokens": "max_new_tokens: must be between 1 and what the context window",
+    "negative max_new_tokens": "max_new_tokens: must be at least 1, got",
     "huge temperature": "temperature: must be >= 0 and <= 100",
     "content a number": "message 0: content must be text, got a number",
     "lone surrogate in a file": "message 0 contains an invalid character",

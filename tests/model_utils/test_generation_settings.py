@@ -39,12 +39,12 @@ EXTENDED = (*SETTINGS, MIN_P)
     ("top_p", 1.5, "top_p: must be in (0, 1], got 1.5"),
     ("top_k", -1, "top_k: must be >= 0 and <= 1000000, got -1"),
     ("top_k", 2.5, "top_k: must be an integer, got 2.5"),
-    ("max_new_tokens", 0, "max_new_tokens: must be between 1 and what the context window "
-                          "leaves after the prompt (a longer one is limited to that), got 0"),
+    ("max_new_tokens", 0, "max_new_tokens: must be at least 1, got 0"),
+    ("max_new_tokens", -5, "max_new_tokens: must be at least 1, got -5"),
     ("repetition_penalty", 0.0, "repetition_penalty: must be >= 0.01 and <= 10, got 0.0"),
     ("seed", -5, f"seed: must be >= 0 and <= {MAX_SEED}, got -5"),
     ("seed", True, "seed: must be an integer, got True"),
-    ("min_new_tokens", -1, "min_new_tokens: must be >= 0, got -1"),
+    ("min_new_tokens", -1, "min_new_tokens: must be at least 0, got -1"),
 ])
 def test_each_setting_is_refused_by_name_with_its_range(name, value, message):
     given = GenerationSettings(**{name: value})  # the others unset: the model's defaults

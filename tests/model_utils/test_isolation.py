@@ -40,7 +40,7 @@ VICTIM_PROMPTS = ["Tell me about the sea.", "What is two plus two?", "Name a col
     ("repetition_penalty", 1e-300, ">= 0.01 and <= 10"),
     ("repetition_penalty", math.inf, "finite number"),
     ("top_k", 10**12, ">= 0 and <= 1000000"),
-    ("max_new_tokens", -5, "must be between 1 and"),
+    ("max_new_tokens", -5, "must be at least 1, got -5"),
     ("max_new_tokens", 2.5, "must be an integer"),
     ("seed", "x" * 10**6, "must be an integer, got 'xxxxxxxxxxxxxxxxxxxxxxx... (1000002 "),
     ("top_k", 2**4000, "(1205 characters)"),
