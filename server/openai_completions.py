@@ -20,7 +20,7 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Annotated, Any
 
 import anyio
@@ -29,13 +29,22 @@ from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from model_utils.chat.updates import TokenLogprob
+from model_utils.runtime.generation_settings import BY_NAME
 
 from .errors import ClientError
 from .replies import make_settings
-from .request_models import check_text, parse_json
+from .request_models import check_text, parse_json, setting_type
 from .stop_strings import StopFollower, StopStrings
 
 MAX_PROMPTS = 64
+# The settings' own checks, so that a value is refused in the chat endpoint's words. A
+# max_tokens of 0 is allowed here: with echo, the prompt scored and nothing generated.
+MaxTokens = setting_type(replace(BY_NAME["max_new_tokens"], low=0))
+Temperature = setting_type(BY_NAME["temperature"])
+TopP = setting_type(BY_NAME["top_p"])
+TopK = setting_type(BY_NAME["top_k"])
+RepetitionPenalty = setting_type(BY_NAME["repetition_penalty"])
+Seed = setting_type(BY_NAME["seed"])
 
 
 class CompletionRequest(BaseModel):
@@ -43,12 +52,12 @@ class CompletionRequest(BaseModel):
 
     model: str | None = None
     prompt: Any
-    max_tokens: Annotated[int, Field(ge=0)] = 16
-    temperature: Annotated[float, Field(ge=0, le=100)] | None = None
-    top_p: Annotated[float, Field(gt=0, le=1)] | None = None
-    top_k: Annotated[int, Field(ge=0)] | None = None
-    repetition_penalty: Annotated[float, Field(gt=0)] | None = None
-    seed: int | None = None
+    max_tokens: MaxTokens = 16
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    top_k: TopK | None = None
+    repetition_penalty: RepetitionPenalty | None = None
+    seed: Seed | None = None
     stop: Any = None
     logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     echo: bool = False

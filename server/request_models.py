@@ -262,13 +262,19 @@ class _ChatCompletionFields(BaseModel):
         return self.field_name("max_new_tokens")
 
 
-def _setting_field(setting: Setting):
+def setting_type(setting: Setting):
+    """A request field's type for a generation setting: a strict int or float, checked against
+    the setting's range, so that every endpoint refuses a value in the same words."""
     def check(value):
         if (problem := setting.problem(value)) is not None:
             raise ValueError(problem)
         return value
 
-    return Annotated[setting.type, AfterValidator(check)] | None, None
+    return Annotated[setting.type, AfterValidator(check)]
+
+
+def _setting_field(setting: Setting):
+    return setting_type(setting) | None, None
 
 
 def request_model(schema: tuple[Setting, ...] = SETTINGS) -> type[_ChatCompletionFields]:

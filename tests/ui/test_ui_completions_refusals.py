@@ -25,6 +25,20 @@ def refusal(http, body: dict) -> dict:
     return response.json()["error"]
 
 
+@pytest.mark.parametrize(("body", "param", "message"), [
+    # The chat endpoint's words for the same settings (0 tokens is allowed here: with echo,
+    # the prompt scored and nothing generated).
+    ({"max_tokens": -5}, "max_tokens", "max_tokens: must be at least 0, got -5"),
+    ({"temperature": -1}, "temperature", "temperature: must be >= 0 and <= 100, got -1.0"),
+    ({"top_p": 0}, "top_p", "top_p: must be in (0, 1], got 0.0"),
+    ({"repetition_penalty": 50}, "repetition_penalty",
+     "repetition_penalty: must be >= 0.01 and <= 10, got 50.0"),
+])
+def test_settings_out_of_range_are_refused_as_on_the_chat_endpoint(http, body, param, message):
+    error = refusal(http, {"prompt": "Hello", **body})
+    assert (error["param"], error["message"]) == (param, message)
+
+
 @pytest.mark.parametrize(("prompt", "extra"), [
     ([999999999], {}),
     ([[5, 6], [7, 2050]], {}),  # the demo's vocabulary: 2050 tokens
