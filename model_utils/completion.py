@@ -51,6 +51,8 @@ def _check_ids(loaded, ids: list[int]) -> None:
     fails inside the model (on a GPU, a device-side assert that poisons the process), and one
     past the tokenizer's has no text. Both limits, as a checkpoint may pad either. Checked
     again where the ids are used: the model may have been switched since."""
+    if not ids:  # a text that encodes to no tokens: nothing to continue or to score
+        raise ChatInputError("the prompt is empty: give text or token ids to continue")
     limit = min(len(loaded.tokenizer), loaded.model.config.get_text_config().vocab_size)
     bad = next((t for t in ids if not 0 <= t < limit), None)
     if bad is not None:
@@ -101,7 +103,7 @@ def complete(engine: Engine, ids: list[int], settings: GenerationSettings, *, st
         settings = settings.resolved(loaded.model.generation_config,
                                      context_tokens=loaded.context_tokens)
         room = loaded.context_tokens - len(ids)
-        if not ids or room < 1:
+        if room < 1:
             raise ChatInputError(f"the prompt is {len(ids)} tokens long and leaves no room in "
                                  f"the context window of {loaded.context_tokens} tokens")
         settings = replace(settings, max_new_tokens=min(settings.max_new_tokens, room),

@@ -9,8 +9,9 @@ list of either for several prompts, each its own choice), `max_tokens` (default 
 `echo`: the prompt scored, nothing generated), `temperature`, `top_p`, `seed`, `stop`,
 `logprobs` (0-20 alternatives per token) and `echo` (the prompt is given back before the
 continuation, and with `logprobs` its tokens are scored too: the first one's log-probability is
-null, as OpenAI's is), `stream` (one prompt: server-sent events, a chunk per piece of text).
-The same logins, limits and error shapes as /v1/chat/completions.
+null, as OpenAI's is), `stream` (one prompt: server-sent events, a chunk per piece of text);
+one choice per prompt (n or best_of above 1, suffix and an empty prompt are a 400). The same
+logins, limits and error shapes as /v1/chat/completions.
 """
 
 from __future__ import annotations
@@ -63,6 +64,7 @@ class CompletionRequest(BaseModel):
     echo: bool = False
     stream: bool = False
     n: int | None = None
+    best_of: int | None = None
     suffix: Any = None
 
     @field_validator("prompt")
@@ -70,6 +72,8 @@ class CompletionRequest(BaseModel):
     def _prompts(cls, value: Any) -> list:
         """A string, token ids, or a list of either -> a list of prompts (str or list[int])."""
         def one(p):
+            if p == "":  # nothing to continue (a token-id prompt may not be empty either)
+                raise ValueError("a prompt is empty: give text or token ids to continue")
             if isinstance(p, str):
                 return check_text(p)
             if isinstance(p, list) and p and all(isinstance(t, int) and t >= 0 for t in p):
@@ -92,8 +96,12 @@ class CompletionRequest(BaseModel):
         return values[:16]
 
     def refuse_unsupported(self) -> None:
+        # One choice per prompt: n and best_of would ask for more (and best_of is not ignored:
+        # a client that sends it relies on the best of several).
         for name, asks in (("stream", self.stream and len(self.prompt) > 1),
-                           ("n", self.n not in (None, 1)), ("suffix", self.suffix is not None)):
+                           ("n", self.n not in (None, 1)),
+                           ("best_of", self.best_of not in (None, 1)),
+                           ("suffix", self.suffix is not None)):
             if asks:
                 raise ClientError(400, f"{name} is not supported on /v1/completions"
                                   + (" with several prompts" if name == "stream" else ""),

@@ -54,3 +54,24 @@ def test_token_ids_outside_the_vocabulary_are_refused(http, app, prompt, extra):
     # The model is unharmed: the next request is answered.
     assert http.post("/v1/completions", json={"prompt": [5, 6], "max_tokens": 2}) \
         .status_code == 200
+
+
+@pytest.mark.parametrize("body", [
+    {"prompt": ""},
+    {"prompt": ["Hello", ""]},
+    {"prompt": "", "stream": True},
+    {"prompt": "", "echo": True, "logprobs": 1, "max_tokens": 0},
+])
+def test_an_empty_prompt_is_refused_as_empty(http, body):
+    error = refusal(http, body)
+    assert error["param"] == "prompt"
+    assert "a prompt is empty" in error["message"] and "context window" not in error["message"]
+
+
+def test_best_of_is_refused_as_n_is_and_best_of_1_is_answered(http):
+    for name in ("n", "best_of"):
+        error = refusal(http, {"prompt": "Hello", name: 2})
+        assert (error["param"], error["message"]) == (
+            name, f"{name} is not supported on /v1/completions")
+        one = http.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 2, name: 1})
+        assert one.status_code == 200 and len(one.json()["choices"]) == 1
