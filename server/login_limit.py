@@ -23,6 +23,7 @@ LOGIN_PATHS = ("/login", "/login/")
 MAX_FAILURES = 5
 WINDOW_S = 300.0
 MAX_FORM_BYTES = 64 * 1024  # a login form is a name and a password
+MAX_TRACKED = 10_000  # (address, user name) pairs whose failures are kept
 
 
 class LoginLimiter:
@@ -48,10 +49,22 @@ class LoginLimiter:
     def failed(self, address: str, user: str, via: str) -> None:
         """Count a failure; `via` says how the login came (for the log line)."""
         log.warning("login failed for user %r from %s (%s)", user[:64], address, via)
+        now = time.monotonic()
         with self._lock:
-            if len(self._failures) > 10_000:  # bounded, whoever sends names
-                self._failures.clear()
-            self._failures.setdefault((address, user), deque()).append(time.monotonic())
+            failures = self._failures.pop((address, user), None) or deque()
+            failures.append(now)
+            self._failures[(address, user)] = failures  # the most recent failure last
+            if len(self._failures) > MAX_TRACKED:
+                self._make_room(now)
+
+    def _make_room(self, now: float) -> None:
+        """Bounded, whoever sends names: failures past the window go first, then the names
+        that failed longest ago (not everything at once: a guesser could then wipe its own
+        count by failing at MAX_TRACKED made-up names)."""
+        for key in [k for k, f in self._failures.items() if now - f[-1] > self.window_s]:
+            del self._failures[key]
+        while len(self._failures) > MAX_TRACKED:
+            del self._failures[next(iter(self._failures))]
 
     def succeeded(self, address: str, user: str) -> None:
         with self._lock:
