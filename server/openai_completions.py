@@ -115,6 +115,9 @@ def register_completions(app, engine, check_login, refused, model_name) -> None:
     async def completions(request: Request):
         try:
             check_login(request)
+            if not hasattr(engine, "manager"):  # a model server's (--backend): no tokenizer here
+                raise ClientError(501, "text completions are not passed on to the model server "
+                                       "(--backend): use the chat completions endpoint")
             data = parse_json(await request.body())
             if not isinstance(data, dict):
                 raise ClientError(400, "the body must be a JSON object")

@@ -79,6 +79,14 @@ def streamed_text(response: httpx.Response) -> str:
     return text
 
 
+def test_text_completions_in_front_of_a_model_server_are_refused_plainly(http, front):
+    response = http.post(front.url + "/v1/completions", headers=bearer(":".join(FRONT_USER)),
+                         json={"prompt": "Hello", "max_tokens": 4})
+    assert response.status_code == 501
+    message = response.json()["error"]["message"]
+    assert "chat completions endpoint" in message and "Traceback" not in message
+
+
 def test_greedy_replies_through_the_front_equal_the_backends(http, front, backend):
     direct = http.post(backend.url + "/v1/chat/completions", headers=bearer(BACKEND_LOGIN),
                        json={"messages": MESSAGES, **GREEDY}).json()
