@@ -2,9 +2,11 @@
 plus the message being typed take ("1 234 / 8 192 tokens"), and warns before the oldest turns
 would be left out (server/context_budget.py counts and words it).
 
-Counted after typing stops, not on every key: the message box's (and the system prompt's)
-input event only (re)starts a timer in the browser, and when it runs out it clicks a hidden
-button, whose event counts on the server. Also counted on page load and when the
+Counted once the text stops changing, not on every key: each change of the message box's (and
+the system prompt's) text only (re)starts a timer in the browser, and when it runs out it
+clicks a hidden button, whose event counts on the server. The change event, not the input
+event: gradio's Textbox fires `input` for typed characters only, so a paste, a cut, Backspace
+or Delete, or text filled in by a script went uncounted. Also counted on page load and when the
 conversation, the thinking switch, max_new_tokens or the model changes (a streaming reply
 changes the conversation once a second: a count of a small, bounded cost)."""
 
@@ -22,11 +24,11 @@ from server.conversation import ConversationError
 if TYPE_CHECKING:
     from model_utils.engine import Engine
 
-TYPING_PAUSE_MS = 400  # how long typing must stop before the message is counted
+TYPING_PAUSE_MS = 400  # how long the text must stay unchanged before it is counted
 TRIGGER_ID = "context-budget-count"
 log = logging.getLogger("ui")
 
-# The browser side of the debounce: each keystroke pushes the count back.
+# The browser side of the debounce: each change of the text pushes the count back.
 _AFTER_TYPING = f"""() => {{
     clearTimeout(window.qwenBudgetTimer);
     window.qwenBudgetTimer = setTimeout(
@@ -61,7 +63,8 @@ def wire_context_budget(c: dict, engine: Engine, *, demo: gr.Blocks, status: gr.
         return budget_line(budget)
 
     for box in (c["message"], c["system_prompt"]):
-        box.input(None, None, None, js=_AFTER_TYPING)
+        # js only: nothing reaches the server until the timer runs out.
+        box.change(None, None, None, js=_AFTER_TYPING)
     bounded = [c[name] for name in setting_names if name == "max_new_tokens"]
     gr.on([c["budget_count"].click, c["conversation_changed"].change, c["thinking"].change,
            status.change, demo.load, *[x.change for x in bounded]],

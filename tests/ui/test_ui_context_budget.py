@@ -1,7 +1,8 @@
 """The context budget line under the message box, in a real browser against the real app with
-a small context (1024 tokens): counted after typing stops, the same count as the prompt then
-sent, the warning before the oldest turns would be left out, the notice after; and with
---backend (no tokenizer here) an estimate that says it is one, from the page and /count_tokens.
+a small context (1024 tokens): counted once the text stops changing (typed, pasted, filled or
+deleted), the same count as the prompt then sent, the warning before the oldest turns would be
+left out, the notice after; and with --backend (no tokenizer here) an estimate that says it is
+one, from the page and /count_tokens.
 """
 
 from __future__ import annotations
@@ -130,6 +131,42 @@ def test_counted_once_typing_stops_and_the_count_is_what_is_sent(page, app):
     page.wait_for_function(SETTLED, arg=1, timeout=90000)
     stats = page.locator('#chatbot [data-testid="bot"] sub').last.inner_text()
     assert f"{typed} in /" in stats  # the count is the prompt the reply was given
+
+
+def test_recounted_after_a_paste_a_fill_and_a_delete(page, browser):
+    """Text that comes in or goes out without a typed character (a paste, a script's fill,
+    Backspace, cut) is counted too, once the box has been still for the pause."""
+    box = page.locator("#message textarea")
+    box.fill("")
+    page.wait_for_timeout(600)  # any count of the emptied box has landed
+    empty = tokens(line(page))
+    counts, _ = record_counts(page)
+    # A paste from the clipboard (Ctrl+V): no key types a character.
+    page.context.grant_permissions(["clipboard-read", "clipboard-write"])
+    page.evaluate("(text) => navigator.clipboard.writeText(text)", "word " * 300)
+    box.focus()
+    box.press("ControlOrMeta+V")
+    page.wait_for_function("([css, n]) => parseInt(document.querySelector(css).innerText"
+                           ".replace(/ /g, '')) > n", arg=[LINE, empty + 250])
+    pasted = tokens(line(page))
+    # Select all, then Delete: back to the empty box's count.
+    box.press("ControlOrMeta+A")
+    box.press("Delete")
+    page.wait_for_function("([css, n]) => parseInt(document.querySelector(css).innerText"
+                           ".replace(/ /g, '')) === n", arg=[LINE, empty])
+    # A fill (what a script or an autofill does), then Backspace after it.
+    box.fill("How do I share it?")
+    page.wait_for_function("([css, n]) => parseInt(document.querySelector(css).innerText"
+                           ".replace(/ /g, '')) > n", arg=[LINE, empty])
+    filled = tokens(line(page))
+    assert empty < filled < pasted
+    box.press("End")
+    for _ in range(len("How do I share it?")):
+        box.press("Backspace")
+    page.wait_for_function("([css, n]) => parseInt(document.querySelector(css).innerText"
+                           ".replace(/ /g, '')) === n", arg=[LINE, empty])
+    # Each change waited for the box to be still: a handful of counts, not one per key.
+    assert len(counts) <= 8, counts
 
 
 def fitting_alone(app) -> str:
