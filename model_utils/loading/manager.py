@@ -5,10 +5,11 @@ and if the new one fails to load for any reason the old one is loaded again, sam
 placement, before the error reaches the caller. Unload checks that memory came back.
 
 Everything that can be judged without the weights is judged before the old model is unloaded
-(preflight): the request's types, the folder and every file in it, safetensors present, the
-config, the mode on this hardware, the devices and caps, the context window, and the fit, with
-the memory the old model would free counted as free. A refusal then costs nothing; only a
-failure of the load itself costs a reload (minutes for a 14B model).
+(preflight): the request's types, the folder and every file in it, safetensors present and
+their headers readable, the config, the mode on this hardware, the devices and caps, the
+context window, and the fit, with the memory the old model would free counted as free. A
+refusal then costs nothing; only a failure of the load itself costs a reload (minutes for a
+14B model).
 """
 
 from __future__ import annotations
@@ -22,14 +23,13 @@ from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
 
-import torch
-
 from model_utils.errors import LoadError, ModelBusy
 from model_utils.layers.weight_only import load_quantized
 from model_utils.memory import GB
 
 from . import preflight
 from .adapter import apply_adapter, check_adapter
+from .load_messages import user_message
 from .load_stages import Progress, StageClock
 from .load_stages import summary as stage_summary
 from .loaded_model import LoadedModel, LoadRequest, SwitchCost, UnloadReport
@@ -141,7 +141,7 @@ class ModelManager:
             try:
                 self._preflight(request)
             except Exception as error:
-                raise LoadError(_user_message(error)) from error
+                raise LoadError(user_message(error)) from error
             with self._switch():
                 return self._replace_locked(request, progress, requested)
 
@@ -170,7 +170,7 @@ class ModelManager:
             loaded.switch = cost()
             return loaded
         except Exception as error:
-            reason = _user_message(error)
+            reason = user_message(error)
             log.error("load of %s (%s, %s) failed: %s", request.model, request.mode,
                       request.placement.describe(), reason,
                       exc_info=not isinstance(error, LoadError))
@@ -193,7 +193,7 @@ class ModelManager:
                 drop_error_frames(restore_error)
                 kept = None  # nothing is loaded: the tokenizer goes too
                 raise LoadError(f"{reason}; restoring the previous model failed too: "
-                                f"{_user_message(restore_error)}") from error
+                                f"{user_message(restore_error)}") from error
             raise LoadError(f"{reason}. The previous model ({restored}, "
                             f"{previous.mode}, {previous.placement.describe()}) "
                             "is serving again.") from error
@@ -212,7 +212,7 @@ class ModelManager:
         try:
             _source, mode, config = self._check(request)
         except Exception as error:
-            raise LoadError(_user_message(error)) from error
+            raise LoadError(user_message(error)) from error
         # What a load would find: the current model's memory is freed before it.
         return preflight.fit(config, mode, request, preflight.held_gb(self._loaded, self.held_beside()))[0]
 
@@ -385,14 +385,3 @@ class ModelManager:
                                 "limit_gb": self.parked.limit_gb}
         return status
 
-
-def _user_message(error: BaseException) -> str:
-    """One line a user can act on, from whatever from_pretrained raised."""
-    if isinstance(error, torch.cuda.OutOfMemoryError):
-        return "out of GPU memory while loading: pick a smaller mode or allow CPU offload"
-    text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-    if "safetensors" in text.lower() and "no file named" in text.lower():
-        text += " (this app loads safetensors weights only)"
-    if isinstance(error, (LoadError, ValueError, OSError)):
-        return text
-    return f"{type(error).__name__}: {text}"

@@ -1,10 +1,10 @@
 """What a load request is checked against before the current model is unloaded.
 
 Everything here is judged without the weights: the request's types, the files (safetensors
-present), the config, the compute dtype, the context window. A refusal is a ValueError with a
-plain message (the manager presents it as a LoadError), naming the model by its label, never by
-a server path. The fit itself is placement.estimate_fit, given held_gb() as reclaimable;
-fit() picks the context a load gets from it.
+present, their headers readable), the config, the compute dtype, the context window. A refusal
+is a ValueError with a plain message (the manager presents it as a LoadError), naming the model
+by its label, never by a server path. The fit itself is placement.estimate_fit, given
+held_gb() as reclaimable; fit() picks the context a load gets from it.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from model_utils.memory import GB
 
 from .modes import COMPUTE_DTYPES, Mode
 from .placement import FitEstimate, estimate_fit
+from .weight_files import unreadable_weights
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +50,9 @@ def check_types(request) -> None:
 
 def require_safetensors(source) -> None:
     """The loader reads safetensors only (use_safetensors=True: a pickle file can run code when
-    read), so a folder without any is refused now rather than after an unload."""
+    read), so a folder without any is refused now rather than after an unload; and so is one
+    whose weights files are damaged, cut short or missing (their headers are read: see
+    weight_files)."""
     if source.is_demo:
         return
     if not any(source.path.glob("*.safetensors")):
@@ -57,6 +60,8 @@ def require_safetensors(source) -> None:
         found = f" (it has {', '.join(pickles[:3])})" if pickles else ""
         raise PreflightError(f"{source.label} has no .safetensors weights{found}: this app "
                              "loads safetensors only, as pickle files can run code when read")
+    if reason := unreadable_weights(source.path):
+        raise PreflightError(f"{source.label}: {reason}")
 
 
 def check_compute_dtype(mode: Mode, compute_dtype: str) -> None:

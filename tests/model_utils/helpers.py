@@ -33,6 +33,22 @@ def copy_demo(demo_path: Path, target: Path, *, weights: bool = True) -> Path:
     return target
 
 
+
+def copy_demo_with_other_shapes(demo_path: Path, target: Path) -> Path:
+    """A copy of the demo checkpoint whose weights read (every header is sound) but whose
+    first MLP down-projection is one column wider than the config says: it passes every check
+    made before a switch and fails in the load itself, the case a switch restores from."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    copy_demo(demo_path, target, weights=False)
+    weights = load_file(demo_path / "model.safetensors")
+    name = next(n for n in sorted(weights) if n.endswith("mlp.down_proj.weight"))
+    rows, columns = weights[name].shape
+    weights[name] = torch.zeros(rows, columns + 1, dtype=weights[name].dtype)
+    save_file(weights, target / "model.safetensors", metadata={"format": "pt"})
+    return target
+
 def prefill_logits(engine, tokens: list[int], chunk: int):
     """Logits of the last of `tokens`, prefilled through the engine's batch runner into blocks
     taken for it (and given back), `chunk` tokens per forward."""

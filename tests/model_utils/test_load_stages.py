@@ -68,10 +68,9 @@ def test_a_model_restored_after_a_failed_switch_says_so(tmp_path, demo_path):
     from model_utils.engine import Engine
     from model_utils.errors import LoadError
 
-    from .helpers import copy_demo
+    from .helpers import copy_demo_with_other_shapes
 
-    broken = copy_demo(demo_path, tmp_path / "models" / "broken", weights=False)
-    (broken / "model.safetensors").write_bytes(bytes(range(256)) * 64)
+    broken = copy_demo_with_other_shapes(demo_path, tmp_path / "models" / "broken")
     engine = Engine(models_dir=tmp_path / "models")
     engine.load(cpu_request("fp32"))
     with pytest.raises(LoadError, match="serving again"):

@@ -3,6 +3,7 @@ nothing reloaded. Real folders, real files, the real engine on the CPU."""
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import re
@@ -32,6 +33,18 @@ def serving(tmp_path_factory, demo_path):
     linked = copy_demo(demo_path, models / "linked", weights=False)
     (outside / "model.safetensors").write_bytes((demo_path / "model.safetensors").read_bytes())
     os.symlink(outside / "model.safetensors", linked / "model.safetensors")
+    weights = (demo_path / "model.safetensors").read_bytes()
+    damaged = copy_demo(demo_path, models / "damaged", weights=False)
+    (damaged / "model.safetensors").write_bytes(bytes(range(256)) * 64)  # no header at all
+    # A download cut short: a sound header, and the file ends before the tensors it lists.
+    cut_short = copy_demo(demo_path, models / "cut-short", weights=False)
+    (cut_short / "model.safetensors").write_bytes(weights[:len(weights) // 3])
+    sharded = copy_demo(demo_path, models / "shard-missing")
+    (sharded / "model.safetensors").rename(sharded / "model-00001-of-00002.safetensors")
+    (sharded / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {
+        "a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}))
+    bad_index = copy_demo(demo_path, models / "bad-index")
+    (bad_index / "model.safetensors.index.json").write_text("{not json")
     engine = Engine(models_dir=models)
     engine.load(cpu_request("fp32"))
     yield engine
@@ -48,6 +61,14 @@ CASES = {
                            "has no .safetensors weights (it has pytorch_model.bin)"),
     "unreadable config": (_request(model="bad-config"), "its config cannot be read"),
     "weights linked from outside": (_request(model="linked"), "links outside the allowed"),
+    "damaged weights": (_request(model="damaged"),
+                        "the weights file model.safetensors is damaged or incomplete"),
+    "weights cut short": (_request(model="cut-short"),
+                          "the weights file model.safetensors is damaged or incomplete"),
+    "a shard missing": (_request(model="shard-missing"), "model-00002-of-00002.safetensors, "
+                        "named in model.safetensors.index.json, is missing"),
+    "shard index unreadable": (_request(model="bad-index"), "the weights file "
+                               "model.safetensors.index.json is damaged or incomplete"),
     "context of 1e12 tokens": (_request(context_tokens=10**12),
                                "context_tokens must be between 16 and 4096"),
     "context as a float": (_request(context_tokens=1e12), "must be a whole number"),
