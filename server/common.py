@@ -10,6 +10,7 @@ import gradio as gr
 log = logging.getLogger("ui")
 
 DEMO_NOTICE = "tiny demo model: it knows only about fifty questions about this app"
+STARTUP_FAILED = "**The start-up model did not load:**"
 
 
 def user_error(message: str) -> gr.Error:
@@ -52,10 +53,22 @@ class AppInfo:
     startup_error: str = ""
     share_note: str = ""
 
+    def follow(self, status: dict) -> None:
+        """Told the engine's status as pages see it: once a model is loaded (from any page,
+        the API or a training run) the start-up load's failure is over, and its notice goes
+        from every page, for good (a later unload does not bring the old failure back)."""
+        if status.get("loaded"):
+            self.startup_error = ""
+
+    def startup_message(self) -> str:
+        if not self.startup_error:
+            return ""
+        return f"{STARTUP_FAILED} {self.startup_error}"
+
     def banner(self) -> str:
         lines = []
         if self.share_note:
             lines.append(f"**Sharing:** {self.share_note}")
         if self.startup_error:
-            lines.append(f"**The start-up model did not load:** {self.startup_error}")
+            lines.append(self.startup_message())
         return "\n\n".join(lines)

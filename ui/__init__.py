@@ -119,8 +119,16 @@ def build(engine: Engine, *, admin: str | None = None, info: AppInfo | None = No
                       show_progress="hidden")
         _follow_engine(engine, status)
         # Read on every page load: notices written after launch (the share tunnel failed)
-        # still reach the page.
-        demo.load(info.banner, None, banner, api_visibility="private", show_progress="hidden")
+        # still reach the page. And on every change of the model, which can end the start-up
+        # failure's notice (AppInfo.follow): open pages follow the engine's status.
+        def banner_now(status_now: dict | None = None) -> str:
+            if info.startup_error:  # only then is the status needed
+                info.follow(status_now if status_now is not None else engine.status())
+            return info.banner()
+
+        demo.load(banner_now, None, banner, api_visibility="private", show_progress="hidden")
+        status.change(banner_now, status, banner, api_visibility="private",
+                      show_progress="hidden")
         register_api(engine, admin=admin)
     return demo
 

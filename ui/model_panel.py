@@ -15,7 +15,7 @@ from model_utils.loading.mode_figures import modes_compared_markdown
 from model_utils.loading.modes import dropdown_choices, dropdown_info
 from model_utils.loading.placement import STRATEGIES, available_placements
 from server import model_actions as actions
-from server.common import AppInfo
+from server.common import STARTUP_FAILED, AppInfo
 from server.errors import client_path, models_dir_of, shows_full_paths
 
 if TYPE_CHECKING:
@@ -75,16 +75,16 @@ def build_model_panel(engine: Engine, *, demo: gr.Blocks, status: gr.State,
                 elem_id="admin-note")
             # The load's progress bar is drawn here, in a box of its own, not over the
             # status and the estimate.
-            c["message"] = gr.Markdown(_startup_message(info), elem_id="model-message",
-                                       min_height=64)
+            c["message"] = gr.Markdown(info.startup_message() if info else "",
+                                       elem_id="model-message", min_height=64)
             c["status"] = gr.Markdown(actions.status_markdown(engine.status()),
                                       elem_id="model-status")
-    _wire(c, engine, demo, status, admin)
+    _wire(c, engine, demo, status, admin, info or AppInfo())
     return c
 
 
 def _wire(c: dict, engine: Engine, demo: gr.Blocks, status: gr.State,
-          admin: str | None) -> None:
+          admin: str | None, info: AppInfo) -> None:
     caps = c["caps"]
     picks = {c["model"], c["model_path"], c["mode"], c["placement"], c["offload_folder"],
              c["compute_dtype"], c["context_tokens"], *caps.values()}
@@ -161,16 +161,26 @@ def _wire(c: dict, engine: Engine, demo: gr.Blocks, status: gr.State,
         typed_path = current["model_path"]
         if typed_path and not shows_full_paths(admin, getattr(request, "username", None)):
             typed_path = client_path(typed_path, models_dir_of(engine))  # a guest's view
+        info.follow(current["status"])
         return (actions.status_markdown(current["status"]), current["status"],
                 estimate(values, request),
                 gr.update(choices=current["choices"], value=current["model"]),
-                typed_path, current["mode"], current["placement"])
+                typed_path, current["mode"], current["placement"], info.startup_message())
 
     demo.load(on_page_load, picks,
               [c["status"], status, c["estimate"], c["model"], c["model_path"], c["mode"],
-               c["placement"]], api_visibility="private", show_progress="hidden")
-    # Any change of the loaded model (this page, another page, an API call) redraws the status.
-    status.change(lambda s: actions.status_markdown(s), status, c["status"],
+               c["placement"], c["message"]], api_visibility="private", show_progress="hidden")
+
+    def on_status(status_now: dict, message: str):
+        """Any change of the loaded model (this page, another page, an API call) redraws the
+        status; a load that ends the start-up failure takes its message away too (the
+        message of a load or unload made here stays)."""
+        info.follow(status_now)
+        shown = message or ""
+        ended = shown.startswith(STARTUP_FAILED) and not info.startup_error
+        return actions.status_markdown(status_now), "" if ended else gr.skip()
+
+    status.change(on_status, [status, c["message"]], [c["status"], c["message"]],
                   api_visibility="private", show_progress="hidden")
 
 
@@ -235,8 +245,3 @@ def _placement_note(placements: list[str]) -> str:
         return f"GPU placements ({gpu_only}) are not offered: this machine has no CUDA GPU."
     return SPLIT_COST
 
-
-def _startup_message(info: AppInfo | None) -> str:
-    if info and info.startup_error:
-        return f"**The start-up model did not load:** {info.startup_error}"
-    return ""
