@@ -42,7 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
                    note="; a folder named here may be loaded even outside those")
     p.add_argument("--host", default="127.0.0.1",
                    help="address to bind; anything but loopback needs --auth")
-    p.add_argument("--port", type=int, default=7860, help="port to serve on")
+    p.add_argument("--port", type=port_number, default=7860, help="port to serve on")
     p.add_argument("--share", action="store_true",
                    help="also open a public gradio.live link (needs --auth)")
     p.add_argument("--auth", action="append", default=[], metavar="USER:PASSWORD",
@@ -70,6 +70,18 @@ def build_parser() -> argparse.ArgumentParser:
     EngineConfig.add_cli_args(p, only=APP_ENGINE_FLAGS, defaults=APP_ENGINE_DEFAULTS)
     add_backend_flags(p)
     return p
+
+
+def port_number(text: str) -> int:
+    """argparse's type for --port: a TCP port, 1-65535 (the socket's bind refused any other
+    with a traceback, after the model had loaded)."""
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a port number, got {text!r}") from None
+    if not 1 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a port number from 1 to 65535, got {port}")
+    return port
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

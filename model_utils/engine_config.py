@@ -140,9 +140,9 @@ def add_model_args(parser: argparse.ArgumentParser, *, what: str = "model to loa
         f"{what}: 'demo', a folder under --models-dir or another allowed folder, or a hub id "
         f"already in the local Hugging Face cache (default: demo){note}"))
     if mode:
-        parser.add_argument("--mode", default="bf16",
+        parser.add_argument("--mode", default="bf16", type=mode_name,
                             help=f"precision mode: {', '.join(MODES)} (default: bf16)")
-    parser.add_argument("--placement", default=None, help=(
+    parser.add_argument("--placement", default=None, type=placement_name, help=(
         f"cpu, cuda:N, auto, balanced, balanced_low_0 or sequential (default: "
         f"{placement_default})"))
     if context:
@@ -150,6 +150,30 @@ def add_model_args(parser: argparse.ArgumentParser, *, what: str = "model to loa
         parser.add_argument("--context-tokens", type=positive_int, metavar="N",
                             default=context_default,
                             help=f"context window in tokens (default: {shown})")
+
+
+def mode_name(text: str) -> str:
+    """argparse's type for --mode: a mode's name. Refused here, a typo would have started the
+    app serving no model (the start-up load fails, and the app serves on without one)."""
+    from .loading.modes import MODES
+
+    if text not in MODES:
+        raise argparse.ArgumentTypeError(
+            f"unknown mode {text!r}; choose one of: {', '.join(MODES)}")
+    return text
+
+
+def placement_name(text: str) -> str:
+    """argparse's type for --placement: the name of a placement (cpu, cuda:N or a strategy).
+    Whether this machine has that GPU is the load's business, which says so on the page."""
+    from .loading.placement import STRATEGIES
+
+    index = text.removeprefix("cuda:")
+    if text != "cpu" and text not in STRATEGIES and not (text != index and index.isdigit()):
+        raise argparse.ArgumentTypeError(
+            f"unknown placement {text!r}; choose cpu, cuda:N (N: the GPU's number) or one of: "
+            f"{', '.join(STRATEGIES)}")
+    return text
 
 
 def positive_int(text: str) -> int:

@@ -12,7 +12,7 @@ import urllib.request
 import pytest
 from gradio_client import Client
 
-from .conftest import ROOT
+from .conftest import ROOT, free_port
 
 FLAGS = ["--model", "--mode", "--placement", "--host", "--port", "--share", "--auth",
          "--auth-file", "--admin", "--models-dir", "--log-file", "--log-prompts",
@@ -66,6 +66,41 @@ def test_compile_mode_offers_the_engine_modes_and_refuses_others():
     result = run_app("--compile-mode", "fastest")
     assert result.returncode == 2
     assert "--compile-mode" in result.stderr
+
+
+@pytest.mark.parametrize(("args", "expected"), [
+    (["--port", "99999"], "--port: must be a port number from 1 to 65535, got 99999"),
+    (["--port", "0"], "--port: must be a port number from 1 to 65535"),
+    (["--port", "http"], "--port: must be a port number, got 'http'"),
+    # A typo in the mode or the placement: refused with the names to pick from, rather than
+    # an app that starts serving no model.
+    (["--mode", "bogus"], "unknown mode 'bogus'; choose one of: fp32, bf16"),
+    (["--placement", "gpu"], "unknown placement 'gpu'; choose cpu, cuda:N"),
+    (["--placement", "cuda:first"], "unknown placement 'cuda:first'"),
+])
+def test_bad_port_mode_or_placement_exits_2_with_a_plain_message(args, expected, tmp_path):
+    log_file = tmp_path / "server.log"
+    # A free port first (a --port of the case comes later and wins): an app that is not
+    # refused serves there, not on the default port.
+    result = run_app("--port", str(free_port()), *args, "--log-file", str(log_file))
+    assert result.returncode == 2, result.stderr
+    assert expected in result.stderr
+    assert "Traceback" not in result.stderr
+    assert not log_file.exists(), "refused before anything is started"
+
+
+def test_every_mode_and_placement_name_is_taken():
+    sys.path.insert(0, str(ROOT))
+    import app
+    from model_utils.loading.modes import MODES
+    from model_utils.loading.placement import STRATEGIES
+
+    for mode in MODES:
+        assert app.parse_args(["--mode", mode]).mode == mode
+    # cuda:N by its name: whether this machine has that GPU is the load's to say.
+    for placement in ["cpu", "cuda:0", "cuda:11", *STRATEGIES]:
+        assert app.parse_args(["--placement", placement]).placement == placement
+    assert app.parse_args(["--port", "65535"]).port == 65535
 
 
 def test_starts_without_a_model_when_the_startup_load_fails(start_app):
