@@ -62,7 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compile-cache", metavar="DIR|off",
                    help="folder for torch.compile's caches, so that a mode compiled once loads "
                         "faster in later runs (default: $TORCHINDUCTOR_CACHE_DIR, else "
-                        "~/.cache/qwen-chat/torch-compile; off: torch's own, in the temp folder)")
+                        "torch-compile in $QWEN_CHAT_CACHE, else ~/.cache/qwen-chat/torch-compile; "
+                        "off: torch's own, in the temp folder); unused without a CUDA GPU")
     p.add_argument("--chat-store", metavar="PATH",
                    help="with logins, the SQLite file that keeps each user's chats and presets "
                         "(default: chats.sqlite3 in $QWEN_CHAT_CACHE, else ~/.cache/qwen-chat); "

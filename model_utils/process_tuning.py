@@ -16,7 +16,8 @@ engine opts in with one call, `tune_process()`, which:
   CPU path, and the app works offline), and transformers' "Loading weights" bars (the app logs
   each load's stages itself);
 - keeps torch.compile's caches in a folder that outlives the process and the machine's temp
-  folder (runtime/compile_cache.py), so that a mode compiled once loads warm in a later run.
+  folder (runtime/compile_cache.py), so that a mode compiled once loads warm in a later run
+  (on a machine with a CUDA GPU: without one the app compiles nothing).
 
 A library user (a notebook, a test) that does not call it gets the engine with none of these.
 """
@@ -33,13 +34,13 @@ log = logging.getLogger(__name__)
 
 def tune_process(compile_cache: str | Path | None = None) -> None:
     """`compile_cache`: the folder for torch.compile's caches (None: compile_cache.default_dir(),
-    "off": torch's own default, in the temp folder)."""
+    "off": torch's own default, in the temp folder); not used without a CUDA GPU."""
     global _tuned
     from .loading.memory_accounting import pin_mmap_threshold
     from .runtime import compile_cache as cache
 
     pin_mmap_threshold()
-    if str(compile_cache) != "off":
+    if str(compile_cache) != "off" and _compiles_here():
         folder = compile_cache or cache.default_dir()
         try:
             cache.use_compile_cache(folder)
@@ -52,6 +53,16 @@ def tune_process(compile_cache: str | Path | None = None) -> None:
 
     hf_logging.disable_progress_bar()
     _tuned = True
+
+
+def _compiles_here() -> bool:
+    """Whether the app may compile in this process: its decode step is compiled on a CUDA GPU
+    only. Without one the compile cache is left alone, not pointed anywhere: torch makes the
+    folder it names as soon as torch._dynamo is imported, and an empty folder the app never
+    uses would be left in the user's cache."""
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def model_loaded() -> None:

@@ -5,8 +5,9 @@ modes"). Inductor already caches its output: compiled FX graphs, AOTAutograd's g
 autotuning results and Triton's kernels (under <cache>/triton). Two things keep that from
 helping a user: the cache lives in the system's temp folder by default (emptied at reboot, and
 on many hosts by a timer), and a torch release may change the defaults. So a serving process
-points the cache at a folder under the user's cache (`use_compile_cache`, called by
-process_tuning.tune_process with the app's --compile-cache) and turns the caches on by name.
+with a CUDA GPU (the app compiles nothing without one) points the cache at a folder beside the
+app's other data (`use_compile_cache`, called by process_tuning.tune_process with the app's
+--compile-cache) and turns the caches on by name.
 
 What a hit needs is inductor's own key: the traced graph (so the model's code, its shapes and
 the mode's layers), the input shapes, dtypes and strides, the inductor settings, and the torch,
@@ -23,13 +24,18 @@ import os
 from pathlib import Path
 
 ENV = "TORCHINDUCTOR_CACHE_DIR"
+APP_CACHE_ENV = "QWEN_CHAT_CACHE"  # where the app keeps its data (loading/demo_model.py)
 
 
 def default_dir() -> Path:
     """The folder the app uses unless told otherwise: $TORCHINDUCTOR_CACHE_DIR when the user
-    set it, else the user's cache folder (XDG_CACHE_HOME, or ~/.cache)."""
+    set it, else torch-compile beside the app's other data (the demo model, trained models,
+    the chat store): in $QWEN_CHAT_CACHE when set, else in the user's cache folder
+    (XDG_CACHE_HOME, or ~/.cache) under qwen-chat."""
     if os.environ.get(ENV):
         return Path(os.environ[ENV])
+    if os.environ.get(APP_CACHE_ENV):
+        return Path(os.environ[APP_CACHE_ENV]) / "torch-compile"
     base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
     return Path(base) / "qwen-chat" / "torch-compile"
 

@@ -56,28 +56,58 @@ print(os.environ.get("TORCHINDUCTOR_CACHE_DIR", "unset"))
 """
 
 
+def has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def tune_in_a_new_process(arg: str, env: dict) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in env.items() if k != "TORCHINDUCTOR_CACHE_DIR"}
+    done = subprocess.run([sys.executable, "-c", TUNE, arg], env=env, capture_output=True,
+                          text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done
+
+
 def test_a_folder_that_cannot_be_made_is_said_in_the_log_and_the_process_goes_on(tmp_path):
     blocker = tmp_path / "a-file"
     blocker.write_text("")
-    env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"}
-    done = subprocess.run([sys.executable, "-c", TUNE, str(blocker / "cache")], env=env,
-                          capture_output=True, text=True, timeout=120, check=False)
-    assert done.returncode == 0, done.stderr[-2000:]
+    done = tune_in_a_new_process(str(blocker / "cache"), dict(os.environ))
     assert done.stdout.strip() == "unset"  # torch's own default
-    assert "cannot keep torch.compile's cache in" in done.stderr
+    # Without a GPU the app compiles nothing, and the folder is not even tried.
+    assert ("cannot keep torch.compile's cache in" in done.stderr) == has_cuda()
     assert "Traceback" not in done.stderr
 
 
 @pytest.mark.parametrize("given", ["-", "off", "mine"])
-def test_the_app_keeps_the_cache_under_the_users_cache_folder_unless_told(tmp_path, given):
-    env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"}
+def test_the_app_keeps_the_cache_beside_its_other_data_unless_told(tmp_path, given):
+    env = {k: v for k, v in os.environ.items() if k != "QWEN_CHAT_CACHE"}
     env["XDG_CACHE_HOME"] = str(tmp_path / "xdg")
     arg = str(tmp_path / "mine") if given == "mine" else given
-    done = subprocess.run([sys.executable, "-c", TUNE, arg], env=env, capture_output=True,
-                          text=True, timeout=120, check=False)
-    assert done.returncode == 0, done.stderr[-2000:]
-    expected = {"-": str(tmp_path / "xdg" / "qwen-chat" / "torch-compile"),
-                "off": "unset", "mine": str(tmp_path / "mine")}[given]
-    assert done.stdout.strip() == expected
-    if given != "off":
-        assert Path(expected).is_dir()
+    done = tune_in_a_new_process(arg, env)
+    folder = {"-": tmp_path / "xdg" / "qwen-chat" / "torch-compile",
+              "off": None, "mine": tmp_path / "mine"}[given]
+    if folder is not None and has_cuda():
+        assert done.stdout.strip() == str(folder)
+        assert folder.is_dir()
+    else:  # off, or no GPU: torch's own default, and nothing made in the user's folders
+        assert done.stdout.strip() == "unset"
+        assert not (tmp_path / "xdg").exists() and not (tmp_path / "mine").exists()
+
+
+def test_the_default_folder_follows_the_apps_data(tmp_path, monkeypatch):
+    """$TORCHINDUCTOR_CACHE_DIR, else beside the demo model, trained models and chats:
+    $QWEN_CHAT_CACHE, else the user's cache folder."""
+    from model_utils.loading.demo_model import default_cache_dir
+    from model_utils.runtime.compile_cache import default_dir
+
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    monkeypatch.delenv("QWEN_CHAT_CACHE", raising=False)
+    assert default_dir() == tmp_path / "xdg" / "qwen-chat" / "torch-compile"
+    monkeypatch.setenv("QWEN_CHAT_CACHE", str(tmp_path / "app-data"))
+    assert default_dir() == tmp_path / "app-data" / "torch-compile"
+    assert default_dir().parent == default_cache_dir()  # the demo model's folder's
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "torch's"))
+    assert default_dir() == tmp_path / "torch's"
