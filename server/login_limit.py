@@ -42,6 +42,8 @@ class LoginLimiter:
                 return 0.0
             while failures and now - failures[0] > self.window_s:
                 failures.popleft()
+            if not failures:
+                del self._failures[(address, user)]
             if len(failures) < self.max_failures:
                 return 0.0
             return self.window_s - (now - failures[0])
@@ -58,13 +60,23 @@ class LoginLimiter:
                 self._make_room(now)
 
     def _make_room(self, now: float) -> None:
-        """Bounded, whoever sends names: failures past the window go first, then the names
-        that failed longest ago (not everything at once: a guesser could then wipe its own
-        count by failing at MAX_TRACKED made-up names)."""
-        for key in [k for k, f in self._failures.items() if now - f[-1] > self.window_s]:
+        """Bounded, whoever sends names, down to 90 % of MAX_TRACKED (so that a flood pays
+        this scan once per thousand failures, not at each): failures past the window go
+        first, then the names not locked that failed longest ago, and locked names only
+        when nothing else is left. Not everything at once, nor a locked name before others:
+        a guesser could then unlock a name by failing at made-up ones."""
+        target = MAX_TRACKED * 9 // 10
+        expired = [k for k, f in self._failures.items() if not f or now - f[-1] > self.window_s]
+        for key in expired:
             del self._failures[key]
-        while len(self._failures) > MAX_TRACKED:
-            del self._failures[next(iter(self._failures))]
+        for locked in (False, True):
+            if len(self._failures) <= target:
+                return
+            for key in [k for k, f in self._failures.items()
+                        if (len(f) >= self.max_failures) == locked]:
+                del self._failures[key]
+                if len(self._failures) <= target:
+                    return
 
     def succeeded(self, address: str, user: str) -> None:
         with self._lock:
