@@ -28,13 +28,14 @@ def damaged_message(file_name: str) -> str:
 
 
 def weight_files(folder: Path) -> list[Path]:
-    """The files from_pretrained reads: the shards the index names, else model.safetensors,
+    """The files from_pretrained reads, in its order: model.safetensors, else the shards the
+    index names (an index beside a single file, left from an earlier upload, is not read),
     else (a folder with neither) every .safetensors file in it."""
+    if (folder / SINGLE_FILE).is_file():
+        return [folder / SINGLE_FILE]
     index = folder / SHARD_INDEX
     if index.is_file():
         return [folder / name for name in sorted(set(_shard_names(index)))]
-    if (folder / SINGLE_FILE).is_file():
-        return [folder / SINGLE_FILE]
     return sorted(folder.glob("*.safetensors"))
 
 

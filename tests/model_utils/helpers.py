@@ -33,7 +33,6 @@ def copy_demo(demo_path: Path, target: Path, *, weights: bool = True) -> Path:
     return target
 
 
-
 def copy_demo_with_other_shapes(demo_path: Path, target: Path) -> Path:
     """A copy of the demo checkpoint whose weights read (every header is sound) but whose
     first MLP down-projection is one column wider than the config says: it passes every check
@@ -48,6 +47,7 @@ def copy_demo_with_other_shapes(demo_path: Path, target: Path) -> Path:
     weights[name] = torch.zeros(rows, columns + 1, dtype=weights[name].dtype)
     save_file(weights, target / "model.safetensors", metadata={"format": "pt"})
     return target
+
 
 def prefill_logits(engine, tokens: list[int], chunk: int):
     """Logits of the last of `tokens`, prefilled through the engine's batch runner into blocks

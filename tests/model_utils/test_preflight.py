@@ -44,6 +44,7 @@ def serving(tmp_path_factory, demo_path):
     (sharded / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {
         "a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}))
     bad_index = copy_demo(demo_path, models / "bad-index")
+    (bad_index / "model.safetensors").rename(bad_index / "model-00001-of-00001.safetensors")
     (bad_index / "model.safetensors.index.json").write_text("{not json")
     engine = Engine(models_dir=models)
     engine.load(cpu_request("fp32"))
@@ -152,3 +153,14 @@ def test_without_a_context_asked_for_the_most_that_fits_is_taken_and_said(servin
                                  context_tokens=4096))
     finally:
         engine.unload()
+
+
+def test_a_stale_shard_index_beside_a_single_file_is_not_read(demo_path, tmp_path):
+    """from_pretrained reads model.safetensors before any index: so does the check."""
+    from model_utils.loading.weight_files import unreadable_weights, weight_files
+
+    folder = copy_demo(demo_path, tmp_path / "stale-index")
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {
+        "a": "model-00001-of-00002.safetensors"}}))
+    assert weight_files(folder) == [folder / "model.safetensors"]
+    assert unreadable_weights(folder) is None
