@@ -11,8 +11,8 @@ object is printed at the end (text, reasoning, token counts, timings, mode, plac
 list (a JSON list, or an object with a "messages" list); it loads only the tokenizer.
 
 Exit status: 0 done; 2 refused, with one line on stderr (a bad flag, an unknown model or mode,
-a path outside the allowed model folders, a setting out of range, an unreadable messages file, a
-load that failed or does not fit); 1 an unexpected error (one line; --verbose adds the
+a folder that holds no model, a setting out of range, an unreadable messages file, a load that
+failed or does not fit); 1 an unexpected error (one line; --verbose adds the
 traceback); 130 interrupted. Library logs, warnings and loading bars are kept off stderr unless
 --verbose is given.
 """
@@ -143,8 +143,7 @@ def cmd_chat(args) -> int:
     from model_utils.loading.loaded_model import LoadRequest
 
     engine = build_engine(EngineConfig.from_args(args))
-    if hasattr(engine, "registry"):  # a local engine (--tp's has its workers' own)
-        engine.registry.allow_named_folder(args.model)
+    engine.registry.allow_named_folder(args.model)
     request = LoadRequest(model=args.model, mode=args.mode, placement=placement,
                           compute_dtype=args.compute_dtype, context_tokens=args.context_tokens)
     try:

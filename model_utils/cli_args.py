@@ -33,7 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, metavar="{chat,prompt}")
 
     def common_flags(p, *, mode: bool):
-        add_model_args(p, mode=mode)
+        add_model_args(p, mode=mode, note="; a folder named here may be read even outside those")
         EngineConfig.add_cli_args(p, only=("models_dir", "trust_remote_code"))
         given = p.add_mutually_exclusive_group(required=True)
         given.add_argument("--prompt", help="one user message")

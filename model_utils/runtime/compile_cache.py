@@ -30,14 +30,11 @@ APP_CACHE_ENV = "QWEN_CHAT_CACHE"  # where the app keeps its data (loading/demo_
 def default_dir() -> Path:
     """The folder the app uses unless told otherwise: $TORCHINDUCTOR_CACHE_DIR when the user
     set it, else torch-compile beside the app's other data (the demo model, trained models,
-    the chat store): in $QWEN_CHAT_CACHE when set, else in the user's cache folder
-    (XDG_CACHE_HOME, or ~/.cache) under qwen-chat."""
+    the chat store): in $QWEN_CHAT_CACHE when set, else in ~/.cache/qwen-chat, as they are."""
     if os.environ.get(ENV):
         return Path(os.environ[ENV])
-    if os.environ.get(APP_CACHE_ENV):
-        return Path(os.environ[APP_CACHE_ENV]) / "torch-compile"
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "qwen-chat" / "torch-compile"
+    app_cache = os.environ.get(APP_CACHE_ENV) or Path.home() / ".cache" / "qwen-chat"
+    return Path(app_cache) / "torch-compile"
 
 
 def use_compile_cache(directory: str | Path) -> Path:

@@ -83,29 +83,30 @@ def test_a_folder_that_cannot_be_made_is_said_in_the_log_and_the_process_goes_on
 @pytest.mark.parametrize("given", ["-", "off", "mine"])
 def test_the_app_keeps_the_cache_beside_its_other_data_unless_told(tmp_path, given):
     env = {k: v for k, v in os.environ.items() if k != "QWEN_CHAT_CACHE"}
-    env["XDG_CACHE_HOME"] = str(tmp_path / "xdg")
+    env["HOME"] = str(tmp_path / "home")
     arg = str(tmp_path / "mine") if given == "mine" else given
     done = tune_in_a_new_process(arg, env)
-    folder = {"-": tmp_path / "xdg" / "qwen-chat" / "torch-compile",
+    folder = {"-": tmp_path / "home" / ".cache" / "qwen-chat" / "torch-compile",
               "off": None, "mine": tmp_path / "mine"}[given]
     if folder is not None and has_cuda():
         assert done.stdout.strip() == str(folder)
         assert folder.is_dir()
     else:  # off, or no GPU: torch's own default, and nothing made in the user's folders
         assert done.stdout.strip() == "unset"
-        assert not (tmp_path / "xdg").exists() and not (tmp_path / "mine").exists()
+        assert not (tmp_path / "home").exists() and not (tmp_path / "mine").exists()
 
 
 def test_the_default_folder_follows_the_apps_data(tmp_path, monkeypatch):
     """$TORCHINDUCTOR_CACHE_DIR, else beside the demo model, trained models and chats:
-    $QWEN_CHAT_CACHE, else the user's cache folder."""
+    $QWEN_CHAT_CACHE, else ~/.cache/qwen-chat."""
     from model_utils.loading.demo_model import default_cache_dir
     from model_utils.runtime.compile_cache import default_dir
 
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
     monkeypatch.delenv("QWEN_CHAT_CACHE", raising=False)
-    assert default_dir() == tmp_path / "xdg" / "qwen-chat" / "torch-compile"
+    assert default_dir() == tmp_path / "home" / ".cache" / "qwen-chat" / "torch-compile"
+    assert default_dir().parent == default_cache_dir()
     monkeypatch.setenv("QWEN_CHAT_CACHE", str(tmp_path / "app-data"))
     assert default_dir() == tmp_path / "app-data" / "torch-compile"
     assert default_dir().parent == default_cache_dir()  # the demo model's folder's
