@@ -156,16 +156,20 @@ def _wire(c: dict, engine: Engine, demo: gr.Blocks, status: gr.State,
         # The picks start at what is loaded now, so "pick a mode, press Load" switches the
         # model that is serving, even one loaded from a typed path or by another page.
         current = current_picks(engine)
+        drawn_path = values[c["model_path"]]
         values = {**values, c["model"]: current["model"], c["mode"]: current["mode"],
                   c["model_path"]: current["model_path"], c["placement"]: current["placement"]}
         typed_path = current["model_path"]
         if typed_path and not shows_full_paths(admin, getattr(request, "username", None)):
             typed_path = client_path(typed_path, models_dir_of(engine))  # a guest's view
         info.follow(current["status"])
+        # Left alone when it already reads so: a path typed while this answer was on its way
+        # (a busy server) is not wiped.
+        path = gr.skip() if typed_path == drawn_path else typed_path
         return (actions.status_markdown(current["status"]), current["status"],
                 estimate(values, request),
                 gr.update(choices=current["choices"], value=current["model"]),
-                typed_path, current["mode"], current["placement"], info.startup_message())
+                path, current["mode"], current["placement"], info.startup_message())
 
     demo.load(on_page_load, picks,
               [c["status"], status, c["estimate"], c["model"], c["model_path"], c["mode"],

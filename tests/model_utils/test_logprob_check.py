@@ -9,7 +9,7 @@ import torch
 from model_utils.bench import logprob_check as check
 from model_utils.bench.logprob_runs import engine_greedy, engine_teacher_forced, plain_greedy
 from model_utils.bench.peaked_model import sample_prompts, train
-from model_utils.engine import Engine
+from model_utils.engine import Engine, eos_ids
 
 from .helpers import cpu_request
 
@@ -142,7 +142,9 @@ def test_a_request_records_the_top_logprobs_of_each_token(load_demo):
     prompt = loaded.tokenizer("Hello, how are you today?")["input_ids"]
     (recorded,) = engine_greedy(engine, [prompt], 6)
     assert len(recorded.tokens) == 6 and len(recorded.top_ids) == 6
-    assert [ids[0] for ids in recorded.top_ids] == recorded.tokens  # greedy: the top-1
+    # Greedy with the EOS held back (min_new_tokens): the likeliest token that is not one.
+    eos = eos_ids(loaded)
+    assert [next(i for i in ids if i not in eos) for ids in recorded.top_ids] == recorded.tokens
     assert all(len(ids) == check.RECORDED_K for ids in recorded.top_ids)
     assert all(lp[0] >= lp[-1] for lp in recorded.top_logprobs)
 

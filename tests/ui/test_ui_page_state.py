@@ -134,7 +134,9 @@ def test_send_is_disabled_and_stop_enabled_only_while_a_reply_streams(browser, a
                            " !stop && send && style.split(' ').includes('stop'))")
     if stop.is_enabled():
         page.screenshot(path=str(artifacts / "generating.png"))
-        stop.click()
+        # Clicked only if still enabled, in the page at once: the reply may end meanwhile.
+        page.evaluate("() => { const b = document.querySelector('#stop');"
+                      " if (!b.disabled) b.click(); }")
     page.locator("#chatbot sub").wait_for()
     wait_until(lambda: stop.is_disabled() and send_button.is_enabled(),
                "Stop to be disabled and Send enabled after the reply")
