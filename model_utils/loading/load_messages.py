@@ -19,7 +19,7 @@ def user_message(error: BaseException) -> str:
         return "out of GPU memory while loading: pick a smaller mode or allow CPU offload"
     text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
     if type(error).__name__ == "SafetensorError":  # its text: "Error while deserializing ..."
-        return damaged_message("(a .safetensors file)")
+        return damaged_message()
     if "ignore_mismatched_sizes" in text:  # transformers' report of the shapes is in the log
         return ("the weights do not match the model's config.json (tensors of other shapes): "
                 "the files are of different models, or the config was edited")

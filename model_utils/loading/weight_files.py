@@ -20,11 +20,11 @@ SINGLE_FILE = "model.safetensors"
 SHARD_INDEX = "model.safetensors.index.json"
 
 
-def damaged_message(file_name: str) -> str:
+def damaged_message(file_name: str | None = None) -> str:
     """What a user is told about a weights file that cannot be read, named by its name only
-    (the message may reach guests, who never see server paths)."""
-    return (f"the weights file {file_name} is damaged or incomplete (a download cut short?): "
-            "download or copy it again")
+    (the message may reach guests, who never see server paths), or not at all when unknown."""
+    what = f"the weights file {file_name}" if file_name else "a .safetensors weights file"
+    return f"{what} is damaged or incomplete (a download cut short?): download or copy it again"
 
 
 def weight_files(folder: Path) -> list[Path]:
