@@ -152,8 +152,12 @@ def _release_shape_envs() -> None:
     SymNode, which holds the ShapeEnv, a cycle through C++ that gc cannot see, so it outlived
     the reset. tracked_fakes serve only a compile's guards (none runs: the caller holds the
     compile lock). ShapeEnv's method lru_caches, keyed by the ShapeEnv, hold recent ones too."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
+    # The fake-tensor dispatch cache is class-wide: its keys hold the symbolic sizes of
+    # every compile since the process began (reset() leaves it).
+    FakeTensorMode.cache_clear()
     for shape_env in [o for o in gc.get_objects() if type(o) is ShapeEnv]:
         if shape_env.tracked_fakes:
             shape_env.tracked_fakes.clear()

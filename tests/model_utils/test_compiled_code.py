@@ -133,6 +133,19 @@ def test_no_tracing_state_of_a_dynamic_shape_compile_outlives_a_forget(fresh):
     assert after_forgets == after_forgets[:1] * 4, after_forgets
 
 
+def test_a_forget_empties_the_fake_tensor_dispatch_cache(fresh):
+    """That cache is class-wide and keyed by the symbolic sizes of every compile: kept across
+    resets, it held each forgotten compile's symbols (found growing over GPU mode switches)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    layer = torch.nn.Linear(8, 8)
+    step = torch.compile(lambda x: torch.relu(layer(x)), backend="aot_eager", dynamic=True)
+    step(torch.ones(3, 8))
+    assert FakeTensorMode.cache_info().size > 0
+    compiled_code.forget_compiled_code()
+    assert FakeTensorMode.cache_info().size == 0
+
+
 class CompiledStep:
     """The runner's decode step through a compiled forward (as cuda_graphs.GraphedBatchStep's,
     without the graph capture, which needs a GPU)."""
