@@ -37,8 +37,8 @@ class ClientError(Exception):
         self.status, self.message, self.param = status, message, param
         self.retry_after = retry_after  # passed on from a model server (backends.errors)
         self.kind = kind or {401: "authentication_error", 403: "permission_error",
-                             503: "server_busy"}.get(status, "invalid_request_error"
-                                                     if status < 500 else "server_error")
+                             429: "rate_limit_error", 503: "server_busy"}.get(
+            status, "invalid_request_error" if status < 500 else "server_error")
 
 
 def models_dir_of(engine) -> Path | None:

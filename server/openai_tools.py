@@ -50,7 +50,7 @@ def output_format(body: _ChatCompletionFields) -> OutputFormat | None:
         return None
     return OutputFormat(response_format=kind, schema=schema, tools=tools, tool_choice=choice,
                         parallel_tool_calls=body.parallel_tool_calls is not False,
-                        param="response_format" if kind else "tool_choice")
+                        param="response_format" if kind else "tools")
 
 
 class ToolCallStream:

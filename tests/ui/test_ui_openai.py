@@ -264,8 +264,9 @@ def test_wrong_logins_over_the_api_are_logged_and_limited_as_on_the_login_page(l
             limited = client.get("/v1/models", headers={"Authorization": authorization})
             assert limited.status_code == 429
             assert 0 < int(limited.headers["retry-after"]) <= 300
-            assert "too many failed logins for this user" in \
-                limited.json()["error"]["message"]
+            error = limited.json()["error"]
+            assert "too many failed logins for this user" in error["message"]
+            assert error["type"] == "rate_limit_error"
         with pytest.raises(openai.RateLimitError):
             openai.OpenAI(base_url=login_app.url + "/v1", api_key="bob:right-one",
                           max_retries=0).models.list()

@@ -132,6 +132,9 @@ def test_json_schema_and_json_object_replies_parse(client):
     ({"tool_choice": {"type": "function", "function": {"name": "nope"}}, "tools": TOOLS},
      "tool_choice"),
     ({"tool_choice": "required"}, "tool_choice"),
+    ({"tool_choice": "required", "tools": [{"type": "function", "function": {
+        "name": "f", "parameters": {"type": "object", "properties": {
+            "a": {"$ref": "#/definitions/none"}}}}}]}, "tools"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
      "response_format"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
