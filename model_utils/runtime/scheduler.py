@@ -151,33 +151,33 @@ class Scheduler:
         if self.cache is None:
             self.cache = CacheManager(self.runner.blocks())
         self.waiting_for_memory = False
-        # Gone before they started, wherever they wait (every row may be taken): their places
-        # are free now, with no blocks or prefill spent.
+        # Gone before they started, wherever they wait: places freed, no blocks or prefill spent.
         for request in self.queue.take_stopped():
             self._finish(request, "stop")
         group: list[Request] = []
-        while len(self.rows) + len(group) < self.runner.capacity:
-            request = self.queue.head()
-            if request is None:
-                break
-            # A prompt the padded prefill takes costs a graph replay: computing it whole is as
-            # fast as reading back a prefix, and keeps it in the group's one replay.
-            reuse = not self.runner.fits_padded(len(request.prompt_ids))
-            if not self.cache.admit(request, reuse=reuse, headroom=len(self.rows) + len(group),
-                                    min_reuse=self.runner.min_reuse_tokens,
-                                    reusable=self.runner.reusable_blocks):
-                self.waiting_for_memory = True
-                break
-            self._take_from_queue()
-            if not request.preempted:
-                request.stats.cached_tokens = request.cached_tokens
-            group.append(request)
-        for chunk, padded in prefill_groups(group, fits=self._fits_padded,
-                                            fit_together=self.runner.fit_padded_together):
-            self._prefill_isolated(chunk, padded)
-
-    def _take_from_queue(self) -> None:
-        self.queue.take().admitted = next(self._order)
+        try:
+            while len(self.rows) + len(group) < self.runner.capacity:
+                request = self.queue.head()
+                if request is None:
+                    break
+                # A padded prompt is computed whole: as fast as reading a prefix back, one replay.
+                reuse = not self.runner.fits_padded(len(request.prompt_ids))
+                if not self.cache.admit(request, reuse=reuse,
+                                        headroom=len(self.rows) + len(group),
+                                        min_reuse=self.runner.min_reuse_tokens,
+                                        reusable=self.runner.reusable_blocks):
+                    self.waiting_for_memory = True
+                    break
+                self.queue.take().admitted = next(self._order)
+                if not request.preempted:
+                    request.stats.cached_tokens = request.cached_tokens
+                group.append(request)
+            for chunk, padded in prefill_groups(group, fits=self._fits_padded,
+                                                fit_together=self.runner.fit_padded_together):
+                self._prefill_isolated(chunk, padded)
+        except BaseException as error:  # out of the queue, in no row: no stream may hang
+            self._fail_unplaced(group, error)
+            raise
 
     def _fits_padded(self, request: Request) -> bool:
         return request.cached_tokens == 0 and self.runner.fits_padded(len(request.prompt_ids))
@@ -213,7 +213,7 @@ class Scheduler:
         """Those of `requests` not placed in a row and not ended."""
         return [r for r in requests if r not in self.rows and not r.finished]
 
-    def _fail_unplaced(self, requests: list[Request], error: Exception) -> None:
+    def _fail_unplaced(self, requests: list[Request], error: BaseException) -> None:
         log.error("prefill failed: %s", error, exc_info=error)
         for request in self._unplaced(requests):
             self._finish(request, "error", error)

@@ -299,6 +299,44 @@ def test_a_resumed_reply_in_a_group_that_fails_for_another_goes_on_alone():
     assert not runner.set_up_now
 
 
+def drained(stream, timeout_s: float = 10.0) -> dict:
+    """What reading a stream to its end gives, {} if it is still open after timeout_s."""
+    result: dict = {}
+
+    def read():
+        try:
+            result["tokens"] = list(stream)
+        except Exception as error:  # noqa: BLE001 - the test looks at it
+            result["error"] = error
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    reader.join(timeout_s)
+    return result
+
+
+def test_a_failure_between_admission_and_prefill_ends_those_replies_and_the_next_goes_on():
+    """A bug escaping admission after requests left the queue, before any had a row, left
+    their streams open for ever: the loop's own failure handling knows only rows and queue."""
+    runner = ListRunner(padded=True)
+    real = runner.fit_padded_together
+
+    def broken(lengths):
+        raise RuntimeError("grouping failed")
+
+    runner.fit_padded_together = broken
+    h = Harness(runner, max_batch=3)
+    streams = [h.submit(i, 5) for i in (1, 2)]
+    h.run()
+    for stream, stats in streams:
+        assert isinstance(drained(stream).get("error"), RuntimeError)
+        assert stats.finish_reason == "error"
+    runner.fit_padded_together = real
+    later = h.submit(3, 5)
+    h.run()
+    assert drained(later[0]) == {"tokens": expected(3, 5)}
+
+
 def test_a_row_whose_sampling_fails_ends_alone_and_the_others_go_on():
     runner = ListRunner()
     runner.bad_sampling[2] = 2  # request 2's sampling raises in the second step
