@@ -7,13 +7,13 @@ interpreter on the CPU; the prefill and extend forwards against sdpa over the wh
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 import torch.nn.functional as F
 
 from model_utils.runtime.paged_attention import NAME, PagedStep, paged_attention, reference_decode
+
+from .triton_interpreter import patch_interpreter, run_interpreted
 
 
 class Layer(torch.nn.Module):
@@ -81,17 +81,8 @@ KERNEL_CASES = [  # lengths, q_heads, kv_heads, dim, window, max_splits, split t
 
 def check_kernel_cases() -> None:
     """Every case in fp32 and fp16 (the interpreter's bf16 dot is wrong: numpy has no bf16).
-    Run in a process started with TRITON_INTERPRET=1: Triton's own jit functions must be made
-    for the interpreter too, so it must be set before triton is first imported."""
-    import triton.runtime.interpreter as interpreter
-
-    patch_tensor = interpreter._patch_lang_tensor
-
-    def patched(tensor, scope):  # its scalars are 1-element arrays, which numpy 2.4 no
-        patch_tensor(tensor, scope)  # longer turns into Python ints
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    interpreter._patch_lang_tensor = patched
+    Run under Triton's interpreter (triton_interpreter.run_interpreted)."""
+    patch_interpreter()
     from model_utils.runtime.decode_kernel import paged_decode
 
     for lengths, q_heads, kv_heads, dim, window, splits, split, tile in KERNEL_CASES:
@@ -112,16 +103,8 @@ def check_kernel_cases() -> None:
 
 
 def test_the_triton_decode_kernel_computes_the_reference():
-    import os
-    import subprocess
-    import sys
-
     pytest.importorskip("triton")
-    root = Path(__file__).resolve().parents[2]
-    done = subprocess.run(
-        [sys.executable, "-c", "import tests.model_utils.test_paged_attention as t; "
-         "t.check_kernel_cases()"], cwd=root, capture_output=True, text=True, timeout=300,
-        env={**os.environ, "TRITON_INTERPRET": "1"})
+    done = run_interpreted("tests.model_utils.test_paged_attention", "check_kernel_cases")
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.count("relative error") == 2 * len(KERNEL_CASES), done.stdout
 
