@@ -105,7 +105,9 @@ class ModelRegistry:
         if name in ("", DEMO_NAME):
             return ModelSource(DEMO_NAME, demo_model_path(self.cache_dir, progress), DEMO_LABEL,
                                True)
-        if name.startswith(("/", ".", "~")):
+        # A relative path to a folder that exists ("models/my-adapter") is that folder, before
+        # the hub id it also reads as, as from_pretrained takes it.
+        if name.startswith(("/", ".", "~")) or ("/" in name and Path(name).is_dir()):
             return self._folder(Path(name).expanduser(), name)
         if _HUB_ID.match(name):
             local = self._hub_snapshot(name)

@@ -98,6 +98,18 @@ def test_uncached_hub_id_says_nothing_is_downloaded(layout):
     assert str(hub) not in message and "does not download" in message  # no server paths
 
 
+def test_a_relative_path_to_a_folder_is_that_folder_not_a_hub_id(layout, monkeypatch):
+    """"models/good" reads as a hub id too; a folder that exists there is what it names (the
+    fine-tuning guide's `--model models/my-adapter`), under the same roots as any folder."""
+    registry, models, outside, hub = layout
+    monkeypatch.chdir(models.parent)
+    assert registry.resolve("models/good").path.resolve() == (models / "good").resolve()
+    with pytest.raises(ModelNotFound, match="outside the allowed model folders"):
+        registry.resolve("outside/secret")  # a folder, but not under a root
+    with pytest.raises(ModelNotFound, match="not in the local Hugging Face cache"):
+        registry.resolve("models/missing")  # no such folder: still a hub id
+
+
 def test_name_that_is_nothing_says_so(tmp_path):
     registry = ModelRegistry(None, cache_dir=tmp_path, hub_cache=tmp_path / "hub")
     with pytest.raises(ModelNotFound, match="neither a folder path, a hub id nor 'demo'"):
