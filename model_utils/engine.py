@@ -27,7 +27,7 @@ from .chat.reasoning import prompt_opens_thinking
 from .chat.reply_stream import prepare_reply, reply_updates
 from .chat.updates import ChatUpdate, TokenLogprob
 from .engine_config import EngineConfig
-from .errors import LoadError, ShuttingDown
+from .errors import NO_MODEL, LoadError, ShuttingDown
 from .loading.manager import ModelManager
 from .loading.placement import FitEstimate
 from .loading.registry import ModelRegistry
@@ -241,7 +241,7 @@ class Engine:
         model's) instead of waiting for the switch."""
         loaded = self.manager.loaded
         if loaded is None:
-            raise LoadError("no model is loaded: load one in the model panel first")
+            raise LoadError(NO_MODEL)
         return GenerationSettings().resolved(loaded.model.generation_config,
                                              context_tokens=loaded.context_tokens)
 
@@ -258,7 +258,7 @@ class Engine:
         so a count does not wait for replies or a switch."""
         loaded = self.manager.loaded
         if loaded is None:
-            raise LoadError("no model is loaded: load one in the model panel first")
+            raise LoadError(NO_MODEL)
         settings = (settings or GenerationSettings()).resolved(
             loaded.model.generation_config, context_tokens=loaded.context_tokens)
         return measure_prompt(loaded.tokenizer, messages, settings,

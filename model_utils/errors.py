@@ -13,6 +13,9 @@ class LoadError(RuntimeError):
     """A load that did not happen, or no model to answer; the message is meant for the user."""
 
 
+NO_MODEL = "no model is loaded: load one first (the Model tab, or the load_model endpoint)"
+
+
 class ModelBusy(RuntimeError):
     """A switch refused because replies are still streaming, or a reply refused for now."""
 

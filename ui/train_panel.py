@@ -169,10 +169,15 @@ def _wire(c: dict, engine: Engine, runner: TrainingRunner, status: gr.State,
         return "Stopping: the run saves a checkpoint first." if runner.stop() else \
             "No run is going."
 
-    def refresh():
+    def refresh(message: str):
         progress = runner.progress()
+        # The run's start line is stale once it ended (the progress line says how); any other
+        # message is left as it is, not written back (a handler may be setting a new one).
+        stale = progress["state"] != "running" and (message or "").startswith(
+            ("Training **", "Continuing **"))
         return (_progress_text(progress), _loss_frame(progress["rows"]),
-                gr.update(visible=bool(progress.get("resumable"))))
+                gr.update(visible=bool(progress.get("resumable"))),
+                gr.update(value="") if stale else gr.update())
 
     def status_api() -> dict:
         return {k: v for k, v in runner.progress().items() if k != "out"}
@@ -200,7 +205,7 @@ def _wire(c: dict, engine: Engine, runner: TrainingRunner, status: gr.State,
                              show_progress="hidden")
     c["use"].click(use, status, [c["message"], status], api_name=False,
                    concurrency_id="model", concurrency_limit=1)
-    c["timer"].tick(refresh, None, [c["progress"], c["plot"], c["continue"]],
+    c["timer"].tick(refresh, c["message"], [c["progress"], c["plot"], c["continue"], c["message"]],
                     api_visibility="private",
                     show_progress="hidden")
     gr.api(status_api, api_name="train_status")

@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
 
-from model_utils.errors import LoadError, ModelBusy
+from model_utils.errors import NO_MODEL, LoadError, ModelBusy
 from model_utils.layers.weight_only import load_quantized
 from model_utils.memory import GB
 
@@ -99,7 +99,7 @@ class ModelManager:
                 raise ModelBusy("a model switch is in progress: try again in a moment")
             loaded = self._loaded
             if loaded is None:
-                raise LoadError("no model is loaded: load one in the model panel first")
+                raise LoadError(NO_MODEL)
             self._users += 1
         try:
             yield loaded

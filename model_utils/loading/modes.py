@@ -165,8 +165,15 @@ def dropdown_choices(device: str | None = None) -> list[tuple[str, str]]:
     """(label, name) for the mode dropdown, section by section; each label carries its section
     and its cost on this device (a dropdown has no sections or per-entry help of its own). The
     labels say each thing once, the mode first, so that the closed box shows what is chosen."""
-    return [(f"{m.label} · {m.help(device)} · {group}", m.name)
+    return [(f"{_named(m)} · {m.help(device)} · {group}", m.name)
             for group in GROUPS for m in MODES.values() if m.group == group]
+
+
+def _named(mode: Mode) -> str:
+    """The label, led by the mode's name (--mode's, the docs') where the label does not."""
+    if mode.label == mode.name or mode.label.startswith(mode.name + " "):
+        return mode.label
+    return f"{mode.name} · {mode.label}"
 
 
 def dropdown_info(device: str | None = None) -> str:

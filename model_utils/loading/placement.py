@@ -131,9 +131,10 @@ class FitEstimate:
         reclaimed = ", ".join(f"{d} {size(g)}" for d, g in self.reclaimable_gb.items() if g)
         if reclaimed:
             free += f" (counting {reclaimed} that unloading the current model frees)"
-        return (f"needs {size(self.needed_gb)} (weights {size(self.weights_gb)} + KV cache "
-                f"{size(self.kv_cache_gb)} for {self.context_tokens} tokens); free: {free}; "
-                f"{self.plan}")
+        # The least a load takes: the batch cache grows past one context where memory allows.
+        return (f"needs at least {size(self.needed_gb)} (weights {size(self.weights_gb)} + KV "
+                f"cache {size(self.kv_cache_gb)} for one {self.context_tokens}-token context; "
+                f"more for several replies where memory allows); free: {free}; {self.plan}")
 
 
 def size(gb: float) -> str:

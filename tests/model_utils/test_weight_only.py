@@ -204,7 +204,9 @@ def test_the_dropdown_lists_the_modes_by_section_with_their_cost_on_the_device(m
         order = ["Full precision", "Fast quantized", "bitsandbytes memory savers"]
         assert sorted(set(sections), key=sections.index) == order  # each section together
         labels = {name: label for label, name in choices}
-        assert "int4 weight-only, group 128" in labels["int4-wo"]
+        assert labels["int4-wo"].startswith("int4-wo · int4 weight-only, group 128 · ")
+        assert labels["nf4-dq"].startswith("nf4-dq · nf4 4-bit + double quant · ")
+        assert labels["nf4"].startswith("nf4 4-bit · ") and labels["bf16"].startswith("bf16 · ")
         assert "0.53 B/param" in labels["int4-wo"] and "1.00 B/param" in labels["int8-wo"]
     for gemlite, int4_kernel in ((True, "gemlite's int4 kernels"), (False, "tinygemm int4 kernel")):
         monkeypatch.setattr(modes, "_gemlite_runs", lambda gemlite=gemlite: gemlite)

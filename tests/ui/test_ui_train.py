@@ -115,7 +115,8 @@ def test_a_stopped_run_offers_continue_and_goes_on_from_its_checkpoint(app, mode
         time.sleep(0.5)
 
 
-def test_the_form_shows_the_values_a_run_will_use(app):
+def test_the_form_shows_the_values_a_run_will_use_and_its_start_line_goes_when_done(app,
+                                                                                 models_dir):
     from .browser import open_browser
 
     with open_browser() as browser:
@@ -144,6 +145,20 @@ def test_the_form_shows_the_values_a_run_will_use(app):
         page.wait_for_function("() => document.querySelector('#train-plan')"
                                ".innerText.includes('learning rate 0.001 (full')")
         assert rate.get_attribute("placeholder") == "0.001"
+        # A short run: its start line goes once it has ended (the progress line says how).
+        page.locator("#train-data-path textarea, #train-data-path input").fill(
+            str(models_dir / "qa.jsonl"))
+        page.locator("#train-name textarea, #train-name input").fill("browser-run")
+        steps.fill("5")
+        page.locator("#train-start").click()
+        message = page.locator("#train-message")
+        page.wait_for_function("() => document.querySelector('#train-message')"
+                               ".innerText.includes('Training browser-run')")
+        page.wait_for_function("() => document.querySelector('#train-progress')"
+                               ".innerText.includes('finished')", timeout=120_000)
+        page.wait_for_function("() => !document.querySelector('#train-message')"
+                               ".innerText.includes('Training browser-run')", timeout=10_000)
+        assert "browser-run" not in message.inner_text()
 
 
 def run_console(models_dir, name: str) -> str:
