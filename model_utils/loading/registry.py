@@ -138,7 +138,8 @@ class ModelRegistry:
                         path, resolved, ", ".join(str(r) for r in self.roots))
             raise ModelNotFound(
                 f"{what + ' ' if what else ''}{str(path)!r} is outside the allowed model folders "
-                "(the models folder, the Hugging Face cache and folders named at start-up)")
+                "(the models folder, the Hugging Face cache and folders named at start-up; "
+                "start the app with --models-dir FOLDER to allow another)")
         return resolved
 
     def _allowed(self, resolved: Path) -> bool:
