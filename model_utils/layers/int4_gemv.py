@@ -14,9 +14,9 @@ complement) and a word's nibbles, lowest first, hold the inputs k = 0, 2, 4, 6, 
 its 8 (`SHUFFLED`; MSLK's unshuffled layout, bf16i4bf16_rowwise's, holds 0..7). Scales and zero
 points [K/group, N] bf16: w = (q - 8) * scale + zero, the app's numbers (int_quantization).
 
-Each program computes BLOCK_N outputs over the whole of K, GROUPS_PER_STEP groups a step, in
-fp32: y[n] = sum over groups of scale * sum((q - 8) * x) + zero * sum(x). No split of K, so no
-atomics and the output is written once, in bf16.
+Each program computes BLOCK_N outputs over the whole of K, a group a step, in fp32:
+y[n] = sum over groups of scale * sum((q - 8) * x) + zero * sum(x). No split of K, so no
+atomics and the output is written once, in x's dtype.
 """
 
 from __future__ import annotations
@@ -37,49 +37,45 @@ def _kernel():
 
     @triton.jit
     def gemv(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, n_out, k_words, groups,
-             GROUP: tl.constexpr, GROUPS_PER_STEP: tl.constexpr, BLOCK_N: tl.constexpr,
-             SHUFFLED: tl.constexpr):
+             GROUP: tl.constexpr, BLOCK_N: tl.constexpr, SHUFFLED: tl.constexpr):
+        # One group a step: its scale and zero point are one number per output. The products
+        # stay per (output, word) until the end, so that a step has no reduction across
+        # threads; a word's 8 nibbles are taken apart in the thread that loaded it.
         words_per_group: tl.constexpr = GROUP // 8
         n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = n < n_out
-        word = tl.arange(0, GROUPS_PER_STEP * words_per_group)
-        nibble = tl.arange(0, 8)
-        if SHUFFLED:
-            k_of_nibble = (nibble % 4) * 2 + nibble // 4
-        else:
-            k_of_nibble = nibble
-        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-        for first in range(0, groups, GROUPS_PER_STEP):
-            words = first * words_per_group + word
-            words_ok = words < k_words
-            w = tl.load(w_ptr + n[:, None] * k_words + words[None, :],
-                        mask=n_ok[:, None] & words_ok[None, :], other=0)
-            q = ((((w[:, :, None] >> (nibble * 4)[None, None, :]) & 15) ^ 8) - 8).to(tl.float32)
-            x = tl.load(x_ptr + words[:, None] * 8 + k_of_nibble[None, :],
-                        mask=words_ok[:, None], other=0.0).to(tl.float32)
-            qx = tl.reshape(tl.sum(q * x[None, :, :], axis=2),
-                            [BLOCK_N, GROUPS_PER_STEP, words_per_group])
-            qx = tl.sum(qx, axis=2)
-            x_sums = tl.sum(tl.reshape(tl.sum(x, axis=1), [GROUPS_PER_STEP, words_per_group]),
-                            axis=1)
-            g = first + tl.arange(0, GROUPS_PER_STEP)
-            at = g[None, :] * n_out + n[:, None]
-            ok = n_ok[:, None] & (g < groups)[None, :]
-            scale = tl.load(s_ptr + at, mask=ok, other=0.0).to(tl.float32)
-            zero = tl.load(z_ptr + at, mask=ok, other=0.0).to(tl.float32)
-            acc += tl.sum(qx * scale + zero * x_sums[None, :], axis=1)
-        tl.store(y_ptr + n, acc.to(y_ptr.dtype.element_ty), mask=n_ok)
+        word = tl.arange(0, words_per_group)
+        acc = tl.zeros([BLOCK_N, words_per_group], dtype=tl.float32)
+        for g in range(0, groups):
+            words = g * words_per_group + word
+            w = tl.load(w_ptr + n[:, None] * k_words + words[None, :], mask=n_ok[:, None],
+                        other=0)
+            part = tl.zeros([BLOCK_N, words_per_group], dtype=tl.float32)
+            x_sum = tl.zeros([words_per_group], dtype=tl.float32)
+            for nibble in tl.static_range(8):
+                if SHUFFLED:
+                    k = (nibble % 4) * 2 + nibble // 4
+                else:
+                    k = nibble
+                x = tl.load(x_ptr + words * 8 + k).to(tl.float32)
+                q = ((((w >> (nibble * 4)) & 15) ^ 8) - 8).to(tl.float32)
+                part += q * x[None, :]
+                x_sum += x
+            scale = tl.load(s_ptr + g * n_out + n, mask=n_ok, other=0.0).to(tl.float32)
+            zero = tl.load(z_ptr + g * n_out + n, mask=n_ok, other=0.0).to(tl.float32)
+            acc += part * scale[:, None] + zero[:, None] * x_sum[None, :]
+        tl.store(y_ptr + n, tl.sum(acc, axis=1).to(y_ptr.dtype.element_ty), mask=n_ok)
 
     return gemv
 
 
-# (BLOCK_N, GROUPS_PER_STEP, num_warps): the fastest found per GPU and weight shape by
+# (BLOCK_N, num_warps, num_stages): the fastest found per GPU and weight shape by
 # `benchmarks/int4_kernels.py --gemv-search` (CONFIGS_FILE: {GPU name: {"NxK": [...]}}); a
 # shape not searched takes DEFAULT_CONFIG. No tuning at load: a switch waits for none.
 CONFIGS_FILE = Path(__file__).with_name("int4_gemv_configs.json")
-DEFAULT_CONFIG = (16, 2, 4)
-SEARCHED = [(block_n, groups, warps) for block_n in (8, 16, 32) for groups in (1, 2)
-            for warps in (2, 4, 8)]
+DEFAULT_CONFIG = (16, 4, 3)
+SEARCHED = [(block_n, warps, stages) for block_n in (8, 16, 32, 64) for warps in (2, 4, 8)
+            for stages in (2, 4)]
 
 
 @functools.cache
@@ -95,7 +91,7 @@ def config(n: int, k: int, device: torch.device) -> tuple[int, int, int]:
 def gemv(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, *,
          shuffled: bool = True, launch: tuple[int, int, int] | None = None) -> torch.Tensor:
     """x [1, K] @ the int4 weight [N, K/2] (see module doc).T: [1, N] in x's dtype.
-    `launch`: (BLOCK_N, GROUPS_PER_STEP, num_warps) instead of config()'s."""
+    `launch`: (BLOCK_N, num_warps, num_stages) instead of config()'s."""
     n, k = weight.shape[0], weight.shape[1] * 2
     groups = scales.shape[0]
     if x.shape != (1, k) or scales.shape != (groups, n) or zeros.shape != (groups, n):
@@ -103,13 +99,12 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, zeros: tor
                          f"scales {tuple(scales.shape)}, zeros {tuple(zeros.shape)} do not fit")
     if k % groups or (k // groups) % 8 or not weight.is_contiguous():
         raise ValueError("int4 GEMV: groups must be whole words of 8 and the weight contiguous")
-    block_n, groups_per_step, warps = launch or config(n, k, x.device)
+    block_n, warps, stages = launch or config(n, k, x.device)
     y = torch.empty(1, n, dtype=x.dtype, device=x.device)
     grid = (-(-n // block_n),)
     _kernel()[grid](x.contiguous(), weight.view(torch.int32), scales.contiguous(),
                     zeros.contiguous(), y, n, k // 8, groups, GROUP=k // groups,
-                    GROUPS_PER_STEP=groups_per_step, BLOCK_N=block_n, SHUFFLED=shuffled,
-                    num_warps=warps)
+                    BLOCK_N=block_n, SHUFFLED=shuffled, num_warps=warps, num_stages=stages)
     return y
 
 

@@ -14,11 +14,11 @@ from .triton_interpreter import patch_interpreter, run_interpreted
 
 pytestmark = pytest.mark.unit
 
-# (outputs, inputs, group, (BLOCK_N, GROUPS_PER_STEP, num_warps), x dtype)
+# (outputs, inputs, group, (BLOCK_N, num_warps, num_stages), x dtype)
 CASES = [
-    (40, 256, 64, (16, 2, 4), torch.float32),  # outputs not a multiple of the block
-    (37, 384, 128, (8, 4, 4), torch.float16),  # groups not a multiple of a step's
-    (64, 512, 32, (32, 1, 4), torch.bfloat16),
+    (40, 256, 64, (16, 4, 2), torch.float32),  # outputs not a multiple of the block
+    (37, 384, 128, (8, 2, 3), torch.float16),
+    (64, 512, 32, (32, 4, 4), torch.bfloat16),
 ]
 
 
