@@ -74,8 +74,8 @@ def _kernel():
 # shape not searched takes DEFAULT_CONFIG. No tuning at load: a switch waits for none.
 CONFIGS_FILE = Path(__file__).with_name("int4_gemv_configs.json")
 DEFAULT_CONFIG = (16, 4, 3)
-SEARCHED = [(block_n, warps, stages) for block_n in (8, 16, 32, 64) for warps in (2, 4, 8)
-            for stages in (2, 4)]
+SEARCHED = [(block_n, warps, stages) for block_n in (8, 16, 32, 64)
+            for warps, stages in ((2, 3), (4, 3), (4, 5))]
 
 
 @functools.cache
