@@ -32,7 +32,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from gemlite_search import copies_for, linear_shapes, replay_us  # noqa: E402
 
-from model_utils.layers import gemlite_weights, int4_gemv, mslk_int4  # noqa: E402
+from model_utils.layers import gemlite_weights, mslk_int4  # noqa: E402
 from model_utils.layers.int_quantization import dequantize_int4, quantize_int4  # noqa: E402
 from model_utils.layers.weight_only import Int4WeightOnlyLinear  # noqa: E402
 
@@ -50,35 +50,7 @@ def kernels_for(linear: torch.nn.Linear, group: int, mslk: bool) -> dict:
         plain = (mslk_int4.signed_nibbles(q), scales.t().contiguous(), zeros.t().contiguous())
         found["mslk_shuffled"] = lambda x2: torch.ops.mslk.bf16i4bf16_shuffled(x2, *shuffled)
         found["mslk_rowwise"] = lambda x2: torch.ops.mslk.bf16i4bf16_rowwise(x2, *plain)
-        found["int4_gemv"] = lambda x2: int4_gemv.gemv(x2, *shuffled)  # one row only
     return found
-
-
-def layout_check(linear: torch.nn.Linear, group: int) -> dict:
-    """Whether MSLK's preshuffle is int4_gemv.shuffle_words (the order the GEMV reads) and
-    leaves bf16 scales as they are."""
-    q, scales, zeros = quantize_int4(linear.weight, group)
-    packed, packed_scales, _ = mslk_int4.pack(q, scales, zeros)
-    ours = int4_gemv.shuffle_words(mslk_int4.signed_nibbles(q))
-    return {"weights_equal": bool(torch.equal(packed, ours)),
-            "weights_differ_at": int((packed != ours).sum()),
-            "scales_equal": bool(torch.equal(packed_scales, scales.t().contiguous()))}
-
-
-def gemv_search(linears: list, group: int) -> tuple[list, list[int]]:
-    """Every launch of int4_gemv.SEARCHED at one row: [(launch, µs)], and the fastest."""
-    shuffled = [mslk_int4.pack(*quantize_int4(linear.weight, group)) for linear in linears]
-    x2 = torch.randn(1, linears[0].in_features, device="cuda", dtype=torch.bfloat16)
-    timed = []
-    for launch in int4_gemv.SEARCHED:
-        try:
-            us = replay_us([functools.partial(int4_gemv.gemv, x2, *s, launch=launch)
-                            for s in shuffled])
-        except Exception as error:  # noqa: BLE001 - a launch Triton cannot build
-            us = f"{type(error).__name__}: {str(error)[:120]}"
-        timed.append((list(launch), us if isinstance(us, str) else round(us, 1)))
-    best = min((t for t in timed if not isinstance(t[1], str)), key=lambda t: t[1])
-    return timed, best[0]
 
 
 def reference_weight(linear: torch.nn.Linear, group: int) -> torch.Tensor:
@@ -91,12 +63,11 @@ def error_of(fn, x2: torch.Tensor, weight: torch.Tensor) -> float:
     return round(((got - expected).abs().max() / expected.abs().max()).item(), 5)
 
 
-def compiles(fn, k: int, row_counts=(3, 5)) -> str:
-    """Whether torch.compile takes the kernel in a full graph (dynamic rows where `rows` are
-    several)."""
+def compiles(fn, k: int) -> str:
+    """Whether torch.compile takes the kernel in a full graph with dynamic rows."""
     try:
-        compiled = torch.compile(lambda x2: fn(x2) * 1, fullgraph=True, dynamic=len(row_counts) > 1)
-        for rows in row_counts:
+        compiled = torch.compile(lambda x2: fn(x2) * 1, fullgraph=True, dynamic=True)
+        for rows in (3, 5):
             x2 = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
             torch.testing.assert_close(compiled(x2), fn(x2) * 1)
         return "yes"
@@ -111,9 +82,6 @@ def main() -> int:
     parser.add_argument("--rows", default="1,2,4,8,16,32,64,128,1024")
     parser.add_argument("--group", type=int, default=128)
     parser.add_argument("--out", default="int4-kernels.json")
-    parser.add_argument("--gemv-search", action="store_true",
-                        help="time int4_gemv's launches per shape and write the fastest into "
-                             "model_utils/layers/int4_gemv_configs.json for this GPU")
     args = parser.parse_args()
     if problem := gemlite_weights.unavailable_reason(torch.device("cuda"), torch.bfloat16):
         raise SystemExit(problem)
@@ -140,20 +108,9 @@ def main() -> int:
         print(f"{name}: packed {len(sets)} copies in {time.perf_counter() - start:.1f} s",
               flush=True)
         kernels = sets[0]
-        if "int4_gemv" in kernels:
-            with torch.no_grad():
-                meta.setdefault("layout", {})[name] = layout_check(linears[0], args.group)
-            print(f"{name}: layout {meta['layout'][name]}", flush=True)
-            if args.gemv_search:
-                with torch.no_grad():
-                    timed, best = gemv_search(linears, args.group)
-                meta.setdefault("gemv_search", {})[name] = {"timed": timed, "best": best}
-                print(f"{name}: gemv launches {timed}; fastest {best}", flush=True)
-                write_gemv_config(meta["gpu"], n, k, best)
         for kernel in kernels:
             if kernel not in compiled:
-                compiled[kernel] = compiles(kernels[kernel], k,
-                                            (1,) if kernel == "int4_gemv" else (3, 5))
+                compiled[kernel] = compiles(kernels[kernel], k)
                 print(f"compiles {kernel}: {compiled[kernel]}", flush=True)
         for rows in rows_list:
             x2 = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
@@ -161,8 +118,6 @@ def main() -> int:
                    "bf16_us": round(replay_us([functools.partial(F.linear, x2, linear.weight)
                                                for linear in linears]), 1)}
             for kernel in kernels:
-                if kernel == "int4_gemv" and rows > 1:
-                    continue
                 try:
                     row[f"{kernel}_us"] = round(replay_us([functools.partial(s[kernel], x2)
                                                            for s in sets]), 1)
@@ -182,14 +137,6 @@ def main() -> int:
                                               "results": results}, indent=1))
     print(table(results, meta))
     return 0
-
-
-def write_gemv_config(gpu: str, n: int, k: int, launch: list[int]) -> None:
-    path = int4_gemv.CONFIGS_FILE
-    configs = json.loads(path.read_text()) if path.exists() else {}
-    configs.setdefault(gpu, {})[f"{n}x{k}"] = launch
-    path.write_text(json.dumps(configs, indent=1, sort_keys=True) + "\n")
-    int4_gemv._configs.cache_clear()
 
 
 def group_64_check(shape: tuple[int, int]) -> dict:

@@ -5,9 +5,8 @@ compiling at install) multiplies bf16 rows by int4 weights with bf16 group scale
 points, w = q_signed * scale + zero with q_signed = q - 8: the app's own numbers
 (int_quantization), so they are repacked, not rounded again. Its `bf16i4bf16_shuffled` reads
 the weights pre-shuffled once at load into the order its Hopper tensor-core kernel loads them,
-and it serves every row count from one copy, a decode step's few rows and a prompt's thousand;
-one row, where its tiles were slower than gemlite's GEMV, goes to int4_gemv's Triton GEMV over
-the same copy. Its kernel is chosen by a fixed heuristic, not tuned at a shape's first use as gemlite's Triton
+and it serves every row count from one copy, a decode step's few rows and a prompt's thousand.
+Its kernel is chosen by a fixed heuristic, not tuned at a shape's first use as gemlite's Triton
 kernels are: nothing to ship or wait for at a load. A candidate of the benchmarks
 (benchmarks/int4_kernels.py, quant_candidates' int4-wo-mslk) until measured against gemlite's;
 weight_only.int4_kernel does not pick it.
@@ -22,8 +21,6 @@ from __future__ import annotations
 import functools
 
 import torch
-
-from . import int4_gemv
 
 OP = "bf16i4bf16_shuffled"
 
@@ -79,10 +76,7 @@ def signed_nibbles(q: torch.Tensor) -> torch.Tensor:
 
 def product(x2: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
             zeros: torch.Tensor) -> torch.Tensor:
-    """x2 [M, K] bf16 @ the dequantized weight.T: [M, N] bf16; one row through int4_gemv's
-    kernel on the same copy (MSLK's tiles are made for more rows)."""
-    if x2.shape[0] == 1:
-        return int4_gemv.shuffled_gemv(x2, weight, scales, zeros)
+    """x2 [M, K] bf16 @ the dequantized weight.T: [M, N] bf16."""
     return torch.ops.mslk.bf16i4bf16_shuffled(x2, weight, scales, zeros)
 
 

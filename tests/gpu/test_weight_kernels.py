@@ -234,18 +234,3 @@ def test_mslk_reads_back_the_int4_weights_it_holds():
     # The kernel dequantizes in bf16 (a rounding or two of each weight); a misread layout is
     # off by the weights' own size.
     assert ((read_back - stored).norm() / stored.norm()).item() < 1e-2
-
-
-def test_mslk_shuffles_as_the_int4_gemv_reads():
-    """int4_gemv reads MSLK's packed copy at one row: MSLK's preshuffle must be the order it
-    assumes (shuffle_words) and leave bf16 scales as they are."""
-    from model_utils.layers import int4_gemv
-    from model_utils.layers.int_quantization import quantize_int4
-
-    if reason := mslk_int4.unavailable_reason(torch.device("cuda"), torch.bfloat16):
-        pytest.skip(reason)
-    q, scales, zeros = quantize_int4(linear_layer().weight, 128)
-    packed, packed_scales, packed_zeros = mslk_int4.pack(q, scales, zeros)
-    assert torch.equal(packed, int4_gemv.shuffle_words(mslk_int4.signed_nibbles(q)))
-    assert torch.equal(packed_scales, scales.t().contiguous())
-    assert torch.equal(packed_zeros, zeros.t().contiguous())
