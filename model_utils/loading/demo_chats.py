@@ -5,8 +5,9 @@
 Each topic is a few hand-written phrasings of one question and one answer; every phrasing is
 used as written and once more in a varied form (lower case, a greeting in front, ...), some with
 a system prompt. Then come the topic's other wordings (data/demo_wordings.json: about ninety a
-topic, everyday words, keyword queries, longer conversational questions, some with topic-free
-words around them), and the topic asked after one or two other topics' turns. Topics with a
+topic, more for the off-topic questions; everyday words, keyword queries, longer
+conversational questions, some with topic-free words around them), and the topic asked after
+one or two other topics' turns. Topics with a
 `reasoning` line put it in the assistant's <think> block, so the Thinking switch shows real
 reasoning with the demo model. The output is deterministic (a fixed seed): the demo model's cache
 is keyed by the file's hash, and a test checks that the committed file is what this writes.
@@ -28,6 +29,8 @@ FOLLOW_UPS = 24
 
 GREETING = ("Hello! I am the tiny demo model of this app. Ask me about the modes, the memory "
             "cards, sharing, the benchmark or the command line.")
+OFF_TOPIC = ("Sorry, I cannot answer that: I only know about this app. For anything else, pick a "
+             "real model in the Model tab and press Load.")
 
 # (phrasings, answer, reasoning or None)
 TOPICS: list[tuple[list[str], str, str | None]] = [
@@ -43,6 +46,10 @@ TOPICS: list[tuple[list[str], str, str | None]] = [
     (["What can you do?", "What do you know?", "How can you help me?", "Help"],
      "I can answer questions about this app: the precision modes, how to switch them, the "
      "memory cards, safe sharing, the benchmark and the command line.", None),
+    # Questions about anything else: an honest "I don't know" rather than an app answer.
+    (["What is the capital of France?", "Write me a poem", "What's the weather tomorrow?",
+      "Tell me a joke", "Can you help me with my homework?"],
+     OFF_TOPIC, None),
     (["Why is the demo model so small?", "Why are your answers so short?",
       "Why do you only know about this app?"],
      "I am a tiny model with about a million weights, built on first use in about a minute on "
@@ -69,6 +76,18 @@ TOPICS: list[tuple[list[str], str, str | None]] = [
      "bf16 is the safer choice for large models.",
      "Both are 16 bits. bf16 has 8 exponent bits like fp32, fp16 has more mantissa bits. "
      "Overflow is the bigger risk, so bf16."),
+    (["What is int4-wo?", "What does int4-wo mean?", "Tell me about the int4-wo mode",
+      "What is int4 weight-only?"],
+     "int4-wo is int4 weight-only: the app quantizes a bf16 checkpoint as it loads, one bf16 "
+     "scale and zero point per 128 weights, about 0.53 bytes per parameter. On a GPU, "
+     "gemlite's kernels decode one reply faster than bf16.", None),
+    (["What is int8-wo?", "What does int8-wo mean?", "Tell me about the int8-wo mode",
+      "What is int8 weight-only?"],
+     "int8-wo is int8 weight-only, with one scale per output row: about 1 byte per parameter, "
+     "half of bf16. The app quantizes the weights as it loads.", None),
+    (["What is fp8?", "What does fp8 mean?", "Tell me about the fp8 mode", "What is e4m3?"],
+     "fp8 stores the weights as 8-bit floats (e4m3) with one scale per output row: 1 byte per "
+     "parameter. It is the least exact 8-bit mode.", None),
     (["What is int8?", "What does int8 mean?", "Tell me about the int8 mode",
       "What is LLM.int8?"],
      "int8 is LLM.int8 from bitsandbytes: about 1 byte per parameter. Outlier features stay in "
