@@ -3,11 +3,12 @@
     python -m model_utils.loading.demo_chats            # rewrites model_utils/loading/data/demo_chats.jsonl
 
 Each topic is a few hand-written phrasings of one question and one answer; every phrasing is
-used as written and once more in a varied form (lower case, a greeting in front, ...), some with
-a system prompt. Then come the topic's other wordings (data/demo_wordings.json: about ninety a
-topic, more for the off-topic questions; everyday words, keyword queries, longer
-conversational questions, some with topic-free words around them), and the topic asked after
-one or two other topics' turns. Topics with a
+used as written and once more in a varied form (lower case, a greeting in front, ...). Then come
+the topic's other wordings (data/demo_wordings.json: seventy to ninety a topic, more for the
+off-topic questions; everyday words, keyword queries, longer conversational questions, some with
+topic-free words around them), and the topic asked after one to five other topics' turns. A share
+of each kind, and every phrasing once more, comes after a common system prompt ("Be brief.",
+"You are a helpful assistant.", ...). Topics with a
 `reasoning` line put it in the assistant's <think> block, so the Thinking switch shows real
 reasoning with the demo model. The output is deterministic (a fixed seed): the demo model's cache
 is keyed by the file's hash, and a test checks that the committed file is what this writes.
@@ -24,8 +25,14 @@ DATA_FILE = Path(__file__).with_name("data") / "demo_chats.jsonl"
 # keyed by the topic's first phrasing: the model can only map a word to a topic if it saw it.
 WORDINGS_FILE = DATA_FILE.with_name("demo_wordings.json")
 SEED = 7
-# How many times each topic is asked after one or two other topics' turns.
+# How many times each topic is asked after other topics' turns, and how many turns come before
+# it (weighted): a conversation in the app runs on for several turns. GREETING_FIRST_SHARE of
+# them open with the greeting, PHRASING_LAST_SHARE ask one of the topic's own phrasings last.
 FOLLOW_UPS = 24
+HISTORY_TURNS = (1, 2, 3, 4, 5)
+HISTORY_WEIGHTS = (3, 3, 2, 2, 1)
+GREETING_FIRST_SHARE = 0.3
+PHRASING_LAST_SHARE = 0.3
 
 GREETING = ("Hello! I am the tiny demo model of this app. Ask me about the modes, the memory "
             "cards, sharing, the benchmark or the command line.")
@@ -225,8 +232,17 @@ TOPICS: list[tuple[list[str], str, str | None]] = [
      "Stop ends the reply within one decode step. Closing the tab does the same.", None),
 ]
 
+# System prompts that say nothing about the topic, so that the model learns to look past them:
+# on SYSTEM_SHARE of the topics' phrasings and wordings (and every phrasing once more), and
+# FOLLOW_UP_SYSTEM_SHARE of the follow-ups (the common ones users and clients send, such as the
+# API docs' "Be brief.").
 SYSTEM_PROMPTS = ["You are a helpful assistant.", "Be brief.", "You answer questions about "
-                  "this app."]
+                  "this app.", "You are a helpful assistant. Answer concisely.", "Be concise.",
+                  "You are Qwen, created by Alibaba Cloud. You are a helpful assistant.",
+                  "Answer in one or two sentences.", "You are a friendly assistant.",
+                  "Keep your answers short and clear."]
+SYSTEM_SHARE = 0.2
+FOLLOW_UP_SYSTEM_SHARE = 0.3
 OPENERS = ["Hi! ", "Hello, ", "Quick question: ", "Please tell me: ", "Hey, "]
 # Words around a question that say nothing about its topic, so that the model learns to look
 # past them: users' questions come with such padding, the wordings mostly without.
@@ -263,6 +279,13 @@ def _with_filler(question: str, rng: random.Random) -> str:
     return question
 
 
+def _with_system(messages: list[dict], share: float, rng: random.Random) -> list[dict]:
+    """The messages, `share` of the time after one of SYSTEM_PROMPTS."""
+    if rng.random() < share:
+        return [{"role": "system", "content": rng.choice(SYSTEM_PROMPTS)}] + messages
+    return messages
+
+
 def _reply(answer: str, reasoning: str | None) -> str:
     return f"<think>\n{reasoning}\n</think>\n\n{answer}" if reasoning else answer
 
@@ -283,9 +306,12 @@ def conversations(seed: int = SEED) -> list[dict]:
             for text, content in turns:
                 messages = [{"role": "user", "content": text},
                             {"role": "assistant", "content": content}]
-                if rng.random() < 0.2:
-                    messages.insert(0, {"role": "system", "content": rng.choice(SYSTEM_PROMPTS)})
-                out.append({"messages": messages})
+                out.append({"messages": _with_system(messages, SYSTEM_SHARE, rng)})
+            # And once after a system prompt: a short question ("Hello") is then the smaller
+            # part of the prompt, and must still be answered as without one.
+            out.append({"messages": _with_system([{"role": "user", "content": question},
+                                                  {"role": "assistant", "content": answer}],
+                                                 1.0, rng)})
     wordings = json.loads(WORDINGS_FILE.read_text())
     # Half of a reasoning topic's wordings with the reasoning: with Thinking on, the model
     # writes it after the topic's own phrasings (two in three of them have it there), and with
@@ -293,21 +319,27 @@ def conversations(seed: int = SEED) -> list[dict]:
     for phrasings, answer, reasoning in TOPICS:
         for question in wordings[phrasings[0]]:
             content = _reply(answer, reasoning if rng.random() < 0.5 else None)
-            out.append({"messages": [{"role": "user", "content": _with_filler(question, rng)},
-                                     {"role": "assistant", "content": content}]})
-    # Each topic asked after other topics' turns, so that the question asked last is answered
-    # and not one from the history.
+            messages = [{"role": "user", "content": _with_filler(question, rng)},
+                        {"role": "assistant", "content": content}]
+            out.append({"messages": _with_system(messages, SYSTEM_SHARE, rng)})
+    # Each topic asked after one to five other topics' turns, so that the question asked last
+    # is answered and not one from the history, however long the history. A share of them open
+    # with the greeting, as chats in the app do, and a share ask one of the topic's own
+    # phrasings last: the history must not turn the plain question into another topic.
     for index, (phrasings, answer, reasoning) in enumerate(TOPICS):
-        asked = phrasings + wordings[phrasings[0]]
         for _ in range(FOLLOW_UPS):
-            others = rng.sample([t for i, t in enumerate(TOPICS) if i != index],
-                                rng.choice((1, 2)))
+            turns = rng.choices(HISTORY_TURNS, HISTORY_WEIGHTS)[0]
+            greet = index != 0 and rng.random() < GREETING_FIRST_SHARE
+            skip = {index, 0} if greet else {index}
+            others = ([TOPICS[0]] if greet else []) + rng.sample(
+                [t for i, t in enumerate(TOPICS) if i not in skip], turns - greet)
             messages = [m for other, other_answer, _ in others for m in (
                 {"role": "user", "content": rng.choice(other + wordings[other[0]])},
                 {"role": "assistant", "content": other_answer})]
-            out.append({"messages": messages + [
-                {"role": "user", "content": rng.choice(asked)},
-                {"role": "assistant", "content": answer}]})
+            asked = phrasings if rng.random() < PHRASING_LAST_SHARE else wordings[phrasings[0]]
+            messages += [{"role": "user", "content": rng.choice(asked)},
+                         {"role": "assistant", "content": answer}]
+            out.append({"messages": _with_system(messages, FOLLOW_UP_SYSTEM_SHARE, rng)})
     rng.shuffle(out)
     return out
 

@@ -24,21 +24,21 @@ from .load_stages import Progress
 DEMO_NAME = "demo"
 DEMO_LABEL = "demo model (tiny, trained on questions about this app)"
 # Bump when the recipe changes so an old cached build is not reused.
-DEMO_VERSION = 4
+DEMO_VERSION = 5
 SEED = 1234
 # The training run of the build (BENCHMARKS.md, "The demo model", has the recipes tried): rows
 # of ROW_TOKENS tokens packed with whole examples, TRAIN_BATCH rows a step. Two layers: a step
-# costs half of four's, and more steps over more wordings taught more than depth did. Recipe 4:
-# a fifth set of wordings (data/demo_wordings.json) in 1 600 steps where recipe 3 took 2 400,
-# with AdamW's fused CPU kernel.
+# costs half of four's, and more steps over more wordings taught more than depth did. Recipe 5:
+# follow-ups of up to five earlier turns (whole replies, never cut) in rows of 384 tokens, so
+# that the positions of a five-turn chat are trained; three rows a step, 2 400 steps.
 LAYERS = 2
-TRAIN_STEPS = 1600
-TRAIN_BATCH = 4
-ROW_TOKENS = 256
+TRAIN_STEPS = 2400
+TRAIN_BATCH = 3
+ROW_TOKENS = 384
 TRAIN_LR = 1.5e-3
-# Most examples end REPLY_TOKENS_CUT tokens into the answer: the answer's first tokens pick
-# the topic, and the rest of it is learned from the whole ones. A cut example costs half a whole
-# one, so the same time sees twice the wordings.
+# Most single-turn examples end REPLY_TOKENS_CUT tokens into the answer: the answer's first
+# tokens pick the topic, and the rest of it is learned from the whole ones. A cut example costs
+# half a whole one, so the same time sees twice the wordings. Follow-ups are never cut.
 CUT_SHARE = 0.8
 REPLY_TOKENS_CUT = 7
 # Two threads where there are two cores: the build takes about two thirds of one thread's time
@@ -150,7 +150,9 @@ def _build(folder: Path, progress: Progress | None = None) -> None:
     # other topics' examples already, and repeating them would cost steps.
     examples = [tokenize_conversations(tokenizer, [c], max_len=ROW_TOKENS)[-1]
                 for c in conversations]
-    examples = _cut_most_replies(examples, tokenizer.convert_tokens_to_ids("</think>"))
+    single_turn = [sum(m["role"] == "user" for m in c) == 1 for c in conversations]
+    examples = _cut_most_replies(examples, single_turn,
+                                 tokenizer.convert_tokens_to_ids("</think>"))
     config = TrainConfig(model_path=str(base), model_name="demo (initialised)",
                          data=str(demo_data_file()), out=str(folder), method="full",
                          steps=TRAIN_STEPS, batch_size=TRAIN_BATCH, lr=TRAIN_LR,
@@ -169,17 +171,19 @@ def _build(folder: Path, progress: Progress | None = None) -> None:
           f"{result.losses[0]:.2f} -> {result.final_loss:.3f})", file=sys.stderr, flush=True)
 
 
-def _cut_most_replies(examples, think_end: int):
-    """CUT_SHARE of the examples (a fixed choice) end REPLY_TOKENS_CUT tokens after the think
-    block (empty or not) that starts each reply."""
+def _cut_most_replies(examples, single_turn: list[bool], think_end: int):
+    """CUT_SHARE of the single-turn examples (a fixed choice) end REPLY_TOKENS_CUT tokens after
+    the think block (empty or not) that starts each reply. A follow-up keeps its whole reply:
+    its history costs far more than the reply, and the answer's later tokens must be learned
+    after a long history too."""
     import random
 
     from model_utils.training.data import IGNORE, Example
 
     rng = random.Random(SEED)
     out = []
-    for example in examples:
-        if rng.random() < CUT_SHARE:
+    for example, single in zip(examples, single_turn, strict=True):
+        if rng.random() < CUT_SHARE and single:
             start = next(i for i, label in enumerate(example.labels) if label != IGNORE)
             answer = example.input_ids.index(think_end, start) + 1
             end = answer + REPLY_TOKENS_CUT
