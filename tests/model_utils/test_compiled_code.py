@@ -135,7 +135,7 @@ def test_no_tracing_state_of_a_dynamic_shape_compile_outlives_a_forget(fresh):
 
 def test_a_forget_empties_the_fake_tensor_dispatch_cache(fresh):
     """That cache is class-wide and keyed by the symbolic sizes of every compile: kept across
-    resets, it held each forgotten compile's symbols (found growing over GPU mode switches)."""
+    resets, it held each forgotten compile's symbols for the life of the process."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     layer = torch.nn.Linear(8, 8)
