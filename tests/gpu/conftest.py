@@ -7,7 +7,11 @@ Without CUDA every test here is skipped with the reason.
 
 from __future__ import annotations
 
+import collections
 import gc
+import sys
+import threading
+import warnings
 
 import pytest
 import torch
@@ -85,3 +89,63 @@ def holders(target, depth: int = 6) -> list[str]:
                 chains.append(step)
         frontier = nxt[:40]
     return chains[-40:]
+
+
+def path_from_modules(target, most: int = 5_000_000) -> str:
+    """The shortest chain of references from an imported module (or a running thread's frame)
+    down to `target`, e.g. "torch._dynamo.convert_frame .__dict__['cache'] -> dict[...] -> ...":
+    what keeps an object alive when its direct referrers are anonymous lists and tuples.
+    Breadth first over gc.get_referents; says so when nothing reachable holds it (a C/C++
+    owner, or a cycle the collector has not freed)."""
+    roots = [(module, f"module {name}") for name, module in list(sys.modules.items())
+             if module is not None]
+    roots += [(frame, f"thread {ident} in {frame.f_code.co_qualname}")
+              for ident, frame in sys._current_frames().items()
+              if ident != threading.get_ident()]  # this one's frames hold `target` itself
+    parent: dict[int, tuple] = {}
+    queue = collections.deque()
+    for obj, label in roots:
+        if id(obj) not in parent:
+            parent[id(obj)] = (None, label, obj)
+            queue.append(obj)
+    with warnings.catch_warnings():  # isinstance on deprecated module attributes warns
+        warnings.simplefilter("ignore")
+        while queue and len(parent) < most:
+            obj = queue.popleft()
+            for child in gc.get_referents(obj):
+                if id(child) in parent or isinstance(child, (str, bytes, int, float)):
+                    continue
+                parent[id(child)] = (obj, None, child)
+                if child is target:
+                    return _render_path(parent, child)
+                queue.append(child)
+    return f"not reachable from a module or thread (searched {len(parent)} objects)"
+
+
+def _render_path(parent: dict, obj) -> str:
+    steps = []
+    while True:
+        holder, label, _ = parent[id(obj)]
+        if holder is None:
+            steps.append(label)
+            break
+        steps.append(f"{_edge(holder, obj)} {type(obj).__qualname__}")
+        obj = holder
+    return " -> ".join(reversed(steps))
+
+
+def _edge(holder, child) -> str:
+    """How `holder` refers to `child`: a dict key, a sequence index, an instance's __dict__."""
+    if isinstance(holder, dict):
+        for key, value in holder.items():
+            if value is child:
+                return f"[{str(key)[:60]!r}]"
+            if key is child:
+                return "(a key)"
+    if isinstance(holder, (list, tuple)):
+        for index, value in enumerate(holder):
+            if value is child:
+                return f"[{index}]"
+    if getattr(holder, "__dict__", None) is child:
+        return ".__dict__"
+    return f"({type(holder).__qualname__} holds)"

@@ -38,7 +38,7 @@ from model_utils.loading.placement import Placement
 from model_utils.memory import take_snapshot
 from model_utils.runtime.generation_settings import GenerationSettings
 
-from .conftest import gpu_marks, holders
+from .conftest import gpu_marks, path_from_modules
 
 pytestmark = gpu_marks()
 
@@ -171,7 +171,7 @@ def test_twenty_switch_cycles_give_the_memory_back(mid_model, monkeypatch):
         worst = max(objects_grown, key=objects_grown.get, default=None)
         assert worst is None or objects_grown[worst] <= OBJECTS_GROWN, (
             f"Python objects grew over the cycles after the first: {objects_grown}; what holds "
-            f"the newest {worst}s: {newest_holders(worst)}")
+            f"the newest of each kind: {newest_paths(objects_grown)}")
     for key, bound in WARM_UP_MB.items():
         assert warm_up[key] <= bound, (
             f"the first cycle left {key} {warm_up[key]:.1f} MB over its figure before the first "
@@ -182,10 +182,15 @@ def test_twenty_switch_cycles_give_the_memory_back(mid_model, monkeypatch):
             f"{bound} MB); after each unload: {over[key]}")
 
 
-def newest_holders(type_name: str, count: int = 2) -> list[list[str]]:
-    """The referrer chains of the last `count` live objects of a type (after a collection
-    the newest survivors come last in the collector's list)."""
+def newest_paths(grown_types: dict, kinds: int = 3) -> dict[str, str]:
+    """For the grown types other than the plain containers (whose holders are only more
+    containers), the chain from a module down to the newest live object of each (after a
+    collection the newest survivors come last in the collector's list)."""
     gc.collect()
-    newest = [o for o in gc.get_objects() if type(o).__name__ == type_name][-count:]
-    # popped first, so that this list is not among the holders found
-    return [holders(newest.pop()) for _ in range(len(newest))]
+    named = [name for name in grown_types if name not in ("list", "dict", "tuple")][:kinds]
+    paths = {}
+    for name in named:
+        newest = [o for o in gc.get_objects() if type(o).__name__ == name][-1:]
+        # popped first, so that this list is not among the holders found
+        paths[name] = path_from_modules(newest.pop()) if newest else "none left"
+    return paths
