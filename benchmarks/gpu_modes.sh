@@ -29,7 +29,9 @@
 #            $OUT/search/gemlite-configs.json
 #   int4kernels  benchmarks/int4_kernels.py on the Qwen2.5-7B shape: the kernels that can
 #            multiply int4-wo's numbers (gemlite's; MSLK's where mslk-cuda loads) against bf16's
-#            per linear shape and row count (INT4_ROWS, default 1,2,4,8,16,32,64,128,1024)
+#            per linear shape and row count (INT4_ROWS, default 1,2,4,8,16,32,64,128,1024;
+#            INT4_ARGS=--gemv-search: mslk_gemv's launches searched first, the fastest written
+#            into model_utils/layers/mslk_gemv_configs.json, which later steps use, and $OUT)
 # Run from the repository root on the GPU machine, the wheels the image lacks in folders named
 # .whl* (e.g. .whl/: transformers, tokenizers; .whl-gemlite/: gemlite; .whl-bnb/:
 # bitsandbytes; one version of each package across them):
@@ -105,8 +107,9 @@ for step in $STEPS; do
       say "int4kernels: the int4 kernels against bf16, per shape and row count"
       timeout "${INT4_KERNELS_S:-240}" $PY benchmarks/int4_kernels.py --config "$CONFIG" \
           --rows "${INT4_ROWS:-1,2,4,8,16,32,64,128,1024}" --out "$OUT/int4-kernels.json" \
-          >"$OUT/int4-kernels.log" 2>&1
-      say "int4kernels: exit $?";;
+          ${INT4_ARGS:-} >"$OUT/int4-kernels.log" 2>&1
+      say "int4kernels: exit $?"
+      cp model_utils/layers/mslk_gemv_configs.json "$OUT/" 2>/dev/null;;
     search)
       say "search: gemlite's split-K configs, wider, Qwen2.5-7B shape"
       timeout "${SEARCH_S:-540}" $PY benchmarks/gemlite_search.py \

@@ -2,8 +2,12 @@
 bf16's cuBLAS, per linear shape of a model and per row count: gemlite's (the app's kernel today,
 with the configs it holds) and MSLK's CUTLASS mixed-input GEMMs (pip `mslk-cuda`: prebuilt, no
 compiling at install), `bf16i4bf16_shuffled` (weights pre-shuffled once at load) and
-`bf16i4bf16_rowwise` (plain packing). All read the app's numbers unchanged: MSLK's bf16 form is
-w = q_signed * scale + zero with q_signed = q - 8, the app's own (int_quantization).
+`bf16i4bf16_rowwise` (plain packing), and the app's Triton GEMV over MSLK's shuffled copy for up
+to 16 rows (mslk_gemv, through the layout read off MSLK's preshuffle; `--gemv-search` times its
+launches per shape and row count first and writes the fastest into
+model_utils/layers/mslk_gemv_configs.json, which the timings then use). All read the app's
+numbers unchanged: MSLK's bf16 form is w = q_signed * scale + zero with q_signed = q - 8, the
+app's own (int_quantization).
 
 Each is timed as CUDA-graph replays cycling through copies of the weight that overflow the L2
 cache (gemlite_search.replay_us), and checked against x @ the dequantized weight in fp32 (the
@@ -32,8 +36,9 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from gemlite_search import copies_for, linear_shapes, replay_us  # noqa: E402
 
-from model_utils.layers import gemlite_weights, mslk_int4  # noqa: E402
+from model_utils.layers import gemlite_weights, mslk_gemv, mslk_int4  # noqa: E402
 from model_utils.layers.int_quantization import dequantize_int4, quantize_int4  # noqa: E402
+from model_utils.layers.mslk_layout import Layout  # noqa: E402
 from model_utils.layers.weight_only import Int4WeightOnlyLinear  # noqa: E402
 
 
@@ -50,7 +55,46 @@ def kernels_for(linear: torch.nn.Linear, group: int, mslk: bool) -> dict:
         plain = (mslk_int4.signed_nibbles(q), scales.t().contiguous(), zeros.t().contiguous())
         found["mslk_shuffled"] = lambda x2: torch.ops.mslk.bf16i4bf16_shuffled(x2, *shuffled)
         found["mslk_rowwise"] = lambda x2: torch.ops.mslk.bf16i4bf16_rowwise(x2, *plain)
+        if (gemv := mslk_int4.gemv_layout(linear.weight.device)) is not None:
+            table, atom = gemv
+            found["mslk_gemv"] = functools.partial(gemv_product, shuffled, table, atom)
     return found
+
+
+def gemv_product(shuffled, table, atom, x2, launch=None):
+    """The GEMV as the engine calls it (one custom op), or with another launch."""
+    if launch is None:
+        return mslk_gemv.gemv_op(x2, *shuffled, table, *atom)
+    return mslk_gemv.gemv(x2, *shuffled, table, Layout(*atom, ()), launch=launch)
+
+
+def gemv_search(sets: list, k: int, rows_list: list[int]) -> dict:
+    """{rows: [(launch, µs)]} for every launch of mslk_gemv.SEARCHED at each row count up to
+    mslk_gemv.MOST_ROWS (the copies in `sets` cycled as in the timings)."""
+    timed = {}
+    for rows in [r for r in rows_list if r <= mslk_gemv.MOST_ROWS]:
+        x2 = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+        timed[rows] = []
+        for launch in mslk_gemv.SEARCHED:
+            try:
+                us = round(replay_us([functools.partial(s["mslk_gemv"], x2, launch=launch)
+                                      for s in sets]), 1)
+            except Exception as error:  # noqa: BLE001 - a launch Triton cannot build
+                us = f"{type(error).__name__}: {str(error)[:120]}"
+            timed[rows].append((list(launch), us))
+    return timed
+
+
+def write_gemv_configs(gpu: str, n: int, k: int, timed: dict) -> dict:
+    """The fastest launch at each row count into mslk_gemv.CONFIGS_FILE for this GPU."""
+    best = {str(rows): min((t for t in runs if not isinstance(t[1], str)), key=lambda t: t[1])[0]
+            for rows, runs in timed.items()}
+    path = mslk_gemv.CONFIGS_FILE
+    configs = json.loads(path.read_text()) if path.exists() else {}
+    configs.setdefault(gpu, {})[f"{n}x{k}"] = best
+    path.write_text(json.dumps(configs, indent=1, sort_keys=True) + "\n")
+    mslk_gemv._configs.cache_clear()
+    return best
 
 
 def reference_weight(linear: torch.nn.Linear, group: int) -> torch.Tensor:
@@ -82,6 +126,9 @@ def main() -> int:
     parser.add_argument("--rows", default="1,2,4,8,16,32,64,128,1024")
     parser.add_argument("--group", type=int, default=128)
     parser.add_argument("--out", default="int4-kernels.json")
+    parser.add_argument("--gemv-search", action="store_true",
+                        help="time mslk_gemv's launches per shape and row count first and write "
+                             "the fastest into model_utils/layers/mslk_gemv_configs.json")
     args = parser.parse_args()
     if problem := gemlite_weights.unavailable_reason(torch.device("cuda"), torch.bfloat16):
         raise SystemExit(problem)
@@ -89,11 +136,15 @@ def main() -> int:
     if mslk_problem is None:
         import mslk
         mslk_version = mslk.__version__
+        gemv = mslk_int4.gemv_layout(torch.device("cuda"))
+        layout_found = (f"atom {gemv[1]}, table starts {gemv[0][:32].tolist()}" if gemv
+                        else "not read (the log says why)")
     else:
-        mslk_version = f"not used: {mslk_problem}"
+        mslk_version, layout_found = f"not used: {mslk_problem}", None
     shapes = linear_shapes(json.loads(Path(args.config).read_text()))
     meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-            "mslk": mslk_version, "config": Path(args.config).name, "group": args.group}
+            "mslk": mslk_version, "mslk_layout": layout_found, "config": Path(args.config).name,
+            "group": args.group}
     print(json.dumps(meta), flush=True)
     rows_list = [int(r) for r in args.rows.split(",")]
     results, compiled = [], {}
@@ -108,6 +159,11 @@ def main() -> int:
         print(f"{name}: packed {len(sets)} copies in {time.perf_counter() - start:.1f} s",
               flush=True)
         kernels = sets[0]
+        if "mslk_gemv" in kernels and args.gemv_search:
+            timed = gemv_search(sets, k, rows_list)
+            best = write_gemv_configs(meta["gpu"], n, k, timed)
+            meta.setdefault("gemv_search", {})[name] = {"timed": timed, "best": best}
+            print(f"{name}: gemv launches {timed}; fastest {best}", flush=True)
         for kernel in kernels:
             if kernel not in compiled:
                 compiled[kernel] = compiles(kernels[kernel], k)
@@ -118,6 +174,8 @@ def main() -> int:
                    "bf16_us": round(replay_us([functools.partial(F.linear, x2, linear.weight)
                                                for linear in linears]), 1)}
             for kernel in kernels:
+                if kernel == "mslk_gemv" and rows > mslk_gemv.MOST_ROWS:
+                    continue
                 try:
                     row[f"{kernel}_us"] = round(replay_us([functools.partial(s[kernel], x2)
                                                            for s in sets]), 1)

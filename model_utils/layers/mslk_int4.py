@@ -7,7 +7,9 @@ points, w = q_signed * scale + zero with q_signed = q - 8: the app's own numbers
 the weights pre-shuffled once at load into the order its Hopper tensor-core kernel loads them,
 and it serves every row count from one copy, a decode step's few rows and a prompt's thousand.
 Its kernel is chosen by a fixed heuristic, not tuned at a shape's first use as gemlite's Triton
-kernels are: nothing to ship or wait for at a load. A candidate of the benchmarks
+kernels are: nothing to ship or wait for at a load. Its tiles are made for many rows: up to
+GEMV_ROWS, a decode step's, mslk_gemv's Triton GEMV reads the same copy instead, through the
+layout mslk_layout reads off MSLK's preshuffle once per process. A candidate of the benchmarks
 (benchmarks/int4_kernels.py, quant_candidates' int4-wo-mslk) until measured against gemlite's;
 weight_only.int4_kernel does not pick it.
 
@@ -19,8 +21,13 @@ says so.
 from __future__ import annotations
 
 import functools
+import logging
 
 import torch
+
+from . import mslk_gemv, mslk_layout
+
+log = logging.getLogger(__name__)
 
 OP = "bf16i4bf16_shuffled"
 
@@ -74,10 +81,36 @@ def signed_nibbles(q: torch.Tensor) -> torch.Tensor:
     return (nibbles[:, ::2] | (nibbles[:, 1::2] << 4)).contiguous().view(torch.int8)
 
 
-def product(x2: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
-            zeros: torch.Tensor) -> torch.Tensor:
-    """x2 [M, K] bf16 @ the dequantized weight.T: [M, N] bf16."""
+# Rows up to which mslk_gemv multiplies instead of MSLK's GEMM.
+GEMV_ROWS = 8
+
+
+def product(x2: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+            gemv: tuple | None = None) -> torch.Tensor:
+    """x2 [M, K] bf16 @ the dequantized weight.T: [M, N] bf16. `gemv`: (table, atom) of
+    gemv_layout, with which up to GEMV_ROWS rows go through mslk_gemv."""
+    if gemv is not None and x2.shape[0] <= GEMV_ROWS:
+        table, (atom_n, atom_k, rows_first) = gemv
+        return mslk_gemv.gemv_op(x2, weight, scales, zeros, table, atom_n, atom_k, rows_first)
     return torch.ops.mslk.bf16i4bf16_shuffled(x2, weight, scales, zeros)
+
+
+@functools.cache
+def gemv_layout(device: torch.device) -> tuple[torch.Tensor, tuple[int, int, bool]] | None:
+    """MSLK's shuffled layout on this device as mslk_gemv reads it: its table (int32, on the
+    device) and its atom (rows, inputs, rows first); None where mslk_layout cannot read it
+    (then MSLK's GEMM serves every row count; said once in the log)."""
+    def preshuffle(q, scales):
+        return torch.ops.mslk.preshuffle_i4(signed_nibbles(q), scales)[0]
+
+    try:
+        read = mslk_layout.read(preshuffle, device)
+    except mslk_layout.LayoutUnknown as error:
+        log.warning("MSLK's int4 layout could not be read (%s): its GEMM serves every row "
+                    "count", error)
+        return None
+    return (torch.tensor(read.table, dtype=torch.int32, device=device),
+            (read.atom_n, read.atom_k, read.rows_first))
 
 
 # Input features read back at once: the identity's rows (bf16) and their product stay small.
@@ -101,10 +134,10 @@ def dequantized(weight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
     return out
 
 
-# Row counts a shape's first layer is checked at, at load: one in each band of rows that MSLK
-# gives its own tile (its choice goes by the row count and the output width: up to 16, 32, 64,
-# 128, 256, 512, 1024 rows, and beyond).
-CHECKED_ROWS = (1, 32, 64, 128, 256, 512, 1024, 2048)
+# Row counts a shape's first layer is checked at, at load: the GEMV's one row and its tensor-core
+# rows, then one in each band of rows that MSLK gives its own tile (its choice goes by the row
+# count and the output width: up to 16, 32, 64, 128, 256, 512, 1024 rows, and beyond).
+CHECKED_ROWS = (1, 2, GEMV_ROWS, 32, 64, 128, 256, 512, 1024, 2048)
 
 
 def check(layer, weight_rows) -> None:
@@ -120,6 +153,7 @@ def check(layer, weight_rows) -> None:
         for rows in CHECKED_ROWS:
             x2 = torch.randn(rows, layer.in_features, dtype=torch.bfloat16, device=device,
                              generator=torch.Generator(device=device).manual_seed(rows))
-            got = product(x2, layer.packed, layer.mslk_scales, layer.mslk_zeros)
+            got = product(x2, layer.packed, layer.mslk_scales, layer.mslk_zeros,
+                          layer.mslk_gemv)
             if (failure := off_product(got[:, outputs].float(), x2.float() @ weight.T)):
                 raise failure

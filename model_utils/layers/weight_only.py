@@ -78,6 +78,7 @@ class Int4WeightOnlyLinear(nn.Module):
             self.register_buffer("packed", packed)
             self.register_buffer("mslk_scales", scales)
             self.register_buffer("mslk_zeros", zeros)
+            self.mslk_gemv = mslk_int4.gemv_layout(packed.device)  # few rows' kernel, or None
         elif kernel == "gemlite":
             self.register_buffer("packed", gemlite_weights.pack_int4(self, q, scales, zeros,
                                                                      group))
@@ -101,7 +102,8 @@ class Int4WeightOnlyLinear(nn.Module):
             return F.linear(x, self.dequantized(x.dtype), self.bias)
         x2 = x.reshape(-1, self.in_features).contiguous()
         if self.kernel == "mslk":
-            y = mslk_int4.product(x2, self.packed, self.mslk_scales, self.mslk_zeros)
+            y = mslk_int4.product(x2, self.packed, self.mslk_scales, self.mslk_zeros,
+                                  self.mslk_gemv)
         elif self.kernel == "gemlite":
             y = gemlite_weights.product(self, x2)
         else:

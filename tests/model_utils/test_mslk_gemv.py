@@ -1,0 +1,89 @@
+"""MSLK's int4 layout read off a preshuffle, and the Triton GEMV that reads MSLK's copy through
+it, on the CPU (the kernel through Triton's interpreter). The preshuffle here is mslk_layout's
+own shuffle with a random atom, so that the reading is held to a layout it did not assume;
+MSLK's real one is read and held to MSLK's own product on a GPU
+(tests/gpu/test_weight_kernels.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from model_utils.layers import mslk_gemv, mslk_layout
+from model_utils.layers.int_quantization import dequantize_int4, quantize_int4
+from model_utils.layers.mslk_int4 import signed_nibbles
+
+from .triton_interpreter import patch_interpreter, run_interpreted
+
+pytestmark = pytest.mark.unit
+
+
+def random_layout(atom_n: int, atom_k: int, rows_first: bool, seed: int) -> mslk_layout.Layout:
+    order = torch.randperm(atom_n * atom_k, generator=torch.Generator().manual_seed(seed))
+    return mslk_layout.Layout(atom_n, atom_k, rows_first, tuple(order.tolist()))
+
+
+@pytest.mark.parametrize("atom", [(16, 16, True), (16, 32, False), (8, 16, True)])
+def test_the_layout_is_read_back_from_what_the_preshuffle_does(atom):
+    truth = random_layout(*atom, seed=sum(atom[:2]))
+    found = mslk_layout.read(lambda q, scales: mslk_layout.shuffle(signed_nibbles(q), truth),
+                             torch.device("cpu"))
+    # the same place for every weight (an 8x16 atom repeated rows first reads as 16x16)
+    assert torch.equal(found.positions(128, 512), truth.positions(128, 512))
+
+
+def test_a_preshuffle_that_is_no_tiling_of_one_atom_is_refused():
+    with pytest.raises(mslk_layout.LayoutUnknown, match="not one permuted atom"):
+        mslk_layout.read(lambda q, scales: signed_nibbles(q).flip(0), torch.device("cpu"))
+    with pytest.raises(mslk_layout.LayoutUnknown, match="re-encodes"):
+        mslk_layout.read(lambda q, scales: signed_nibbles(q & 7), torch.device("cpu"))
+
+
+# (outputs, inputs, group, rows, (BLOCK_N, BLOCK_K, SPLIT_K, warps, stages), atom, x dtype)
+CASES = [
+    (48, 256, 64, 1, (32, 64, 1, 4, 2), (16, 16, True), torch.float32),  # a part block of outputs
+    (64, 384, 128, 1, (16, 128, 3, 4, 2), (16, 32, False), torch.bfloat16),  # split K
+    (32, 256, 128, 3, (16, 64, 1, 4, 2), (16, 16, True), torch.float32),
+    # tensor cores' rows in fp16: the interpreter's bf16 tl.dot is wrong (bf16 on a GPU test)
+    (64, 512, 64, 16, (32, 32, 2, 4, 2), (16, 16, False), torch.float16),
+]
+
+
+def check_cases() -> None:
+    patch_interpreter()
+    for n, k, group, rows, launch, atom, dtype in CASES:
+        generator = torch.Generator().manual_seed(n + rows)
+        q, scales, zeros = quantize_int4(torch.randn(n, k, generator=generator), group)
+        x2 = torch.randn(rows, k, generator=generator).to(dtype)
+        expected = x2.float() @ dequantize_int4(q, scales, zeros, torch.float32).T
+        layout = random_layout(*atom, seed=k)
+        copy = mslk_layout.shuffle(signed_nibbles(q), layout)
+        table = torch.tensor(layout.table, dtype=torch.int32)
+        args = (copy, scales.t().contiguous(), zeros.t().contiguous(), table)
+        y = mslk_gemv.gemv(x2, *args, layout, launch=launch)
+        assert y.dtype == dtype and y.shape == (rows, n)
+        error = ((y.float() - expected).norm() / expected.norm()).item()
+        assert error < {torch.float32: 1e-5}.get(dtype, 1e-2), (n, k, rows, dtype, error)
+        # another atom's table is another product: the table is what places the weights
+        other = random_layout(*atom, seed=k + 1)
+        wrong = mslk_gemv.gemv(x2, copy, *args[1:3], torch.tensor(other.table, dtype=torch.int32),
+                               other, launch=launch)
+        assert ((wrong.float() - expected).norm() / expected.norm()).item() > 0.1
+        print(f"{n}x{k} group {group}, {rows} rows, {dtype}: relative error {error:.1e}")
+
+
+def test_the_gemv_computes_the_dequantized_product():
+    pytest.importorskip("triton")
+    done = run_interpreted("tests.model_utils.test_mslk_gemv", "check_cases")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.count("relative error") == len(CASES), done.stdout
+
+
+def test_shapes_that_do_not_fit_are_refused_plainly():
+    layout = random_layout(16, 16, True, seed=0)
+    table = torch.tensor(layout.table, dtype=torch.int32)
+    weight, scales = torch.zeros(32, 64, dtype=torch.int8), torch.zeros(1, 32)
+    with pytest.raises(ValueError, match="do not fit"):
+        mslk_gemv.gemv(torch.zeros(2, 256), weight, scales, scales, table, layout)
+    with pytest.raises(ValueError, match="do not fit"):
+        mslk_gemv.gemv(torch.zeros(17, 128), weight, scales, scales, table, layout)
