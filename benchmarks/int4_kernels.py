@@ -3,7 +3,7 @@ bf16's cuBLAS, per linear shape of a model and per row count: gemlite's (the app
 with the configs it holds) and MSLK's CUTLASS mixed-input GEMMs (pip `mslk-cuda`: prebuilt, no
 compiling at install), `bf16i4bf16_shuffled` (weights pre-shuffled once at load) and
 `bf16i4bf16_rowwise` (plain packing), and the app's Triton GEMV over MSLK's shuffled copy for up
-to 16 rows (mslk_gemv, through the layout read off MSLK's preshuffle; `--gemv-search` times its
+to 8 rows (mslk_gemv, through the layout read off MSLK's preshuffle; `--gemv-search` times its
 launches per shape and row count first and writes the fastest into
 model_utils/layers/mslk_gemv_configs.json, which the timings then use). All read the app's
 numbers unchanged: MSLK's bf16 form is w = q_signed * scale + zero with q_signed = q - 8, the
@@ -38,7 +38,6 @@ from gemlite_search import copies_for, linear_shapes, replay_us  # noqa: E402
 
 from model_utils.layers import gemlite_weights, mslk_gemv, mslk_int4  # noqa: E402
 from model_utils.layers.int_quantization import dequantize_int4, quantize_int4  # noqa: E402
-from model_utils.layers.mslk_layout import Layout  # noqa: E402
 from model_utils.layers.weight_only import Int4WeightOnlyLinear  # noqa: E402
 
 
@@ -55,24 +54,23 @@ def kernels_for(linear: torch.nn.Linear, group: int, mslk: bool) -> dict:
         plain = (mslk_int4.signed_nibbles(q), scales.t().contiguous(), zeros.t().contiguous())
         found["mslk_shuffled"] = lambda x2: torch.ops.mslk.bf16i4bf16_shuffled(x2, *shuffled)
         found["mslk_rowwise"] = lambda x2: torch.ops.mslk.bf16i4bf16_rowwise(x2, *plain)
-        if (gemv := mslk_int4.gemv_layout(linear.weight.device)) is not None:
-            table, atom = gemv
-            found["mslk_gemv"] = functools.partial(gemv_product, shuffled, table, atom)
+        if mslk_int4.gemv_reads_layout(linear.weight.device):
+            found["mslk_gemv"] = functools.partial(gemv_product, shuffled)
     return found
 
 
-def gemv_product(shuffled, table, atom, x2, launch=None):
+def gemv_product(shuffled, x2, launch=None):
     """The GEMV as the engine calls it (one custom op), or with another launch."""
     if launch is None:
-        return mslk_gemv.gemv_op(x2, *shuffled, table, *atom)
-    return mslk_gemv.gemv(x2, *shuffled, table, Layout(*atom, ()), launch=launch)
+        return mslk_gemv.gemv_op(x2, *shuffled)
+    return mslk_gemv.gemv(x2, *shuffled, launch=launch)
 
 
-def gemv_search(sets: list, k: int, rows_list: list[int]) -> dict:
-    """{rows: [(launch, µs)]} for every launch of mslk_gemv.SEARCHED at each row count up to
+def gemv_search(sets: list, k: int) -> dict:
+    """{rows: [(launch, µs)]} for every launch of mslk_gemv.SEARCHED at one row and at
     mslk_gemv.MOST_ROWS (the copies in `sets` cycled as in the timings)."""
-    timed = {}
-    for rows in [r for r in rows_list if r <= mslk_gemv.MOST_ROWS]:
+    timed = {}  # at one row and at the most: a count between takes the next one's (config)
+    for rows in sorted({1, mslk_gemv.MOST_ROWS}):
         x2 = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
         timed[rows] = []
         for launch in mslk_gemv.SEARCHED:
@@ -136,9 +134,8 @@ def main() -> int:
     if mslk_problem is None:
         import mslk
         mslk_version = mslk.__version__
-        gemv = mslk_int4.gemv_layout(torch.device("cuda"))
-        layout_found = (f"atom {gemv[1]}, table starts {gemv[0][:32].tolist()}" if gemv
-                        else "not read (the log says why)")
+        layout_found = ("the GEMV's" if mslk_int4.gemv_reads_layout(torch.device("cuda"))
+                        else "not the GEMV's (the log says why)")
     else:
         mslk_version, layout_found = f"not used: {mslk_problem}", None
     shapes = linear_shapes(json.loads(Path(args.config).read_text()))
@@ -160,7 +157,7 @@ def main() -> int:
               flush=True)
         kernels = sets[0]
         if "mslk_gemv" in kernels and args.gemv_search:
-            timed = gemv_search(sets, k, rows_list)
+            timed = gemv_search(sets, k)
             best = write_gemv_configs(meta["gpu"], n, k, timed)
             meta.setdefault("gemv_search", {})[name] = {"timed": timed, "best": best}
             print(f"{name}: gemv launches {timed}; fastest {best}", flush=True)

@@ -5,15 +5,23 @@ at prefill, but its tiles are made for many rows: at one to eight, a decode step
 slower than gemlite's GEMV on every linear shape of the 7B and at times slower than bf16
 (BENCHMARKS.md, "int4-wo's numbers through MSLK's CUTLASS kernel"). MSLK has no GEMV, gemlite's
 cannot read MSLK's copy, and a second packed copy would double the weights' memory: so this
-kernel reads MSLK's copy itself, through the layout mslk_layout read off MSLK's preshuffle.
+kernel reads MSLK's copy itself.
+
+The copy's order (LAYOUT; mslk_layout reads MSLK's off its preshuffle and the kernel is used
+only where the two are the same): atoms of 16 rows x 16 inputs, one after another down the rows
+first, then along the inputs; in an atom, 32-bit word 4 * t1 + t0 (t1 < 8, t0 < 4) holds the 8
+weights of rows t1 and t1 + 8 at inputs 2 t0, 2 t0 + 1, 2 t0 + 8 and 2 t0 + 9, its nibble
+v_r + 2 v8 + 4 v1 the weight at row t1 + 8 v_r and input 2 t0 + v1 + 8 v8 (the values one thread
+of a Hopper tensor-core instruction holds, side by side). So the kernel loads whole words, and
+each of a word's 8 nibbles meets one of four slices of x and adds into one of two rows.
 
 The numbers (mslk_int4): nibble q ^ 8 (q - 8 as 4-bit two's complement), scales and zero points
-[K/group, N] bf16, w = (q - 8) * scale + zero. Each program computes BLOCK_N outputs over its
-share of K (SPLIT_K shares, summed by atomic adds into fp32 when more than one) in chunks of
-BLOCK_K inputs within one group; a weight's nibble is found through the layout's table, so the
-loads gather bytes within whole atoms (contiguous 128-byte runs). One row: products kept per
-(output, input) in fp32 until the end, no reduction across threads inside the loop. Two to
-sixteen rows: the chunk is dequantized to x's dtype and multiplied by tensor cores (tl.dot).
+[K/group, N] bf16, w = (q - 8) * scale + zero. A nibble becomes a float by the exponent trick
+(OR-ing it into the mantissa of 2^23, one subtraction), not a conversion instruction, which
+runs at a quarter of the FMA rate. Each program computes BLOCK_N outputs over its share of K
+(SPLIT_K shares, summed by atomic adds into fp32 when more than one) in chunks of BLOCK_K inputs
+within one group; products stay per (row, word) in fp32 until the end, with no reduction across
+threads inside the loop.
 """
 
 from __future__ import annotations
@@ -26,7 +34,17 @@ import torch
 
 from .mslk_layout import Layout
 
-MOST_ROWS = 16  # tl.dot's smallest tile; more rows go to MSLK's own kernel
+MOST_ROWS = 8  # each row adds an FMA per weight; MSLK's GEMM is the faster beyond
+
+
+def _hopper_atom() -> Layout:
+    """The layout of the module doc as mslk_layout writes it (table[r * 16 + c] = nibble)."""
+    table = [8 * (4 * (r % 8) + (c % 8) // 2) + r // 8 + 2 * (c // 8) + 4 * (c % 2)
+             for r in range(16) for c in range(16)]
+    return Layout(16, 16, True, tuple(table))
+
+
+LAYOUT = _hopper_atom()
 
 
 @functools.cache
@@ -35,62 +53,70 @@ def _kernel():
     import triton.language as tl
 
     @triton.jit
-    def gemv(x_ptr, w_ptr, s_ptr, z_ptr, table_ptr, y_ptr, M, N, K, stride_xm,
-             GROUP: tl.constexpr, ATOM_N: tl.constexpr, ATOM_K: tl.constexpr,
-             ROWS_FIRST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-             BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
-        ATOM: tl.constexpr = ATOM_N * ATOM_K
-        n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_ok = n < N
-        kk = tl.arange(0, BLOCK_K)
-        # Where each weight of a chunk lies, relative to the chunk's first atom: its atom's
-        # place (atoms rows first or inputs first) and its nibble within the atom (the table).
-        within = tl.load(table_ptr + (n % ATOM_N)[:, None] * ATOM_K + (kk % ATOM_K)[None, :])
-        if ROWS_FIRST:
-            tile = (kk // ATOM_K)[None, :] * (N // ATOM_N) + (n // ATOM_N)[:, None]
-            chunk_bytes = (BLOCK_K // ATOM_K) * (N // ATOM_N) * (ATOM // 2)
-        else:
-            tile = (n // ATOM_N)[:, None] * (K // ATOM_K) + (kk // ATOM_K)[None, :]
-            chunk_bytes = (BLOCK_K // ATOM_K) * (ATOM // 2)
-        nibble = tile * ATOM + within
-        byte = nibble >> 1
-        shift = (nibble & 1) * 4
+    def gemv(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, M, N, K, stride_xm, GROUP: tl.constexpr,
+             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+             SPLIT_K: tl.constexpr):
+        R8: tl.constexpr = BLOCK_N // 2  # (atom, t1) pairs: each word row serves two outputs
+        KB: tl.constexpr = BLOCK_K // 16  # atoms along the inputs in a chunk
+        pair = tl.program_id(0) * R8 + tl.arange(0, R8)  # over the whole N: atom * 8 + t1
+        row0 = (pair // 8) * 16 + pair % 8  # the outputs of nibbles with v_r = 0, and + 8
+        ok = row0 < N
+        kt = tl.arange(0, KB)
+        t0 = tl.arange(0, 4)
+        m = tl.arange(0, BLOCK_M)
+        # words of a chunk [KB, R8, 4]: atom (kt, n // 16) starts at word (kt * N/16 + n/16) * 32
+        words = (kt[:, None, None] * (N // 16) * 32 + (pair // 8)[None, :, None] * 32
+                 + (pair % 8)[None, :, None] * 4 + t0[None, None, :])
+        chunk_words = KB * (N // 16) * 32
+        # x at input 16 kt + 2 t0 (+ v1 + 8 v8), for each row: [BLOCK_M, KB, 1, 4]
+        x_at = (m[:, None, None, None] * stride_xm + kt[None, :, None, None] * 16
+                + t0[None, None, None, :] * 2)
+        m_ok = (m < M)[:, None, None, None]
         chunks = K // BLOCK_K
         per_split = tl.cdiv(chunks, SPLIT_K)
         first = tl.program_id(1) * per_split
         last = tl.minimum(first + per_split, chunks)
-        if BLOCK_M == 1:
-            acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-        else:
-            m = tl.arange(0, BLOCK_M)
-            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        acc0 = tl.zeros([BLOCK_M, KB, R8, 4], dtype=tl.float32)
+        acc1 = tl.zeros([BLOCK_M, KB, R8, 4], dtype=tl.float32)
         for chunk in range(first, last):
             k0 = chunk * BLOCK_K
-            w = tl.load(w_ptr + chunk * chunk_bytes + byte, mask=n_ok[:, None], other=0)
-            q = ((((w.to(tl.int32) >> shift) & 15) ^ 8) - 8).to(tl.float32)
+            # XOR with 0x88888888 gives every nibble back as q (0..15), the app's own
+            word = tl.load(w_ptr + chunk * chunk_words + words, mask=ok[None, :, None],
+                           other=0) ^ -2004318072
             group = k0 // GROUP
-            s = tl.load(s_ptr + group * N + n, mask=n_ok, other=0.0).to(tl.float32)
-            z = tl.load(z_ptr + group * N + n, mask=n_ok, other=0.0).to(tl.float32)
-            weight = q * s[:, None] + z[:, None]
-            if BLOCK_M == 1:
-                x = tl.load(x_ptr + k0 + kk).to(tl.float32)
-                acc += weight * x[None, :]
-            else:
-                x = tl.load(x_ptr + m[:, None] * stride_xm + (k0 + kk)[None, :],
-                            mask=(m < M)[:, None], other=0.0)
-                acc += tl.dot(x, tl.trans(weight.to(x.dtype)))
-        if BLOCK_M == 1:
-            out = tl.sum(acc, axis=1)[None, :]
-            rows = tl.arange(0, 1)
-        else:
-            out = acc
-            rows = m
-        where = y_ptr + rows[:, None] * N + n[None, :]
-        ok = (rows < M)[:, None] & n_ok[None, :]
+            s0 = tl.load(s_ptr + group * N + row0, mask=ok, other=0.0).to(tl.float32)
+            z0 = tl.load(z_ptr + group * N + row0, mask=ok, other=0.0).to(tl.float32)
+            s1 = tl.load(s_ptr + group * N + row0 + 8, mask=ok, other=0.0).to(tl.float32)
+            z1 = tl.load(z_ptr + group * N + row0 + 8, mask=ok, other=0.0).to(tl.float32)
+            s0, z0 = s0[None, :, None], z0[None, :, None]
+            s1, z1 = s1[None, :, None], z1[None, :, None]
+            x_here = x_ptr + k0 + x_at
+            x00 = tl.load(x_here, mask=m_ok, other=0.0).to(tl.float32)  # v8 = 0, v1 = 0
+            x01 = tl.load(x_here + 1, mask=m_ok, other=0.0).to(tl.float32)
+            x10 = tl.load(x_here + 8, mask=m_ok, other=0.0).to(tl.float32)
+            x11 = tl.load(x_here + 9, mask=m_ok, other=0.0).to(tl.float32)
+            for p in tl.static_range(8):
+                # 2^23 + q as a float, less 2^23 + 8: q - 8 exactly
+                q = ((word >> (4 * p)) & 15 | 0x4B000000).to(tl.float32, bitcast=True)
+                q = q - 8388616.0
+                if p // 4 == 0:
+                    x = x00 if (p // 2) % 2 == 0 else x10
+                else:
+                    x = x01 if (p // 2) % 2 == 0 else x11
+                if p % 2 == 0:
+                    acc0 += (q * s0 + z0)[None, :, :, :] * x
+                else:
+                    acc1 += (q * s1 + z1)[None, :, :, :] * x
+        y0 = tl.sum(tl.sum(acc0, axis=3), axis=1)  # [BLOCK_M, R8]
+        y1 = tl.sum(tl.sum(acc1, axis=3), axis=1)
+        where = y_ptr + m[:, None] * N + row0[None, :]
+        store_ok = (m < M)[:, None] & ok[None, :]
         if SPLIT_K == 1:
-            tl.store(where, out.to(y_ptr.dtype.element_ty), mask=ok)
+            tl.store(where, y0.to(y_ptr.dtype.element_ty), mask=store_ok)
+            tl.store(where + 8, y1.to(y_ptr.dtype.element_ty), mask=store_ok)
         else:
-            tl.atomic_add(where, out, mask=ok)
+            tl.atomic_add(where, y0, mask=store_ok)
+            tl.atomic_add(where + 8, y1, mask=store_ok)
 
     return gemv
 
@@ -100,11 +126,12 @@ def _kernel():
 # {"rows": [...]}}}); the nearest searched row count at or above a call's, else DEFAULT. No
 # tuning at load: a switch waits for none.
 CONFIGS_FILE = Path(__file__).with_name("mslk_gemv_configs.json")
-DEFAULT = (32, 128, 1, 4, 2)
-SEARCHED = [(block_n, block_k, split_k, warps, 2)
-            for block_n in (16, 32, 64) for block_k in (64, 128) for split_k in (1, 2, 4, 8)
-            for warps in (4,)] + [(32, 128, 4, 8, 2), (64, 128, 2, 8, 2), (16, 64, 8, 2, 2),
-                                  (32, 64, 4, 2, 3), (128, 64, 1, 8, 2), (128, 128, 2, 8, 2)]
+DEFAULT = (64, 64, 2, 4, 2)
+SEARCHED = [(block_n, block_k, split_k, warps, stages)
+            for block_n in (32, 64, 128) for block_k in (32, 64, 128) for split_k in (1, 2, 4)
+            for warps, stages in ((4, 2),)] + [
+    (block_n, 64, split_k, warps, stages) for block_n in (64, 128) for split_k in (1, 2, 8)
+    for warps, stages in ((2, 2), (8, 2), (4, 3), (4, 4))]
 
 
 @functools.cache
@@ -119,13 +146,11 @@ def config(n: int, k: int, rows: int, device: torch.device) -> tuple[int, ...]:
     return tuple(by_rows[str(fitting[0])]) if fitting else DEFAULT
 
 
-def gemv(x2: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-         table: torch.Tensor, layout: Layout, *, launch: tuple[int, ...] | None = None
-         ) -> torch.Tensor:
-    """x2 [M, K] (M <= MOST_ROWS) @ the weight [N, K/2] MSLK's copy holds (module doc).T:
-    [M, N] in x2's dtype. `table`: layout.table on x2's device, int32 (the kernel reads that,
-    not layout.table); `launch`: (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages) instead of
-    config()'s."""
+def gemv(x2: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, *,
+         launch: tuple[int, ...] | None = None) -> torch.Tensor:
+    """x2 [M, K] (M <= MOST_ROWS) @ the weight [N, K/2] MSLK's copy holds in LAYOUT (module
+    doc).T: [M, N] in x2's dtype. `launch`: (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages)
+    instead of config()'s."""
     rows, k = x2.shape
     n, groups = weight.shape[0], scales.shape[0]
     if (rows > MOST_ROWS or weight.shape[1] * 2 != k or scales.shape != (groups, n)
@@ -135,27 +160,26 @@ def gemv(x2: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, zeros: to
     group = k // groups
     block_n, block_k, split_k, warps, stages = launch or config(n, k, rows, x2.device)
     block_k = min(block_k, group)
-    if group % block_k or n % layout.atom_n or block_k % layout.atom_k:
+    if group % block_k or n % 16 or block_k % 16 or block_n % 16:
         raise ValueError(f"MSLK GEMV: a {n}x{k} weight in groups of {group} does not tile by "
-                         f"{block_k} inputs and {layout.atom_n}x{layout.atom_k} atoms")
+                         f"{block_n} outputs, {block_k} inputs and 16x16 atoms")
     x2 = x2.contiguous()
     y = (torch.empty(rows, n, dtype=x2.dtype, device=x2.device) if split_k == 1
          else torch.zeros(rows, n, dtype=torch.float32, device=x2.device))
     _kernel()[(-(-n // block_n), split_k)](
-        x2, weight, scales, zeros, table, y, rows, n, k, x2.stride(0), GROUP=group,
-        ATOM_N=layout.atom_n, ATOM_K=layout.atom_k, ROWS_FIRST=layout.rows_first,
-        BLOCK_M=1 if rows == 1 else MOST_ROWS, BLOCK_N=block_n, BLOCK_K=block_k,
+        x2, weight.view(torch.int32), scales, zeros, y, rows, n, k, x2.stride(0), GROUP=group,
+        BLOCK_M=max(1, 1 << (rows - 1).bit_length()), BLOCK_N=block_n, BLOCK_K=block_k,
         SPLIT_K=split_k, num_warps=warps, num_stages=stages)
     return y if split_k == 1 else y.to(x2.dtype)
 
 
 @torch.library.custom_op("qwen_chat::mslk_gemv", mutates_args=())
-def gemv_op(x2: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-            table: torch.Tensor, atom_n: int, atom_k: int, rows_first: bool) -> torch.Tensor:
-    """gemv as one op that torch.compile and CUDA graphs take whole (the layout by its fields)."""
-    return gemv(x2, weight, scales, zeros, table, Layout(atom_n, atom_k, rows_first, ()))
+def gemv_op(x2: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
+            zeros: torch.Tensor) -> torch.Tensor:
+    """gemv as one op that torch.compile and CUDA graphs take whole."""
+    return gemv(x2, weight, scales, zeros)
 
 
 @gemv_op.register_fake
-def _(x2, weight, scales, zeros, table, atom_n, atom_k, rows_first):
+def _(x2, weight, scales, zeros):
     return x2.new_empty(x2.shape[0], weight.shape[0])

@@ -82,24 +82,22 @@ def signed_nibbles(q: torch.Tensor) -> torch.Tensor:
 
 
 # Rows up to which mslk_gemv multiplies instead of MSLK's GEMM.
-GEMV_ROWS = 8
+GEMV_ROWS = mslk_gemv.MOST_ROWS
 
 
 def product(x2: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-            gemv: tuple | None = None) -> torch.Tensor:
-    """x2 [M, K] bf16 @ the dequantized weight.T: [M, N] bf16. `gemv`: (table, atom) of
-    gemv_layout, with which up to GEMV_ROWS rows go through mslk_gemv."""
-    if gemv is not None and x2.shape[0] <= GEMV_ROWS:
-        table, (atom_n, atom_k, rows_first) = gemv
-        return mslk_gemv.gemv_op(x2, weight, scales, zeros, table, atom_n, atom_k, rows_first)
+            gemv: bool = False) -> torch.Tensor:
+    """x2 [M, K] bf16 @ the dequantized weight.T: [M, N] bf16; up to GEMV_ROWS rows through
+    mslk_gemv where `gemv` (gemv_reads_layout's answer for the weight's device)."""
+    if gemv and x2.shape[0] <= GEMV_ROWS:
+        return mslk_gemv.gemv_op(x2, weight, scales, zeros)
     return torch.ops.mslk.bf16i4bf16_shuffled(x2, weight, scales, zeros)
 
 
 @functools.cache
-def gemv_layout(device: torch.device) -> tuple[torch.Tensor, tuple[int, int, bool]] | None:
-    """MSLK's shuffled layout on this device as mslk_gemv reads it: its table (int32, on the
-    device) and its atom (rows, inputs, rows first); None where mslk_layout cannot read it
-    (then MSLK's GEMM serves every row count; said once in the log)."""
+def gemv_reads_layout(device: torch.device) -> bool:
+    """Whether MSLK's shuffled layout on this device, read off its preshuffle, is the one
+    mslk_gemv reads; if not, MSLK's GEMM serves every row count (said once in the log)."""
     def preshuffle(q, scales):
         return torch.ops.mslk.preshuffle_i4(signed_nibbles(q), scales)[0]
 
@@ -108,9 +106,13 @@ def gemv_layout(device: torch.device) -> tuple[torch.Tensor, tuple[int, int, boo
     except mslk_layout.LayoutUnknown as error:
         log.warning("MSLK's int4 layout could not be read (%s): its GEMM serves every row "
                     "count", error)
-        return None
-    return (torch.tensor(read.table, dtype=torch.int32, device=device),
-            (read.atom_n, read.atom_k, read.rows_first))
+        return False
+    shape = (mslk_layout.PROBE_N, mslk_layout.PROBE_K)
+    if not torch.equal(read.positions(*shape), mslk_gemv.LAYOUT.positions(*shape)):
+        log.warning("MSLK's int4 layout here (%dx%d atoms) is not the one the GEMV reads: "
+                    "MSLK's GEMM serves every row count", read.atom_n, read.atom_k)
+        return False
+    return True
 
 
 # Input features read back at once: the identity's rows (bf16) and their product stay small.

@@ -78,7 +78,7 @@ class Int4WeightOnlyLinear(nn.Module):
             self.register_buffer("packed", packed)
             self.register_buffer("mslk_scales", scales)
             self.register_buffer("mslk_zeros", zeros)
-            self.mslk_gemv = mslk_int4.gemv_layout(packed.device)  # few rows' kernel, or None
+            self.mslk_gemv = mslk_int4.gemv_reads_layout(packed.device)  # for a few rows
         elif kernel == "gemlite":
             self.register_buffer("packed", gemlite_weights.pack_int4(self, q, scales, zeros,
                                                                      group))

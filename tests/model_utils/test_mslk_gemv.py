@@ -1,8 +1,8 @@
-"""MSLK's int4 layout read off a preshuffle, and the Triton GEMV that reads MSLK's copy through
-it, on the CPU (the kernel through Triton's interpreter). The preshuffle here is mslk_layout's
-own shuffle with a random atom, so that the reading is held to a layout it did not assume;
-MSLK's real one is read and held to MSLK's own product on a GPU
-(tests/gpu/test_weight_kernels.py)."""
+"""MSLK's int4 layout read off a preshuffle, and the Triton GEMV that reads MSLK's copy, on the
+CPU (the kernel through Triton's interpreter). The preshuffle here is mslk_layout's own shuffle
+with a random atom, so that the reading is held to a layout it did not assume; the GEMV reads
+copies laid out in its LAYOUT by the same shuffle. MSLK's real layout is read and the GEMV held
+to MSLK's own product on a GPU (tests/gpu/test_weight_kernels.py)."""
 
 from __future__ import annotations
 
@@ -39,35 +39,31 @@ def test_a_preshuffle_that_is_no_tiling_of_one_atom_is_refused():
         mslk_layout.read(lambda q, scales: signed_nibbles(q & 7), torch.device("cpu"))
 
 
-# (outputs, inputs, group, rows, (BLOCK_N, BLOCK_K, SPLIT_K, warps, stages), atom, x dtype)
+# (outputs, inputs, group, rows, (BLOCK_N, BLOCK_K, SPLIT_K, warps, stages), x dtype)
 CASES = [
-    (48, 256, 64, 1, (32, 64, 1, 4, 2), (16, 16, True), torch.float32),  # a part block of outputs
-    (64, 384, 128, 1, (16, 128, 3, 4, 2), (16, 32, False), torch.bfloat16),  # split K
-    (32, 256, 128, 3, (16, 64, 1, 4, 2), (16, 16, True), torch.float32),
-    # tensor cores' rows in fp16: the interpreter's bf16 tl.dot is wrong (bf16 on a GPU test)
-    (64, 512, 64, 16, (32, 32, 2, 4, 2), (16, 16, False), torch.float16),
+    (48, 256, 64, 1, (32, 64, 1, 4, 2), torch.float32),  # a part block of outputs
+    (64, 384, 128, 1, (64, 128, 3, 4, 2), torch.bfloat16),  # K split in three shares
+    (32, 256, 128, 3, (32, 32, 1, 4, 2), torch.float32),
+    (64, 512, 64, 8, (32, 64, 2, 4, 2), torch.bfloat16),
 ]
 
 
 def check_cases() -> None:
     patch_interpreter()
-    for n, k, group, rows, launch, atom, dtype in CASES:
+    for n, k, group, rows, launch, dtype in CASES:
         generator = torch.Generator().manual_seed(n + rows)
         q, scales, zeros = quantize_int4(torch.randn(n, k, generator=generator), group)
         x2 = torch.randn(rows, k, generator=generator).to(dtype)
         expected = x2.float() @ dequantize_int4(q, scales, zeros, torch.float32).T
-        layout = random_layout(*atom, seed=k)
-        copy = mslk_layout.shuffle(signed_nibbles(q), layout)
-        table = torch.tensor(layout.table, dtype=torch.int32)
-        args = (copy, scales.t().contiguous(), zeros.t().contiguous(), table)
-        y = mslk_gemv.gemv(x2, *args, layout, launch=launch)
+        copy = mslk_layout.shuffle(signed_nibbles(q), mslk_gemv.LAYOUT)
+        numbers = (scales.t().contiguous(), zeros.t().contiguous())
+        y = mslk_gemv.gemv(x2, copy, *numbers, launch=launch)
         assert y.dtype == dtype and y.shape == (rows, n)
         error = ((y.float() - expected).norm() / expected.norm()).item()
         assert error < {torch.float32: 1e-5}.get(dtype, 1e-2), (n, k, rows, dtype, error)
-        # another atom's table is another product: the table is what places the weights
-        other = random_layout(*atom, seed=k + 1)
-        wrong = mslk_gemv.gemv(x2, copy, *args[1:3], torch.tensor(other.table, dtype=torch.int32),
-                               other, launch=launch)
+        # the same weights in another order are another product: the order is what it reads
+        other = mslk_layout.shuffle(signed_nibbles(q), random_layout(16, 16, True, seed=k))
+        wrong = mslk_gemv.gemv(x2, other, *numbers, launch=launch)
         assert ((wrong.float() - expected).norm() / expected.norm()).item() > 0.1
         print(f"{n}x{k} group {group}, {rows} rows, {dtype}: relative error {error:.1e}")
 
@@ -80,10 +76,22 @@ def test_the_gemv_computes_the_dequantized_product():
 
 
 def test_shapes_that_do_not_fit_are_refused_plainly():
-    layout = random_layout(16, 16, True, seed=0)
-    table = torch.tensor(layout.table, dtype=torch.int32)
     weight, scales = torch.zeros(32, 64, dtype=torch.int8), torch.zeros(1, 32)
     with pytest.raises(ValueError, match="do not fit"):
-        mslk_gemv.gemv(torch.zeros(2, 256), weight, scales, scales, table, layout)
+        mslk_gemv.gemv(torch.zeros(2, 256), weight, scales, scales)
     with pytest.raises(ValueError, match="do not fit"):
-        mslk_gemv.gemv(torch.zeros(17, 128), weight, scales, scales, table, layout)
+        mslk_gemv.gemv(torch.zeros(9, 128), weight, scales, scales)
+    with pytest.raises(ValueError, match="does not tile"):
+        mslk_gemv.gemv(torch.zeros(1, 128), torch.zeros(24, 64, dtype=torch.int8),
+                       torch.zeros(1, 24), torch.zeros(1, 24), launch=(32, 64, 1, 4, 2))
+
+
+def test_the_layout_the_gemv_reads_is_mslk_s_as_read_on_an_h100():
+    """The table read off MSLK 1.1.0's preshuffle on an H100 (tests/gpu/test_weight_kernels.py
+    printed it; benchmarks/h100-2026-12-07/gpu-tests-mslk-layout.log), its first two words:
+    rows 0 and 8 at inputs 0, 8, 1, 9, then 2, 10, 3, 11."""
+    table = mslk_gemv.LAYOUT.table
+    assert [table[r * 16 + c] for r, c in ((0, 0), (8, 0), (0, 8), (8, 8), (0, 1), (8, 1),
+                                          (0, 9), (8, 9), (0, 2), (1, 0))] == [
+        0, 1, 2, 3, 4, 5, 6, 7, 8, 32]
+    assert sorted(table) == list(range(256))
