@@ -149,3 +149,32 @@ def _edge(holder, child) -> str:
     if getattr(holder, "__dict__", None) is child:
         return ".__dict__"
     return f"({type(holder).__qualname__} holds)"
+
+
+CONTAINERS = {"list", "dict", "tuple", "set", "frozenset", "cell", "function", "method",
+              "FrameSummary", "StackSummary", "deque", "mappingproxy"}
+
+
+def owner_types(target, depth: int = 12, most: int = 20000) -> list[str]:
+    """The classes of the first objects up the referrer chains of `target` that are not plain
+    containers, nearest first: who owns an object that no module reaches (held from C++, say a
+    ShapeEnv kept by its own SymNodes, or a guard manager's Python parts)."""
+    import types
+
+    seen, frontier, found = {id(target)}, [target], []
+    for _ in range(depth):
+        nxt = []
+        for obj in frontier:
+            for ref in gc.get_referrers(obj):
+                if id(ref) in seen or isinstance(ref, types.FrameType) or ref is frontier:
+                    continue
+                seen.add(id(ref))
+                name = type(ref).__qualname__
+                if name in CONTAINERS:
+                    nxt.append(ref)
+                elif name not in found:
+                    found.append(name)
+        frontier = nxt[:most]
+        if not frontier:
+            break
+    return found[:12]

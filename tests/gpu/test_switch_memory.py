@@ -38,7 +38,7 @@ from model_utils.loading.placement import Placement
 from model_utils.memory import take_snapshot
 from model_utils.runtime.generation_settings import GenerationSettings
 
-from .conftest import gpu_marks, path_from_modules
+from .conftest import gpu_marks, owner_types, path_from_modules
 
 pytestmark = gpu_marks()
 
@@ -195,5 +195,12 @@ def older_paths(grown_types: dict, kinds: int = 3) -> dict[str, list[str]]:
         found = [o for o in gc.get_objects() if type(o).__name__ == name]
         picked = [found[len(found) // 2], found[3 * len(found) // 4]] if found else []
         del found  # so that this list is not among the holders found
-        paths[name] = [path_from_modules(picked.pop()) for _ in range(len(picked))]
+        paths[name] = []
+        while picked:
+            obj = picked.pop()
+            path = path_from_modules(obj)
+            if path.startswith("not reachable"):  # held from C++: name its nearest owners
+                path += f"; its nearest owners: {owner_types(obj)}"
+            paths[name].append(path)
+            del obj
     return paths
