@@ -4,8 +4,9 @@ with the configs it holds) and MSLK's CUTLASS mixed-input GEMMs (pip `mslk-cuda`
 compiling at install), `bf16i4bf16_shuffled` (weights pre-shuffled once at load) and
 `bf16i4bf16_rowwise` (plain packing), and the app's Triton GEMV over MSLK's shuffled copy for up
 to 8 rows (mslk_gemv, through the layout read off MSLK's preshuffle; `--gemv-search` times its
-launches per shape and row count first and writes the fastest into
-model_utils/layers/mslk_gemv_configs.json, which the timings then use). All read the app's
+launches per shape at one and eight rows first and writes the fastest into
+model_utils/layers/mslk_gemv_configs.json, which the timings then use, and after the timings
+up to how many rows it beat MSLK's GEMM, which int4 layers on MSLK's kernel then use). All read the app's
 numbers unchanged: MSLK's bf16 form is w = q_signed * scale + zero with q_signed = q - 8, the
 app's own (int_quantization).
 
@@ -87,12 +88,27 @@ def write_gemv_configs(gpu: str, n: int, k: int, timed: dict) -> dict:
     """The fastest launch at each row count into mslk_gemv.CONFIGS_FILE for this GPU."""
     best = {str(rows): min((t for t in runs if not isinstance(t[1], str)), key=lambda t: t[1])[0]
             for rows, runs in timed.items()}
+    update_gemv_configs(gpu, n, k, best)
+    return best
+
+
+def gemv_crossover(rows_timed: list[dict]) -> int:
+    """Up to how many rows the GEMV beat MSLK's GEMM at every count timed for one shape."""
+    served = 0
+    for row in sorted(rows_timed, key=lambda r: r["rows"]):
+        gemv, gemm = row.get("mslk_gemv_us"), row.get("mslk_shuffled_us")
+        if not (isinstance(gemv, float) and isinstance(gemm, float) and gemv < gemm):
+            break
+        served = row["rows"]
+    return served
+
+
+def update_gemv_configs(gpu: str, n: int, k: int, entries: dict) -> None:
     path = mslk_gemv.CONFIGS_FILE
     configs = json.loads(path.read_text()) if path.exists() else {}
-    configs.setdefault(gpu, {})[f"{n}x{k}"] = best
+    configs.setdefault(gpu, {}).setdefault(f"{n}x{k}", {}).update(entries)
     path.write_text(json.dumps(configs, indent=1, sort_keys=True) + "\n")
     mslk_gemv._configs.cache_clear()
-    return best
 
 
 def reference_weight(linear: torch.nn.Linear, group: int) -> torch.Tensor:
@@ -183,6 +199,10 @@ def main() -> int:
             print(json.dumps(row), flush=True)
             Path(args.out).write_text(json.dumps({"meta": meta, "compiles": compiled,
                                                   "results": results}, indent=1))
+        if "mslk_gemv" in kernels and args.gemv_search:
+            served = gemv_crossover([r for r in results if r["layer"] == name])
+            update_gemv_configs(meta["gpu"], n, k, {"gemv_rows": served})
+            print(f"{name}: the GEMV serves up to {served} rows", flush=True)
         del linears, sets, kernels, reference
         torch.cuda.empty_cache()
     if "mslk_shuffled" in compiled:

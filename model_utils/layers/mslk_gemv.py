@@ -16,12 +16,12 @@ of a Hopper tensor-core instruction holds, side by side). So the kernel loads wh
 each of a word's 8 nibbles meets one of four slices of x and adds into one of two rows.
 
 The numbers (mslk_int4): nibble q ^ 8 (q - 8 as 4-bit two's complement), scales and zero points
-[K/group, N] bf16, w = (q - 8) * scale + zero. A nibble becomes a float by the exponent trick
-(OR-ing it into the mantissa of 2^23, one subtraction), not a conversion instruction, which
-runs at a quarter of the FMA rate. Each program computes BLOCK_N outputs over its share of K
-(SPLIT_K shares, summed by atomic adds into fp32 when more than one) in chunks of BLOCK_K inputs
-within one group; products stay per (row, word) in fp32 until the end, with no reduction across
-threads inside the loop.
+[K/group, N] bf16, w = (q - 8) * scale + zero. Within a group that is 16 s f + (z - 24 s) with
+f = 1 + q / 16: a nibble becomes f by OR-ing it into the mantissa of 1.0 (a conversion
+instruction runs at a quarter of the FMA rate), each weight costs a shift, a mask and one FMA a
+row, and the scale and zero point are applied once per output and group. Each program computes
+BLOCK_N outputs over its share of the groups (SPLIT_K shares, summed by atomic adds into fp32
+when more than one), BLOCK_K inputs a step.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ import torch
 
 from .mslk_layout import Layout
 
-MOST_ROWS = 8  # each row adds an FMA per weight; MSLK's GEMM is the faster beyond
+MOST_ROWS = 8  # each row adds an FMA per weight; MSLK's GEMM serves more
 
 
 def _hopper_atom() -> Layout:
@@ -57,58 +57,68 @@ def _kernel():
              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
              SPLIT_K: tl.constexpr):
         R8: tl.constexpr = BLOCK_N // 2  # (atom, t1) pairs: each word row serves two outputs
-        KB: tl.constexpr = BLOCK_K // 16  # atoms along the inputs in a chunk
+        KB: tl.constexpr = BLOCK_K // 16  # atoms along the inputs in a step
         pair = tl.program_id(0) * R8 + tl.arange(0, R8)  # over the whole N: atom * 8 + t1
         row0 = (pair // 8) * 16 + pair % 8  # the outputs of nibbles with v_r = 0, and + 8
         ok = row0 < N
         kt = tl.arange(0, KB)
         t0 = tl.arange(0, 4)
         m = tl.arange(0, BLOCK_M)
-        # words of a chunk [KB, R8, 4]: atom (kt, n // 16) starts at word (kt * N/16 + n/16) * 32
+        # words of a step [KB, R8, 4]: atom (kt, n // 16) starts at word (kt * N/16 + n/16) * 32
         words = (kt[:, None, None] * (N // 16) * 32 + (pair // 8)[None, :, None] * 32
                  + (pair % 8)[None, :, None] * 4 + t0[None, None, :])
-        chunk_words = KB * (N // 16) * 32
+        step_words = KB * (N // 16) * 32
         # x at input 16 kt + 2 t0 (+ v1 + 8 v8), for each row: [BLOCK_M, KB, 1, 4]
         x_at = (m[:, None, None, None] * stride_xm + kt[None, :, None, None] * 16
                 + t0[None, None, None, :] * 2)
         m_ok = (m < M)[:, None, None, None]
-        chunks = K // BLOCK_K
-        per_split = tl.cdiv(chunks, SPLIT_K)
+        groups = K // GROUP
+        per_split = tl.cdiv(groups, SPLIT_K)
         first = tl.program_id(1) * per_split
-        last = tl.minimum(first + per_split, chunks)
-        acc0 = tl.zeros([BLOCK_M, KB, R8, 4], dtype=tl.float32)
-        acc1 = tl.zeros([BLOCK_M, KB, R8, 4], dtype=tl.float32)
-        for chunk in range(first, last):
-            k0 = chunk * BLOCK_K
-            # XOR with 0x88888888 gives every nibble back as q (0..15), the app's own
-            word = tl.load(w_ptr + chunk * chunk_words + words, mask=ok[None, :, None],
-                           other=0) ^ -2004318072
-            group = k0 // GROUP
+        last = tl.minimum(first + per_split, groups)
+        y0 = tl.zeros([BLOCK_M, R8], dtype=tl.float32)
+        y1 = tl.zeros([BLOCK_M, R8], dtype=tl.float32)
+        for group in range(first, last):
+            # In a group w = (q - 8) s + z = 16 s f + (z - 24 s) with f = 1 + q / 16, a float
+            # made by OR-ing q into the mantissa of 1.0 (no conversion instruction): the
+            # products f x are summed over the group, then scaled once per output.
+            a0 = tl.zeros([BLOCK_M, KB, R8, 4], dtype=tl.float32)
+            a1 = tl.zeros([BLOCK_M, KB, R8, 4], dtype=tl.float32)
+            x_sum = tl.zeros([BLOCK_M, KB, 1, 4], dtype=tl.float32)
+            for step in range(GROUP // BLOCK_K):
+                k0 = group * GROUP + step * BLOCK_K
+                # XOR with 0x88888888 gives every nibble back as q (0..15), the app's own
+                word = tl.load(w_ptr + (k0 // BLOCK_K) * step_words + words,
+                               mask=ok[None, :, None], other=0) ^ -2004318072
+                x_here = x_ptr + k0 + x_at
+                x00 = tl.load(x_here, mask=m_ok, other=0.0).to(tl.float32)  # v8 = 0, v1 = 0
+                x01 = tl.load(x_here + 1, mask=m_ok, other=0.0).to(tl.float32)
+                x10 = tl.load(x_here + 8, mask=m_ok, other=0.0).to(tl.float32)
+                x11 = tl.load(x_here + 9, mask=m_ok, other=0.0).to(tl.float32)
+                x_sum += (x00 + x01) + (x10 + x11)
+                for p in tl.static_range(8):
+                    if 4 * p <= 19:  # nibble p to mantissa bits 19-22
+                        bits = (word << (19 - 4 * p)) & 0x780000
+                    else:
+                        bits = (word >> (4 * p - 19)) & 0x780000
+                    f = (bits | 0x3F800000).to(tl.float32, bitcast=True)[None, :, :, :]
+                    if p // 4 == 0:
+                        x = x00 if (p // 2) % 2 == 0 else x10
+                    else:
+                        x = x01 if (p // 2) % 2 == 0 else x11
+                    if p % 2 == 0:
+                        a0 += f * x
+                    else:
+                        a1 += f * x
             s0 = tl.load(s_ptr + group * N + row0, mask=ok, other=0.0).to(tl.float32)
             z0 = tl.load(z_ptr + group * N + row0, mask=ok, other=0.0).to(tl.float32)
             s1 = tl.load(s_ptr + group * N + row0 + 8, mask=ok, other=0.0).to(tl.float32)
             z1 = tl.load(z_ptr + group * N + row0 + 8, mask=ok, other=0.0).to(tl.float32)
-            s0, z0 = s0[None, :, None], z0[None, :, None]
-            s1, z1 = s1[None, :, None], z1[None, :, None]
-            x_here = x_ptr + k0 + x_at
-            x00 = tl.load(x_here, mask=m_ok, other=0.0).to(tl.float32)  # v8 = 0, v1 = 0
-            x01 = tl.load(x_here + 1, mask=m_ok, other=0.0).to(tl.float32)
-            x10 = tl.load(x_here + 8, mask=m_ok, other=0.0).to(tl.float32)
-            x11 = tl.load(x_here + 9, mask=m_ok, other=0.0).to(tl.float32)
-            for p in tl.static_range(8):
-                # 2^23 + q as a float, less 2^23 + 8: q - 8 exactly
-                q = ((word >> (4 * p)) & 15 | 0x4B000000).to(tl.float32, bitcast=True)
-                q = q - 8388616.0
-                if p // 4 == 0:
-                    x = x00 if (p // 2) % 2 == 0 else x10
-                else:
-                    x = x01 if (p // 2) % 2 == 0 else x11
-                if p % 2 == 0:
-                    acc0 += (q * s0 + z0)[None, :, :, :] * x
-                else:
-                    acc1 += (q * s1 + z1)[None, :, :, :] * x
-        y0 = tl.sum(tl.sum(acc0, axis=3), axis=1)  # [BLOCK_M, R8]
-        y1 = tl.sum(tl.sum(acc1, axis=3), axis=1)
+            xs = tl.sum(tl.sum(x_sum, axis=3), axis=1)  # [BLOCK_M, 1]
+            y0 += (tl.sum(tl.sum(a0, axis=3), axis=1) * (16.0 * s0)[None, :]
+                   + xs * (z0 - 24.0 * s0)[None, :])
+            y1 += (tl.sum(tl.sum(a1, axis=3), axis=1) * (16.0 * s1)[None, :]
+                   + xs * (z1 - 24.0 * s1)[None, :])
         where = y_ptr + m[:, None] * N + row0[None, :]
         store_ok = (m < M)[:, None] & ok[None, :]
         if SPLIT_K == 1:
@@ -123,15 +133,14 @@ def _kernel():
 
 # (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages) by GPU, weight shape and row count: the
 # fastest `benchmarks/int4_kernels.py --gemv-search` found (CONFIGS_FILE: {GPU name: {"NxK":
-# {"rows": [...]}}}); the nearest searched row count at or above a call's, else DEFAULT. No
+# {"rows": [...], "gemv_rows": n}}}); the nearest searched row count at or above a call's, else
+# DEFAULT. "gemv_rows": up to how many rows the GEMV beat MSLK's GEMM there (most_rows). No
 # tuning at load: a switch waits for none.
 CONFIGS_FILE = Path(__file__).with_name("mslk_gemv_configs.json")
-DEFAULT = (64, 64, 2, 4, 2)
-SEARCHED = [(block_n, block_k, split_k, warps, stages)
-            for block_n in (32, 64, 128) for block_k in (32, 64, 128) for split_k in (1, 2, 4)
-            for warps, stages in ((4, 2),)] + [
-    (block_n, 64, split_k, warps, stages) for block_n in (64, 128) for split_k in (1, 2, 8)
-    for warps, stages in ((2, 2), (8, 2), (4, 3), (4, 4))]
+DEFAULT = (128, 64, 4, 4, 2)
+SEARCHED = [(block_n, block_k, split_k, 4, 2) for block_n in (32, 64, 128, 256)
+            for block_k in (32, 64) for split_k in (1, 4, 8)] + [
+    (64, 64, 4, 2, 2), (128, 64, 4, 8, 2), (128, 32, 8, 4, 3), (256, 32, 4, 8, 2)]
 
 
 @functools.cache
@@ -142,8 +151,16 @@ def _configs(gpu: str) -> dict:
 
 def config(n: int, k: int, rows: int, device: torch.device) -> tuple[int, ...]:
     by_rows = _configs(torch.cuda.get_device_name(device)).get(f"{n}x{k}", {})
-    fitting = sorted(int(r) for r in by_rows if int(r) >= rows)
+    fitting = sorted(int(r) for r in by_rows if r.isdigit() and int(r) >= rows)
     return tuple(by_rows[str(fitting[0])]) if fitting else DEFAULT
+
+
+def most_rows(n: int, k: int, device: torch.device) -> int:
+    """Up to how many rows the GEMV serves an [n, k] weight on this GPU: as measured against
+    MSLK's GEMM for the shape, else one row (a decode step of one reply, where MSLK's tiles
+    lose the most)."""
+    found = _configs(torch.cuda.get_device_name(device)).get(f"{n}x{k}", {})
+    return int(found.get("gemv_rows", 1))
 
 
 def gemv(x2: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, *,

@@ -7,9 +7,9 @@ points, w = q_signed * scale + zero with q_signed = q - 8: the app's own numbers
 the weights pre-shuffled once at load into the order its Hopper tensor-core kernel loads them,
 and it serves every row count from one copy, a decode step's few rows and a prompt's thousand.
 Its kernel is chosen by a fixed heuristic, not tuned at a shape's first use as gemlite's Triton
-kernels are: nothing to ship or wait for at a load. Its tiles are made for many rows: up to
-GEMV_ROWS, a decode step's, mslk_gemv's Triton GEMV reads the same copy instead, through the
-layout mslk_layout reads off MSLK's preshuffle once per process. A candidate of the benchmarks
+kernels are: nothing to ship or wait for at a load. Its tiles are made for many rows: for a
+decode step's few (up to gemv_rows), mslk_gemv's Triton GEMV reads the same copy instead, where
+the layout mslk_layout reads off MSLK's preshuffle (once per process) is the one it reads. A candidate of the benchmarks
 (benchmarks/int4_kernels.py, quant_candidates' int4-wo-mslk) until measured against gemlite's;
 weight_only.int4_kernel does not pick it.
 
@@ -81,17 +81,22 @@ def signed_nibbles(q: torch.Tensor) -> torch.Tensor:
     return (nibbles[:, ::2] | (nibbles[:, 1::2] << 4)).contiguous().view(torch.int8)
 
 
-# Rows up to which mslk_gemv multiplies instead of MSLK's GEMM.
-GEMV_ROWS = mslk_gemv.MOST_ROWS
-
-
 def product(x2: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-            gemv: bool = False) -> torch.Tensor:
-    """x2 [M, K] bf16 @ the dequantized weight.T: [M, N] bf16; up to GEMV_ROWS rows through
-    mslk_gemv where `gemv` (gemv_reads_layout's answer for the weight's device)."""
-    if gemv and x2.shape[0] <= GEMV_ROWS:
+            gemv_rows: int = 0) -> torch.Tensor:
+    """x2 [M, K] bf16 @ the dequantized weight.T: [M, N] bf16; up to `gemv_rows` rows (of
+    gemv_rows(), for the weight's shape and device) through mslk_gemv."""
+    if x2.shape[0] <= gemv_rows:
         return mslk_gemv.gemv_op(x2, weight, scales, zeros)
     return torch.ops.mslk.bf16i4bf16_shuffled(x2, weight, scales, zeros)
+
+
+def gemv_rows(weight: torch.Tensor) -> int:
+    """Up to how many rows mslk_gemv multiplies MSLK's copy `weight` [N, K/2]: its measured
+    crossover with MSLK's GEMM for the shape (mslk_gemv.most_rows), 0 where it cannot read
+    MSLK's layout on this device."""
+    if not gemv_reads_layout(weight.device):
+        return 0
+    return mslk_gemv.most_rows(weight.shape[0], weight.shape[1] * 2, weight.device)
 
 
 @functools.cache
@@ -139,7 +144,7 @@ def dequantized(weight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
 # Row counts a shape's first layer is checked at, at load: the GEMV's one row and its tensor-core
 # rows, then one in each band of rows that MSLK gives its own tile (its choice goes by the row
 # count and the output width: up to 16, 32, 64, 128, 256, 512, 1024 rows, and beyond).
-CHECKED_ROWS = (1, 2, GEMV_ROWS, 32, 64, 128, 256, 512, 1024, 2048)
+CHECKED_ROWS = (1, 2, mslk_gemv.MOST_ROWS, 32, 64, 128, 256, 512, 1024, 2048)
 
 
 def check(layer, weight_rows) -> None:
@@ -156,6 +161,6 @@ def check(layer, weight_rows) -> None:
             x2 = torch.randn(rows, layer.in_features, dtype=torch.bfloat16, device=device,
                              generator=torch.Generator(device=device).manual_seed(rows))
             got = product(x2, layer.packed, layer.mslk_scales, layer.mslk_zeros,
-                          layer.mslk_gemv)
+                          layer.mslk_gemv_rows)
             if (failure := off_product(got[:, outputs].float(), x2.float() @ weight.T)):
                 raise failure

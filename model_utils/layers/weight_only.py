@@ -78,7 +78,7 @@ class Int4WeightOnlyLinear(nn.Module):
             self.register_buffer("packed", packed)
             self.register_buffer("mslk_scales", scales)
             self.register_buffer("mslk_zeros", zeros)
-            self.mslk_gemv = mslk_int4.gemv_reads_layout(packed.device)  # for a few rows
+            self.mslk_gemv_rows = mslk_int4.gemv_rows(packed)  # rows its GEMV serves
         elif kernel == "gemlite":
             self.register_buffer("packed", gemlite_weights.pack_int4(self, q, scales, zeros,
                                                                      group))
@@ -103,7 +103,7 @@ class Int4WeightOnlyLinear(nn.Module):
         x2 = x.reshape(-1, self.in_features).contiguous()
         if self.kernel == "mslk":
             y = mslk_int4.product(x2, self.packed, self.mslk_scales, self.mslk_zeros,
-                                  self.mslk_gemv)
+                                  self.mslk_gemv_rows)
         elif self.kernel == "gemlite":
             y = gemlite_weights.product(self, x2)
         else:

@@ -244,7 +244,8 @@ def test_mslk_s_layout_is_the_gemv_s_and_the_gemv_agrees_with_mslk_s_own_product
     if reason := mslk_int4.unavailable_reason(torch.device("cuda"), torch.bfloat16):
         pytest.skip(reason)
     module = Int4WeightOnlyLinear(linear_layer(in_features), 128, kernel="mslk")
-    assert module.mslk_gemv, "MSLK's int4 layout is not the GEMV's (the log says why)"
+    assert mslk_int4.gemv_reads_layout(module.packed.device), (
+        "MSLK's int4 layout is not the GEMV's (the log says why)")
     weights = (module.packed, module.mslk_scales, module.mslk_zeros)
     for launch in (None, (64, 128, 4, 4, 2), (32, 32, 1, 4, 2), (128, 64, 8, 8, 2)):
         for rows in (1, 2, 3, 8):
