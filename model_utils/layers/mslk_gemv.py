@@ -64,9 +64,11 @@ def _kernel():
         kt = tl.arange(0, KB)
         t0 = tl.arange(0, 4)
         m = tl.arange(0, BLOCK_M)
-        # words of a step [KB, R8, 4]: atom (kt, n // 16) starts at word (kt * N/16 + n/16) * 32
-        words = (kt[:, None, None] * (N // 16) * 32 + (pair // 8)[None, :, None] * 32
-                 + (pair % 8)[None, :, None] * 4 + t0[None, None, :])
+        # words of a step [1, KB, R8, 4] (4-D like the products, so that no nibble's values
+        # change layout in the loop): atom (kt, n // 16) starts at word (kt * N/16 + n/16) * 32
+        words = (kt[None, :, None, None] * (N // 16) * 32 + (pair // 8)[None, None, :, None] * 32
+                 + (pair % 8)[None, None, :, None] * 4 + t0[None, None, None, :])
+        word_ok = ok[None, None, :, None]
         step_words = KB * (N // 16) * 32
         # x at input 16 kt + 2 t0 (+ v1 + 8 v8), for each row: [BLOCK_M, KB, 1, 4]
         x_at = (m[:, None, None, None] * stride_xm + kt[None, :, None, None] * 16
@@ -88,8 +90,8 @@ def _kernel():
             for step in range(GROUP // BLOCK_K):
                 k0 = group * GROUP + step * BLOCK_K
                 # XOR with 0x88888888 gives every nibble back as q (0..15), the app's own
-                word = tl.load(w_ptr + (k0 // BLOCK_K) * step_words + words,
-                               mask=ok[None, :, None], other=0) ^ -2004318072
+                word = tl.load(w_ptr + (k0 // BLOCK_K) * step_words + words, mask=word_ok,
+                               other=0) ^ -2004318072
                 x_here = x_ptr + k0 + x_at
                 x00 = tl.load(x_here, mask=m_ok, other=0.0).to(tl.float32)  # v8 = 0, v1 = 0
                 x01 = tl.load(x_here + 1, mask=m_ok, other=0.0).to(tl.float32)
@@ -101,7 +103,7 @@ def _kernel():
                         bits = (word << (19 - 4 * p)) & 0x780000
                     else:
                         bits = (word >> (4 * p - 19)) & 0x780000
-                    f = (bits | 0x3F800000).to(tl.float32, bitcast=True)[None, :, :, :]
+                    f = (bits | 0x3F800000).to(tl.float32, bitcast=True)
                     if p // 4 == 0:
                         x = x00 if (p // 2) % 2 == 0 else x10
                     else:
