@@ -107,7 +107,8 @@ def inner_loop_conversions(block_m: int, block_n: int, block_k: int) -> int:
     from triton.compiler import ASTSource
 
     signature = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*bf16", "z_ptr": "*bf16",
-                 "y_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32"}
+                 "y_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32",
+                 "one_bits": "i32"}
     constants = {"GROUP": 128, "BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k,
                  "SPLIT_K": 1}
     source = ASTSource(fn=mslk_gemv._kernel(), signature={**signature, **dict.fromkeys(
