@@ -20,8 +20,9 @@ The numbers (mslk_int4): nibble q ^ 8 (q - 8 as 4-bit two's complement), scales 
 f = 1 + q / 16: a nibble becomes f by OR-ing it into the mantissa of 1.0 (a conversion
 instruction runs at a quarter of the FMA rate), each weight costs a shift, a mask and one FMA a
 row, and the scale and zero point are applied once per output and group. Each program computes
-BLOCK_N outputs over its share of the groups (SPLIT_K shares, summed by atomic adds into fp32
-when more than one), BLOCK_K inputs a step.
+BLOCK_N outputs over its share of the groups (SPLIT_K shares, summed by atomic adds into the
+output when more than one: in bf16, as gemlite's GEMV, so that no fp32 buffer and cast cost two
+more kernels a call), BLOCK_K inputs a step.
 """
 
 from __future__ import annotations
@@ -93,8 +94,9 @@ def _kernel():
             for step in range(GROUP // BLOCK_K):
                 k0 = group * GROUP + step * BLOCK_K
                 # XOR with 0x88888888 gives every nibble back as q (0..15), the app's own
+                # (read once: kept out of L2's way of x, which every program reads)
                 word = tl.load(w_ptr + (k0 // BLOCK_K) * step_words + words, mask=word_ok,
-                               other=0) ^ -2004318072
+                               other=0, eviction_policy="evict_first") ^ -2004318072
                 x_here = x_ptr + k0 + x_at
                 x00 = tl.load(x_here, mask=m_ok, other=0.0).to(tl.float32)  # v8 = 0, v1 = 0
                 x01 = tl.load(x_here + 1, mask=m_ok, other=0.0).to(tl.float32)
@@ -129,9 +131,10 @@ def _kernel():
         if SPLIT_K == 1:
             tl.store(where, y0.to(y_ptr.dtype.element_ty), mask=store_ok)
             tl.store(where + 8, y1.to(y_ptr.dtype.element_ty), mask=store_ok)
-        else:
-            tl.atomic_add(where, y0, mask=store_ok)
-            tl.atomic_add(where + 8, y1, mask=store_ok)
+        else:  # into x's dtype, zeroed by the caller, as gemlite's split GEMV does
+            tl.atomic_add(where, y0.to(y_ptr.dtype.element_ty), mask=store_ok, sem="relaxed")
+            tl.atomic_add(where + 8, y1.to(y_ptr.dtype.element_ty), mask=store_ok,
+                          sem="relaxed")
 
     return gemv
 
@@ -143,9 +146,11 @@ def _kernel():
 # tuning at load: a switch waits for none.
 CONFIGS_FILE = Path(__file__).with_name("mslk_gemv_configs.json")
 DEFAULT = (128, 64, 4, 4, 2)
+# K splits by groups of 128 inputs: the 7B's 3584 inputs are 28 groups, its down projection's 148.
 SEARCHED = [(block_n, block_k, split_k, 4, 2) for block_n in (32, 64, 128, 256)
-            for block_k in (32, 64) for split_k in (1, 4, 8)] + [
-    (64, 64, 4, 2, 2), (128, 64, 4, 8, 2), (128, 32, 8, 4, 3), (256, 32, 4, 8, 2)]
+            for block_k in (32, 64) for split_k in (1, 4, 14)] + [
+    (64, 64, 28, 2, 1), (128, 32, 28, 4, 1), (32, 64, 28, 1, 1), (256, 64, 8, 4, 2),
+    (128, 64, 8, 2, 2), (64, 32, 14, 2, 2)]
 
 
 @functools.cache
@@ -186,14 +191,14 @@ def gemv(x2: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, zeros: to
         raise ValueError(f"MSLK GEMV: a {n}x{k} weight in groups of {group} does not tile by "
                          f"{block_n} outputs, {block_k} inputs and 16x16 atoms")
     x2 = x2.contiguous()
-    y = (torch.empty(rows, n, dtype=x2.dtype, device=x2.device) if split_k == 1
-         else torch.zeros(rows, n, dtype=torch.float32, device=x2.device))
+    y = (torch.empty if split_k == 1 else torch.zeros)(rows, n, dtype=x2.dtype,
+                                                       device=x2.device)
     _kernel()[(-(-n // block_n), split_k)](
         x2, weight.view(torch.int32), scales, zeros, y, rows, n, k, x2.stride(0), ONE_BITS,
         GROUP=group,
         BLOCK_M=max(1, 1 << (rows - 1).bit_length()), BLOCK_N=block_n, BLOCK_K=block_k,
         SPLIT_K=split_k, num_warps=warps, num_stages=stages)
-    return y if split_k == 1 else y.to(x2.dtype)
+    return y
 
 
 @torch.library.custom_op("qwen_chat::mslk_gemv", mutates_args=())
