@@ -68,6 +68,13 @@ SHAPE = {"hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 2
          "vocab_size": 8192, "max_position_embeddings": 4096}
 
 
+# Objects of torch.compile's tracing and guarding, counted every cycle: which of them piles up
+# says what keeps the grown stack summaries.
+WATCHED = ("ShapeEnv", "FakeTensorMode", "FakeTensor", "SymNode", "CheckFunctionManager",
+           "GuardManagerWrapper", "OutputGraph", "CompiledFxGraph", "GraphModule", "Tracer",
+           "TrackedFake", "SLoc", "ShapeGuard")
+
+
 def python_objects() -> collections.Counter:
     """Live objects the garbage collector tracks, by type name: what grows between cycles
     names what the process keeps of each load (RSS the Python heap explains)."""
@@ -153,7 +160,9 @@ def test_twenty_switch_cycles_give_the_memory_back(mid_model, monkeypatch):
             first_objects = objects
         else:  # growth after the first cycle, which builds what every later one reuses
             objects_grown = grown(first_objects, objects)
-            print(json.dumps({"cycle": cycle, "python_objects_grown": objects_grown}), flush=True)
+            print(json.dumps({"cycle": cycle, "python_objects_grown": objects_grown,
+                              "compiler_objects": {name: objects[name] for name in WATCHED}}),
+                  flush=True)
 
     # allocated: against before the first load; NVML and RSS: against the first cycle's
     # plain unload, every row after it (the process's one-time growth held apart).
