@@ -22,7 +22,9 @@ torch.profiler summary of one decode step (per kernel). Candidates:
 - int8-wo-aten: the app's int8-wo with PyTorch's own torch._weight_int8pack_mm kernel;
   int8-wo-hybrid: the same for two rows or more (batches, prefills), the compiled one-row step
   as in int8-wo; int4-wo-head8: int4-wo with lm_head in int8 weight-only (gemlite) as well;
-  int4-wo-g64: the app's int4 layers in groups of 64 instead of 128;
+  int4-wo-g64: the app's int4 layers in groups of 64 instead of 128; int4-wo-dequant-prompts:
+  int4-wo with 256 rows or more (prompts) multiplied by each weight dequantized to bf16 and
+  cuBLAS instead of gemlite's GEMM;
   fp8-wo-below-8: the app's fp8 with steps of fewer than 8 rows multiplied weight-only;
   gemlite-fp8 / gemlite-fp8-dynamic: gemlite's A16W8_FP8 (weight-only) / A8W8_fp8_dynamic on
   the app's fp8 numbers.

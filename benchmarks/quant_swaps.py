@@ -197,6 +197,21 @@ def fp8_weight_only_below(rows: int):
     return swap
 
 
+def int4_dequantized_for_prompts(rows: int):
+    """The app's int4-wo with inputs of `rows` rows or more (prompts) multiplied by each weight
+    dequantized to bf16 (one compiled kernel a layer, into a buffer of one layer's size) and
+    cuBLAS, instead of gemlite's GEMM: which is faster for prompts is what this measures."""
+    from model_utils.layers.weight_only import Int4WeightOnlyLinear
+
+    def swap(model):
+        for module in model.modules():
+            if isinstance(module, Int4WeightOnlyLinear):
+                if module.kernel != "gemlite":
+                    raise RuntimeError(f"the app's int4 layers run {module.kernel} here")
+                module.dequant_from_rows = rows
+    return swap
+
+
 # What torchao's README advises for its weight-only layers under torch.compile (gpt-fast's
 # settings); given to the torchao and gemlite candidates' compiled step.
 LIBRARY_INDUCTOR_OPTIONS = {"coordinate_descent_tuning": True,
@@ -214,6 +229,8 @@ SWAPS = {"torchao-int4": (torchao_int4, "torchao", True, "bf16"),
          "int4-wo-tinygemm": (app_int4(kernel="tinygemm"), "torch", True, "bf16"),
          "int4-wo-gemlite": (app_int4(kernel="gemlite"), "gemlite", True, "bf16"),
          "int4-wo-mslk": (app_int4(kernel="mslk"), "mslk", True, "bf16"),
+         "int4-wo-dequant-prompts": (int4_dequantized_for_prompts(256), "gemlite", True,
+                                     "int4-wo"),
          "int8-wo-head8": (int8_head_gemlite, "gemlite", True, "int8-wo"),
          "int8-wo-gemlite-prompts": (gemlite_for_prompts_too, "gemlite", True, "int8-wo"),
          "fp8-wo-below-8": (fp8_weight_only_below(8), "torch", False, "fp8"),

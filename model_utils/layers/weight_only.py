@@ -64,6 +64,9 @@ class Int4WeightOnlyLinear(nn.Module):
     kept in the layout of the kernel that multiplies it (INT4_KERNELS)."""
 
     gemlite_meta = None  # set by gemlite_weights.pack_int4 for the "gemlite" kernel
+    # "gemlite" layers: from this many rows the weight is dequantized to x's dtype (one compiled
+    # kernel) for cuBLAS instead of gemlite's GEMM (a benchmark's candidate sets it)
+    dequant_from_rows = 1 << 30
 
     def __init__(self, linear: nn.Linear, group: int, *, kernel: str):
         super().__init__()
@@ -104,6 +107,8 @@ class Int4WeightOnlyLinear(nn.Module):
         if self.kernel == "mslk":
             y = mslk_int4.product(x2, self.packed, self.mslk_scales, self.mslk_zeros,
                                   self.mslk_gemv_rows)
+        elif self.kernel == "gemlite" and x2.shape[0] >= self.dequant_from_rows:
+            y = x2 @ gemlite_weights.dequantized_int4(self, x2.dtype)
         elif self.kernel == "gemlite":
             y = gemlite_weights.product(self, x2)
         else:

@@ -274,3 +274,15 @@ def test_mslk_s_preshuffle_is_read_as_one_permuted_atom():
     layout = mslk_layout.fit(source)
     print(f"atom {layout.atom_n}x{layout.atom_k}, rows first {layout.rows_first}, "
           f"table {list(layout.table)}")
+
+
+def test_gemlite_int4_dequantized_for_prompts_gives_the_same_product():
+    """The quant candidate int4-wo-dequant-prompts: from 256 rows a gemlite int4 layer
+    multiplies its weight dequantized to bf16 (gemlite's layout read by the compiled
+    unpacking) by cuBLAS; eager and compiled, the product of the same stored weights."""
+    module = layer("int4-gemlite")
+    module.dequant_from_rows = 256
+    weight = stored_weight("int4", module)
+    assert_products(module, weight, (1, 255, 256, 1024), BOUND["int4-gemlite"])
+    assert_products(torch.compile(module, dynamic=False), weight, (256, 1024),
+                    BOUND["int4-gemlite"])
