@@ -2,7 +2,8 @@
 bf16's cuBLAS, per linear shape of a model and per row count: gemlite's (the app's kernel today,
 with the configs it holds) and MSLK's CUTLASS mixed-input GEMMs (pip `mslk-cuda`: prebuilt, no
 compiling at install), `bf16i4bf16_shuffled` (weights pre-shuffled once at load) and
-`bf16i4bf16_rowwise` (plain packing), and the app's Triton GEMV over MSLK's shuffled copy for up
+`bf16i4bf16_rowwise` (plain packing), from 64 rows gemlite's copy dequantized to bf16 then
+cuBLAS (`dequant_cublas`, prompts' alternative), and the app's Triton GEMV over MSLK's shuffled copy for up
 to 8 rows (mslk_gemv, through the layout read off MSLK's preshuffle; `--gemv-search` times its
 launches per shape at one and eight rows first and writes the fastest into
 model_utils/layers/mslk_gemv_configs.json, which the timings then use, and after the timings
@@ -49,6 +50,9 @@ def kernels_for(linear: torch.nn.Linear, group: int, mslk: bool) -> dict:
     layer = Int4WeightOnlyLinear(linear, group, kernel="gemlite")
     gemlite_weights.borrow_configs(layer)
     found["gemlite"] = functools.partial(gemlite_weights.product, layer)
+    # prompts' alternative (the int4-wo-dequant-prompts candidate): gemlite's copy dequantized
+    # to bf16 by the compiled unpacking, then cuBLAS
+    found["dequant_cublas"] = lambda x2: x2 @ gemlite_weights.dequantized_int4(layer, x2.dtype)
     if mslk:
         shuffled = mslk_int4.pack(q, scales, zeros)
         # the unshuffled layout: MSLK's signed nibbles, its scales and zeros as they are
@@ -58,6 +62,9 @@ def kernels_for(linear: torch.nn.Linear, group: int, mslk: bool) -> dict:
         if mslk_int4.gemv_reads_layout(linear.weight.device):
             found["mslk_gemv"] = functools.partial(gemv_product, shuffled)
     return found
+
+
+DEQUANT_FROM_ROWS = 64  # rows from which dequantizing for cuBLAS is timed: prompts'
 
 
 def gemv_product(shuffled, x2, launch=None):
@@ -187,7 +194,8 @@ def main() -> int:
                    "bf16_us": round(replay_us([functools.partial(F.linear, x2, linear.weight)
                                                for linear in linears]), 1)}
             for kernel in kernels:
-                if kernel == "mslk_gemv" and rows > mslk_gemv.MOST_ROWS:
+                if (kernel == "mslk_gemv" and rows > mslk_gemv.MOST_ROWS
+                        or kernel == "dequant_cublas" and rows < DEQUANT_FROM_ROWS):
                     continue
                 try:
                     row[f"{kernel}_us"] = round(replay_us([functools.partial(s[kernel], x2)
@@ -234,7 +242,8 @@ def group_64_check(shape: tuple[int, int]) -> dict:
 
 
 def table(results: list[dict], meta: dict) -> str:
-    kernels = [c[:-3] for c in results[0] if c.endswith("_us") and c != "bf16_us"]
+    kernels = list(dict.fromkeys(c[:-3] for r in results for c in r  # every row's, in order
+                                 if c.endswith("_us") and c != "bf16_us"))
     lines = [f"{meta['gpu']}, {meta['config']}, int4 group {meta['group']}, torch "
              f"{meta['torch']}, mslk {meta['mslk']}", "",
              "| layer | rows | bf16 µs | " + " | ".join(f"{k} µs (x bf16)" for k in kernels)
