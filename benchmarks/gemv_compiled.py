@@ -1,0 +1,111 @@
+"""mslk_gemv's kernel compiled for a Hopper GPU on any machine, no GPU needed (Triton's compiler
+and the ptxas its wheel carries): per launch, the registers a thread takes, bytes spilled, the
+layout conversions left inside the innermost loop (each moves a whole tensor between threads)
+and the instruction mix of that loop per weight and row. Counts, not timings: what to look at
+before a GPU run, not instead of one (BENCHMARKS.md, "MSLK's layout read off its
+preshuffle, and a GEMV over it").
+
+    python benchmarks/gemv_compiled.py                      # the launches below
+    python benchmarks/gemv_compiled.py --launch 1,128,64,4,4  # rows, BLOCK_N, BLOCK_K, SPLIT_K, warps
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from model_utils.layers import mslk_gemv  # noqa: E402
+
+LAUNCHES = [(1, 128, 64, 4, 4), (1, 64, 64, 1, 4), (2, 64, 64, 4, 4), (8, 32, 32, 4, 4)]
+
+
+def compile_for_hopper(rows: int, block_n: int, block_k: int, split_k: int, warps: int):
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    signature = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*bf16", "z_ptr": "*bf16",
+                 "y_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32",
+                 "one_bits": "i32"}
+    constants = {"GROUP": 128, "BLOCK_M": max(1, 1 << (rows - 1).bit_length()),
+                 "BLOCK_N": block_n, "BLOCK_K": block_k, "SPLIT_K": split_k}
+    source = ASTSource(fn=mslk_gemv._kernel(), signature={**signature, **dict.fromkeys(
+        constants, "constexpr")}, constexprs=constants,
+        attrs={(i,): [["tt.divisibility", 16]] for i in range(5)})
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": warps, "num_stages": 2})
+
+
+def innermost_loop(lines: list[str], opens: str, closes) -> list[str]:
+    """The lines of the last loop that opens with `opens` and ends where `closes(line)`."""
+    start = max(i for i, line in enumerate(lines) if opens in line)
+    body = []
+    for line in lines[start + 1:]:
+        if closes(lines[start], line):
+            break
+        body.append(line)
+    return body
+
+
+def report(rows: int, block_n: int, block_k: int, split_k: int, warps: int) -> dict:
+    kernel = compile_for_hopper(rows, block_n, block_k, split_k, warps)
+    ttgir = kernel.asm["ttgir"].splitlines()
+
+    def deeper_ends(head: str, line: str) -> bool:
+        indent = len(head) - len(head.lstrip())
+        return bool(line.strip()) and len(line) - len(line.lstrip()) <= indent
+
+    conversions = sum("ttg.convert_layout" in line
+                      for line in innermost_loop(ttgir, "scf.for", deeper_ends))
+    bin_dir = Path(__import__("triton").__file__).parent / "backends" / "nvidia" / "bin"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
+        cubin.write(kernel.asm["cubin"])
+        cubin.flush()
+        usage = subprocess.run([bin_dir / "cuobjdump", "--dump-resource-usage", cubin.name],
+                               capture_output=True, text=True).stdout
+        sass = subprocess.run([bin_dir / "nvdisasm", "-c", cubin.name],
+                              capture_output=True, text=True).stdout.splitlines()
+    # the innermost SASS loop that multiplies: the shortest span from a label back to a branch
+    # to it with FFMAs inside (an atomic's retry loop or the closing trap have none)
+    labels = {m.group(1): i for i, line in enumerate(sass)
+              if (m := re.match(r"^(\.L_x_\d+):", line))}
+    loops = [(labels[m.group(1)], i) for i, line in enumerate(sass)
+             if (m := re.search(r"BRA `\((\.L_x_\d+)\)", line))
+             and labels.get(m.group(1), i) < i]
+    loops = [span for span in loops if any("FFMA" in line for line in sass[span[0]:span[1]])]
+    first, last = min(loops, key=lambda span: span[1] - span[0]) if loops else (0, len(sass))
+    opcodes = collections.Counter(
+        m.group(1).split(".")[0] for line in sass[first:last]
+        if (m := re.match(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\d\s+)?([A-Z0-9_.]+)", line)))
+    weights = block_n * block_k * rows / (32 * warps)  # per thread and step, times the rows
+    return {"launch": [rows, block_n, block_k, split_k, warps],
+            "registers": int(re.search(r"REG:(\d+)", usage).group(1)),
+            "spilled_bytes": int(re.search(r"LOCAL:(\d+)", usage).group(1)),
+            "inner_loop_conversions": conversions,
+            "loop_instructions": sum(opcodes.values()),
+            "per_weight_and_row": round(sum(opcodes.values()) / weights, 2),
+            "mix": dict(opcodes.most_common(6))}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--launch", action="append",
+                        help="rows,BLOCK_N,BLOCK_K,SPLIT_K,warps (repeatable)")
+    args = parser.parse_args()
+    launches = ([tuple(int(v) for v in text.split(",")) for text in args.launch]
+                if args.launch else LAUNCHES)
+    for launch in launches:
+        print(report(*launch), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
