@@ -2,14 +2,14 @@
 bf16's cuBLAS, per linear shape of a model and per row count: gemlite's (the app's kernel today,
 with the configs it holds) and MSLK's CUTLASS mixed-input GEMMs (pip `mslk-cuda`: prebuilt, no
 compiling at install), `bf16i4bf16_shuffled` (weights pre-shuffled once at load) and
-`bf16i4bf16_rowwise` (plain packing), from 64 rows gemlite's copy dequantized to bf16 then
-cuBLAS (`dequant_cublas`, prompts' alternative), and the app's Triton GEMV over MSLK's shuffled copy for up
-to 8 rows (mslk_gemv, through the layout read off MSLK's preshuffle; `--gemv-search` times its
+`bf16i4bf16_rowwise` (plain packing), from 64 rows gemlite's copy dequantized to bf16 then cuBLAS
+(`dequant_cublas`, prompts' alternative), and the app's Triton GEMV over MSLK's shuffled copy for
+up to 8 rows (mslk_gemv, through the layout read off MSLK's preshuffle; `--gemv-search` times its
 launches per shape at one and eight rows first and writes the fastest into
-model_utils/layers/mslk_gemv_configs.json, which the timings then use, and after the timings
-up to how many rows it beat MSLK's GEMM, which int4 layers on MSLK's kernel then use). All read the app's
-numbers unchanged: MSLK's bf16 form is w = q_signed * scale + zero with q_signed = q - 8, the
-app's own (int_quantization).
+model_utils/layers/mslk_gemv_configs.json, which the timings then use, and after the timings up to
+how many rows it beat MSLK's GEMM, which int4 layers on MSLK's kernel then use). All read the app's
+numbers unchanged: MSLK's bf16 form is w = q_signed * scale + zero with q_signed = q - 8, the app's
+own (int_quantization).
 
 Each is timed as CUDA-graph replays cycling through copies of the weight that overflow the L2
 cache (gemlite_search.replay_us), and checked against x @ the dequantized weight in fp32 (the
