@@ -1,7 +1,8 @@
 """mslk_gemv's kernel compiled for a Hopper GPU on any machine, no GPU needed (Triton's compiler
 and the ptxas its wheel carries): per launch, the registers a thread takes, bytes spilled, the
 layout conversions left inside the innermost loop (each moves a whole tensor between threads)
-and the instruction mix of that loop per weight and row. Counts, not timings: what to look at
+and that loop's instructions per weight (for all its rows: the one-row kernel's FMAs, the
+tensor-core kernel's MMAs from two rows) with their mix. Counts, not timings: what to look at
 before a GPU run, not instead of one (BENCHMARKS.md, "MSLK's layout read off its
 preshuffle, and a GEMV over it").
 
@@ -35,9 +36,11 @@ def compile_for_hopper(rows: int, block_n: int, block_k: int, split_k: int, warp
     signature = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*bf16", "z_ptr": "*bf16",
                  "y_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32",
                  "one_bits": "i32"}
-    constants = {"GROUP": 128, "BLOCK_M": max(1, 1 << (rows - 1).bit_length()),
-                 "BLOCK_N": block_n, "BLOCK_K": block_k, "SPLIT_K": split_k}
-    source = ASTSource(fn=mslk_gemv._kernel(), signature={**signature, **dict.fromkeys(
+    # as mslk_gemv.gemv launches: one row on the FMA kernel, more on the tensor-core one
+    kernel, block_m = (mslk_gemv._kernel(), 1) if rows == 1 else (mslk_gemv._rows_kernel(), 16)
+    constants = {"GROUP": 128, "BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k,
+                 "SPLIT_K": split_k}
+    source = ASTSource(fn=kernel, signature={**signature, **dict.fromkeys(
         constants, "constexpr")}, constexprs=constants,
         attrs={(i,): [["tt.divisibility", 16]] for i in range(5)})
     return triton.compile(source, target=GPUTarget("cuda", 90, 32),
@@ -74,24 +77,25 @@ def report(rows: int, block_n: int, block_k: int, split_k: int, warps: int) -> d
         sass = subprocess.run([bin_dir / "nvdisasm", "-c", cubin.name],
                               capture_output=True, text=True).stdout.splitlines()
     # the innermost SASS loop that multiplies: the shortest span from a label back to a branch
-    # to it with FFMAs inside (an atomic's retry loop or the closing trap have none)
+    # to it with FFMAs or HMMAs inside (an atomic's retry loop or the closing trap have none)
     labels = {m.group(1): i for i, line in enumerate(sass)
               if (m := re.match(r"^(\.L_x_\d+):", line))}
     loops = [(labels[m.group(1)], i) for i, line in enumerate(sass)
              if (m := re.search(r"BRA `\((\.L_x_\d+)\)", line))
              and labels.get(m.group(1), i) < i]
-    loops = [span for span in loops if any("FFMA" in line for line in sass[span[0]:span[1]])]
+    loops = [span for span in loops
+             if any("FFMA" in line or "HMMA" in line for line in sass[span[0]:span[1]])]
     first, last = min(loops, key=lambda span: span[1] - span[0]) if loops else (0, len(sass))
     opcodes = collections.Counter(
         m.group(1).split(".")[0] for line in sass[first:last]
         if (m := re.match(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\d\s+)?([A-Z0-9_.]+)", line)))
-    weights = block_n * block_k * rows / (32 * warps)  # per thread and step, times the rows
+    weights = block_n * block_k / (32 * warps)  # per thread and step
     return {"launch": [rows, block_n, block_k, split_k, warps],
             "registers": int(re.search(r"REG:(\d+)", usage).group(1)),
             "spilled_bytes": int(re.search(r"LOCAL:(\d+)", usage).group(1)),
             "inner_loop_conversions": conversions,
             "loop_instructions": sum(opcodes.values()),
-            "per_weight_and_row": round(sum(opcodes.values()) / weights, 2),
+            "per_weight": round(sum(opcodes.values()) / weights, 2),
             "mix": dict(opcodes.most_common(6))}
 
 

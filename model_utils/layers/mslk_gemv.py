@@ -22,7 +22,9 @@ instruction runs at a quarter of the FMA rate), each weight costs a shift, a mas
 row, and the scale and zero point are applied once per output and group. Each program computes
 BLOCK_N outputs over its share of the groups (SPLIT_K shares, summed by atomic adds into the
 output when more than one: in bf16, as gemlite's GEMV, so that no fp32 buffer and cast cost two
-more kernels a call), BLOCK_K inputs a step.
+more kernels a call), BLOCK_K inputs a step. One row takes the FMA kernel (_kernel); two rows
+and more the tensor-core one (_rows_kernel), which makes the same f and multiplies it by
+tl.dot, so that another row costs no more work per weight.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ import torch
 
 from .mslk_layout import Layout
 
-MOST_ROWS = 8  # each row adds an FMA per weight; MSLK's GEMM serves more
+MOST_ROWS = 8  # MSLK's GEMM, made for many rows, serves more
 
 
 def _hopper_atom() -> Layout:
@@ -51,10 +53,36 @@ LAYOUT = _hopper_atom()
 ONE_BITS = 0x3F800000
 
 
+_as_float = None  # the kernels' jitted helper: Triton finds a kernel's callees among its globals
+
+
+def _define_helpers() -> None:
+    """Triton is imported here, not with the module: the app imports this module off a GPU."""
+    global _as_float
+    if _as_float is not None:
+        return
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def as_float(word, P: tl.constexpr, one_bits):
+        """Nibble P of each word (q, 0..15) as the float 1 + q / 16: moved to the mantissa's
+        top bits 19-22 and OR-ed into 1.0's bits (no conversion instruction)."""
+        if 4 * P <= 19:
+            bits = (word << (19 - 4 * P)) & 0x780000
+        else:
+            bits = (word >> (4 * P - 19)) & 0x780000
+        return (bits | one_bits).to(tl.float32, bitcast=True)
+
+    _as_float = as_float
+
+
 @functools.cache
 def _kernel():
     import triton
     import triton.language as tl
+
+    _define_helpers()
 
     @triton.jit
     def gemv(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, M, N, K, stride_xm, one_bits, GROUP: tl.constexpr,
@@ -104,11 +132,7 @@ def _kernel():
                 x11 = tl.load(x_here + 9, mask=m_ok, other=0.0).to(tl.float32)
                 x_sum += (x00 + x01) + (x10 + x11)
                 for p in tl.static_range(8):
-                    if 4 * p <= 19:  # nibble p to mantissa bits 19-22
-                        bits = (word << (19 - 4 * p)) & 0x780000
-                    else:
-                        bits = (word >> (4 * p - 19)) & 0x780000
-                    f = (bits | one_bits).to(tl.float32, bitcast=True)
+                    f = _as_float(word, p, one_bits)
                     if p // 4 == 0:
                         x = x00 if (p // 2) % 2 == 0 else x10
                     else:
@@ -137,6 +161,74 @@ def _kernel():
                           sem="relaxed")
 
     return gemv
+
+
+@functools.cache
+def _rows_kernel():
+    """Two to MOST_ROWS rows through tensor cores: a step's 8 nibble slices are joined into the
+    [BLOCK_K, BLOCK_N] operand of tl.dot. Its inputs come out in their natural order (16 kt +
+    8 v8 + 2 t0 + v1), so x is read as it lies; its outputs in the order (pair, v_r), which the
+    scales and the store follow. The f of a nibble (1 + q / 16) is exact in bf16."""
+    import triton
+    import triton.language as tl
+
+    _define_helpers()
+
+    @triton.jit
+    def rows(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, M, N, K, stride_xm, one_bits,
+             GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+             BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
+        R8: tl.constexpr = BLOCK_N // 2
+        KB: tl.constexpr = BLOCK_K // 16
+        pair = tl.program_id(0) * R8 + tl.arange(0, R8)
+        kt = tl.arange(0, KB)
+        t0 = tl.arange(0, 4)
+        words = (kt[:, None, None] * (N // 16) * 32 + (pair // 8)[None, :, None] * 32
+                 + (pair % 8)[None, :, None] * 4 + t0[None, None, :])  # [KB, R8, 4]
+        word_ok = ((pair // 8) * 16 < N)[None, :, None]
+        step_words = KB * (N // 16) * 32
+        m = tl.arange(0, BLOCK_M)
+        x_at = m[:, None] * stride_xm + tl.arange(0, BLOCK_K)[None, :]
+        m_ok = (m < M)[:, None]
+        column = tl.arange(0, BLOCK_N)  # the product's column: local pair * 2 + v_r
+        out_pair = tl.program_id(0) * R8 + column // 2
+        row = (out_pair // 8) * 16 + 8 * (column % 2) + out_pair % 8
+        row_ok = row < N
+        groups = K // GROUP
+        per_split = tl.cdiv(groups, SPLIT_K)
+        first = tl.program_id(1) * per_split
+        last = tl.minimum(first + per_split, groups)
+        y = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for group in range(first, last):
+            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            x_sum = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)  # summed across at the end
+            for step in range(GROUP // BLOCK_K):
+                k0 = group * GROUP + step * BLOCK_K
+                word = tl.load(w_ptr + (k0 // BLOCK_K) * step_words + words, mask=word_ok,
+                               other=0, eviction_policy="evict_first") ^ -2004318072
+                x = tl.load(x_ptr + k0 + x_at, mask=m_ok, other=0.0)
+                x_sum += x.to(tl.float32)
+                # nibble p = v_r + 2 v8 + 4 v1, joined into [KB, R8, t0, v_r, v8, v1]
+                low = tl.join(tl.join(_as_float(word, 0, one_bits), _as_float(word, 1, one_bits)),
+                              tl.join(_as_float(word, 2, one_bits), _as_float(word, 3, one_bits)))
+                high = tl.join(tl.join(_as_float(word, 4, one_bits),
+                                       _as_float(word, 5, one_bits)),
+                               tl.join(_as_float(word, 6, one_bits),
+                                       _as_float(word, 7, one_bits)))
+                f = tl.permute(tl.join(low, high), (0, 4, 2, 5, 1, 3))  # (kt, v8, t0, v1), (R8, v_r)
+                acc = tl.dot(x, f.reshape(BLOCK_K, BLOCK_N).to(x.dtype), acc)
+            s = tl.load(s_ptr + group * N + row, mask=row_ok, other=0.0).to(tl.float32)
+            z = tl.load(z_ptr + group * N + row, mask=row_ok, other=0.0).to(tl.float32)
+            y += (acc * (16.0 * s)[None, :]
+                  + tl.sum(x_sum, axis=1)[:, None] * (z - 24.0 * s)[None, :])
+        where = y_ptr + m[:, None] * N + row[None, :]
+        store_ok = m_ok & row_ok[None, :]
+        if SPLIT_K == 1:
+            tl.store(where, y.to(y_ptr.dtype.element_ty), mask=store_ok)
+        else:
+            tl.atomic_add(where, y.to(y_ptr.dtype.element_ty), mask=store_ok, sem="relaxed")
+
+    return rows
 
 
 # (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages) by GPU, weight shape and row count: the
@@ -193,11 +285,11 @@ def gemv(x2: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, zeros: to
     x2 = x2.contiguous()
     y = (torch.empty if split_k == 1 else torch.zeros)(rows, n, dtype=x2.dtype,
                                                        device=x2.device)
-    _kernel()[(-(-n // block_n), split_k)](
+    kernel, block_m = (_kernel(), 1) if rows == 1 else (_rows_kernel(), 16)  # tl.dot's least
+    kernel[(-(-n // block_n), split_k)](
         x2, weight.view(torch.int32), scales, zeros, y, rows, n, k, x2.stride(0), ONE_BITS,
-        GROUP=group,
-        BLOCK_M=max(1, 1 << (rows - 1).bit_length()), BLOCK_N=block_n, BLOCK_K=block_k,
-        SPLIT_K=split_k, num_warps=warps, num_stages=stages)
+        GROUP=group, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k,
+        num_warps=warps, num_stages=stages)
     return y
 
 
