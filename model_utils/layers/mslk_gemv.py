@@ -233,8 +233,8 @@ def _rows_kernel():
 
 # (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages) by GPU, weight shape and row count: the
 # fastest `benchmarks/int4_kernels.py --gemv-search` found (CONFIGS_FILE: {GPU name: {"NxK":
-# {"rows": [...], "gemv_rows": n}}}); the nearest searched row count at or above a call's, else
-# DEFAULT. "gemv_rows": up to how many rows the GEMV beat MSLK's GEMM there (most_rows). No
+# {"1": [...], "8": [...], "gemv_rows": n}}}, launches by row count); the nearest searched row
+# count at or above a call's, else DEFAULT. "gemv_rows": up to how many rows the GEMV beat MSLK's GEMM there (most_rows). No
 # tuning at load: a switch waits for none.
 CONFIGS_FILE = Path(__file__).with_name("mslk_gemv_configs.json")
 DEFAULT = (128, 64, 4, 4, 2)
