@@ -7,7 +7,8 @@ before a GPU run, not instead of one (BENCHMARKS.md, "MSLK's layout read off its
 preshuffle, and a GEMV over it").
 
     python benchmarks/gemv_compiled.py                      # the launches below
-    python benchmarks/gemv_compiled.py --launch 1,128,64,4,4  # rows, BLOCK_N, BLOCK_K, SPLIT_K, warps
+    python benchmarks/gemv_compiled.py --launch 1,512,32,0,4,64  # rows, BLOCK_N, BLOCK_K,
+                                                               # SPLIT_K, warps[, CHUNK]
 """
 
 from __future__ import annotations
@@ -25,21 +26,22 @@ sys.path.insert(0, str(ROOT))
 
 from model_utils.layers import mslk_gemv  # noqa: E402
 
-LAUNCHES = [(1, 128, 64, 4, 4), (1, 64, 64, 1, 4), (2, 64, 64, 4, 4), (8, 32, 32, 4, 4)]
+LAUNCHES = [(1, 512, 32, 0, 4, 64), (1, 128, 64, 4, 4), (1, 64, 64, 1, 4), (2, 64, 64, 4, 4), (8, 32, 32, 4, 4)]
 
 
-def compile_for_hopper(rows: int, block_n: int, block_k: int, split_k: int, warps: int):
+def compile_for_hopper(rows: int, block_n: int, block_k: int, split_k: int, warps: int,
+                       chunk: int = 128):
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     signature = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*bf16", "z_ptr": "*bf16",
-                 "y_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32",
+                 "y_ptr": "*fp32", "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32",
                  "one_bits": "i32"}
     # as mslk_gemv.gemv launches: one row on the FMA kernel, more on the tensor-core one
     kernel, block_m = (mslk_gemv._kernel(), 1) if rows == 1 else (mslk_gemv._rows_kernel(), 16)
     constants = {"GROUP": 128, "BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k,
-                 "SPLIT_K": split_k}
+                 "SPLIT_K": split_k, "CHUNK": chunk}
     source = ASTSource(fn=kernel, signature={**signature, **dict.fromkeys(
         constants, "constexpr")}, constexprs=constants,
         attrs={(i,): [["tt.divisibility", 16]] for i in range(5)})
@@ -58,8 +60,9 @@ def innermost_loop(lines: list[str], opens: str, closes) -> list[str]:
     return body
 
 
-def report(rows: int, block_n: int, block_k: int, split_k: int, warps: int) -> dict:
-    kernel = compile_for_hopper(rows, block_n, block_k, split_k, warps)
+def report(rows: int, block_n: int, block_k: int, split_k: int, warps: int,
+           chunk: int = 128) -> dict:
+    kernel = compile_for_hopper(rows, block_n, block_k, split_k, warps, chunk)
     ttgir = kernel.asm["ttgir"].splitlines()
 
     def deeper_ends(head: str, line: str) -> bool:
@@ -76,8 +79,9 @@ def report(rows: int, block_n: int, block_k: int, split_k: int, warps: int) -> d
                                capture_output=True, text=True).stdout
         sass = subprocess.run([bin_dir / "nvdisasm", "-c", cubin.name],
                               capture_output=True, text=True).stdout.splitlines()
-    # the innermost SASS loop that multiplies: the shortest span from a label back to a branch
-    # to it with FFMAs or HMMAs inside (an atomic's retry loop or the closing trap have none)
+    # the innermost SASS loop that multiplies, a chunk an iteration: the shortest span from a
+    # label back to a branch to it with FFMAs or HMMAs inside (an atomic's retry loop or the
+    # closing trap have none); the whole kernel where a program's share is one chunk
     labels = {m.group(1): i for i, line in enumerate(sass)
               if (m := re.match(r"^(\.L_x_\d+):", line))}
     loops = [(labels[m.group(1)], i) for i, line in enumerate(sass)
@@ -89,8 +93,8 @@ def report(rows: int, block_n: int, block_k: int, split_k: int, warps: int) -> d
     opcodes = collections.Counter(
         m.group(1).split(".")[0] for line in sass[first:last]
         if (m := re.match(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\d\s+)?([A-Z0-9_.]+)", line)))
-    weights = block_n * block_k / (32 * warps)  # per thread and step
-    return {"launch": [rows, block_n, block_k, split_k, warps],
+    weights = block_n * chunk / (32 * warps)  # per thread and chunk
+    return {"launch": [rows, block_n, block_k, split_k, warps, chunk],
             "registers": int(re.search(r"REG:(\d+)", usage).group(1)),
             "spilled_bytes": int(re.search(r"LOCAL:(\d+)", usage).group(1)),
             "inner_loop_conversions": conversions,
@@ -102,7 +106,7 @@ def report(rows: int, block_n: int, block_k: int, split_k: int, warps: int) -> d
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--launch", action="append",
-                        help="rows,BLOCK_N,BLOCK_K,SPLIT_K,warps (repeatable)")
+                        help="rows,BLOCK_N,BLOCK_K,SPLIT_K,warps[,CHUNK] (repeatable)")
     args = parser.parse_args()
     launches = ([tuple(int(v) for v in text.split(",")) for text in args.launch]
                 if args.launch else LAUNCHES)

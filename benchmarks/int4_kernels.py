@@ -39,6 +39,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from gemlite_search import copies_for, linear_shapes, replay_us  # noqa: E402
 
 from model_utils.layers import gemlite_weights, mslk_gemv, mslk_int4  # noqa: E402
+from model_utils.layers.gemlite_checks import off_product  # noqa: E402
 from model_utils.layers.int_quantization import dequantize_int4, quantize_int4  # noqa: E402
 from model_utils.layers.weight_only import Int4WeightOnlyLinear  # noqa: E402
 
@@ -68,23 +69,29 @@ DEQUANT_FROM_ROWS = 64  # rows from which dequantizing for cuBLAS is timed: prom
 
 
 def gemv_product(shuffled, x2, launch=None):
-    """The GEMV as the engine calls it (one custom op), or with another launch."""
+    """The GEMV as the engine calls it (one custom op, its fp32 output: the cast to bf16 is
+    fused into the next op in a compiled step), or with another launch."""
     if launch is None:
         return mslk_gemv.gemv_op(x2, *shuffled)
     return mslk_gemv.gemv(x2, *shuffled, launch=launch)
 
 
-def gemv_search(sets: list, k: int) -> dict:
+def gemv_search(sets: list, k: int, reference: torch.Tensor) -> dict:
     """{rows: [(launch, µs)]} for every launch of mslk_gemv.SEARCHED at one row and at
-    mslk_gemv.MOST_ROWS (the copies in `sets` cycled as in the timings)."""
+    mslk_gemv.MOST_ROWS (the copies in `sets` cycled as in the timings); a launch whose product
+    the load's check would refuse (against `reference`, the first copy's weight) is kept with
+    why instead of its time, so that it is never chosen."""
     timed = {}  # at one row and at the most: a count between takes the next one's (config)
     for rows in sorted({1, mslk_gemv.MOST_ROWS}):
         x2 = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+        expected = x2.float() @ reference.T
         timed[rows] = []
         for launch in mslk_gemv.SEARCHED:
             try:
-                us = round(replay_us([functools.partial(s["mslk_gemv"], x2, launch=launch)
-                                      for s in sets]), 1)
+                wrong = off_product(sets[0]["mslk_gemv"](x2, launch=launch).float(), expected)
+                us = (f"WrongProduct: {wrong}" if wrong else
+                      round(replay_us([functools.partial(s["mslk_gemv"], x2, launch=launch)
+                                       for s in sets]), 1))
             except Exception as error:  # noqa: BLE001 - a launch Triton cannot build
                 us = f"{type(error).__name__}: {str(error)[:120]}"
             timed[rows].append((list(launch), us))
@@ -180,7 +187,7 @@ def main() -> int:
               flush=True)
         kernels = sets[0]
         if "mslk_gemv" in kernels and args.gemv_search:
-            timed = gemv_search(sets, k)
+            timed = gemv_search(sets, k, reference)
             best = write_gemv_configs(meta["gpu"], n, k, timed)
             meta.setdefault("gemv_search", {})[name] = {"timed": timed, "best": best}
             print(f"{name}: gemv launches {timed}; fastest {best}", flush=True)

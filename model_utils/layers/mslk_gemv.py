@@ -19,12 +19,14 @@ The numbers (mslk_int4): nibble q ^ 8 (q - 8 as 4-bit two's complement), scales 
 [K/group, N] bf16, w = (q - 8) * scale + zero. Within a group that is 16 s f + (z - 24 s) with
 f = 1 + q / 16: a nibble becomes f by OR-ing it into the mantissa of 1.0 (a conversion
 instruction runs at a quarter of the FMA rate), each weight costs a shift, a mask and one FMA a
-row, and the scale and zero point are applied once per output and group. Each program computes
-BLOCK_N outputs over its share of the groups (SPLIT_K shares, summed by atomic adds into the
-output when more than one: in bf16, as gemlite's GEMV, so that no fp32 buffer and cast cost two
-more kernels a call), BLOCK_K inputs a step. One row takes the FMA kernel (_kernel); two rows
-and more the tensor-core one (_rows_kernel), which makes the same f and multiplies it by
-tl.dot, so that another row costs no more work per weight.
+row, and the scale and zero point are applied once per output and chunk of a group. Each program
+computes BLOCK_N outputs over its share of the chunks, BLOCK_K inputs a step (SPLIT_K shares,
+summed by atomic adds into the output when more than one). The output is fp32: added up in
+bf16, as gemlite's GEMV does, the 296 shares of the down projection's inputs at one chunk a
+program were 2 % off the product (each add rounds to the running sum's 8 bits); the caller's
+cast to bf16 is fused by torch.compile into the op that reads it. One row takes the FMA kernel
+(_kernel); two rows and more the tensor-core one (_rows_kernel), which makes the same f and
+multiplies it by tl.dot, so that another row costs no more work per weight.
 """
 
 from __future__ import annotations
@@ -48,6 +50,21 @@ def _hopper_atom() -> Layout:
 
 
 LAYOUT = _hopper_atom()
+
+
+def pack(q: torch.Tensor) -> torch.Tensor:
+    """The app's int4 numbers q (uint8 [N, K] in 0..15) as the copy in LAYOUT: int8 [N, K/2],
+    each nibble q ^ 8 as MSLK's. One reshape and permute on q's device, so a load can pack
+    without MSLK (whose wheel needs one torch version); mslk_layout.shuffle gives the same
+    through a positions tensor too big for a 7B layer."""
+    n, k = q.shape
+    if n % 16 or k % 16:
+        raise ValueError(f"an int4 weight of {n}x{k} is not whole 16x16 atoms")
+    # weight (n, k) = (16 an + 8 v_r + t1, 16 ak + 8 v8 + 2 t0 + v1) goes to word
+    # (ak * N/16 + an) * 32 + 4 t1 + t0, nibble v_r + 2 v8 + 4 v1 (the fastest last)
+    nibbles = (q ^ 8).reshape(n // 16, 2, 8, k // 16, 2, 4, 2)  # an, v_r, t1, ak, v8, t0, v1
+    nibbles = nibbles.permute(3, 0, 2, 5, 6, 4, 1).reshape(-1, 2)  # ak, an, t1, t0, v1, v8, v_r
+    return (nibbles[:, 0] | nibbles[:, 1] << 4).view(torch.int8).reshape(n, k // 2)
 # 1.0f's bits, passed to the kernel as an argument: as a constant, the compiler kept the mask and
 # this OR as two instructions (a GPU instruction takes one constant), as a value one LOP3 does both.
 ONE_BITS = 0x3F800000
@@ -87,7 +104,7 @@ def _kernel():
     @triton.jit
     def gemv(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, M, N, K, stride_xm, one_bits, GROUP: tl.constexpr,
              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-             SPLIT_K: tl.constexpr):
+             SPLIT_K: tl.constexpr, CHUNK: tl.constexpr):
         R8: tl.constexpr = BLOCK_N // 2  # (atom, t1) pairs: each word row serves two outputs
         KB: tl.constexpr = BLOCK_K // 16  # atoms along the inputs in a step
         pair = tl.program_id(0) * R8 + tl.arange(0, R8)  # over the whole N: atom * 8 + t1
@@ -106,21 +123,25 @@ def _kernel():
         x_at = (m[:, None, None, None] * stride_xm + kt[None, :, None, None] * 16
                 + t0[None, None, None, :] * 2)
         m_ok = (m < M)[:, None, None, None]
-        groups = K // GROUP
-        per_split = tl.cdiv(groups, SPLIT_K)
+        # A chunk (CHUNK inputs, within one group) is summed before its scale is applied; its
+        # steps are unrolled, so a program whose share is one chunk, as gemlite's GEMV does it,
+        # issues all its loads at once and loops not at all.
+        chunks = K // CHUNK
+        per_split = tl.cdiv(chunks, SPLIT_K)
         first = tl.program_id(1) * per_split
-        last = tl.minimum(first + per_split, groups)
+        last = tl.minimum(first + per_split, chunks)
         y0 = tl.zeros([BLOCK_M, R8], dtype=tl.float32)
         y1 = tl.zeros([BLOCK_M, R8], dtype=tl.float32)
-        for group in range(first, last):
+        for chunk in range(first, last):
             # In a group w = (q - 8) s + z = 16 s f + (z - 24 s) with f = 1 + q / 16, a float
             # made by OR-ing q into the mantissa of 1.0 (no conversion instruction): the
-            # products f x are summed over the group, then scaled once per output.
+            # products f x are summed over the chunk, then scaled once per output.
+            group = chunk * CHUNK // GROUP
             a0 = tl.zeros([BLOCK_M, KB, R8, 4], dtype=tl.float32)
             a1 = tl.zeros([BLOCK_M, KB, R8, 4], dtype=tl.float32)
             x_sum = tl.zeros([BLOCK_M, KB, 1, 4], dtype=tl.float32)
-            for step in range(GROUP // BLOCK_K):
-                k0 = group * GROUP + step * BLOCK_K
+            for step in tl.static_range(CHUNK // BLOCK_K):
+                k0 = chunk * CHUNK + step * BLOCK_K
                 # XOR with 0x88888888 gives every nibble back as q (0..15), the app's own
                 # (read once: kept out of L2's way of x, which every program reads)
                 word = tl.load(w_ptr + (k0 // BLOCK_K) * step_words + words, mask=word_ok,
@@ -155,10 +176,9 @@ def _kernel():
         if SPLIT_K == 1:
             tl.store(where, y0.to(y_ptr.dtype.element_ty), mask=store_ok)
             tl.store(where + 8, y1.to(y_ptr.dtype.element_ty), mask=store_ok)
-        else:  # into x's dtype, zeroed by the caller, as gemlite's split GEMV does
-            tl.atomic_add(where, y0.to(y_ptr.dtype.element_ty), mask=store_ok, sem="relaxed")
-            tl.atomic_add(where + 8, y1.to(y_ptr.dtype.element_ty), mask=store_ok,
-                          sem="relaxed")
+        else:  # into the fp32 output, zeroed by the caller
+            tl.atomic_add(where, y0, mask=store_ok, sem="relaxed")
+            tl.atomic_add(where + 8, y1, mask=store_ok, sem="relaxed")
 
     return gemv
 
@@ -177,7 +197,7 @@ def _rows_kernel():
     @triton.jit
     def rows(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, M, N, K, stride_xm, one_bits,
              GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-             BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
+             BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, CHUNK: tl.constexpr):
         R8: tl.constexpr = BLOCK_N // 2
         KB: tl.constexpr = BLOCK_K // 16
         pair = tl.program_id(0) * R8 + tl.arange(0, R8)
@@ -194,16 +214,17 @@ def _rows_kernel():
         out_pair = tl.program_id(0) * R8 + column // 2
         row = (out_pair // 8) * 16 + 8 * (column % 2) + out_pair % 8
         row_ok = row < N
-        groups = K // GROUP
-        per_split = tl.cdiv(groups, SPLIT_K)
+        chunks = K // CHUNK  # as in the one-row kernel
+        per_split = tl.cdiv(chunks, SPLIT_K)
         first = tl.program_id(1) * per_split
-        last = tl.minimum(first + per_split, groups)
+        last = tl.minimum(first + per_split, chunks)
         y = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for group in range(first, last):
+        for chunk in range(first, last):
+            group = chunk * CHUNK // GROUP
             acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
             x_sum = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)  # summed across at the end
-            for step in range(GROUP // BLOCK_K):
-                k0 = group * GROUP + step * BLOCK_K
+            for step in tl.static_range(CHUNK // BLOCK_K):
+                k0 = chunk * CHUNK + step * BLOCK_K
                 word = tl.load(w_ptr + (k0 // BLOCK_K) * step_words + words, mask=word_ok,
                                other=0, eviction_policy="evict_first") ^ -2004318072
                 x = tl.load(x_ptr + k0 + x_at, mask=m_ok, other=0.0)
@@ -226,23 +247,30 @@ def _rows_kernel():
         if SPLIT_K == 1:
             tl.store(where, y.to(y_ptr.dtype.element_ty), mask=store_ok)
         else:
-            tl.atomic_add(where, y.to(y_ptr.dtype.element_ty), mask=store_ok, sem="relaxed")
+            tl.atomic_add(where, y, mask=store_ok, sem="relaxed")
 
     return rows
 
 
-# (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages) by GPU, weight shape and row count: the
-# fastest `benchmarks/int4_kernels.py --gemv-search` found (CONFIGS_FILE: {GPU name: {"NxK":
-# {"1": [...], "8": [...], "gemv_rows": n}}}, launches by row count); the nearest searched row
-# count at or above a call's, else DEFAULT. "gemv_rows": up to how many rows the GEMV beat MSLK's GEMM there (most_rows). No
-# tuning at load: a switch waits for none.
+# Launches (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages[, CHUNK]) by GPU, weight shape and
+# row count: the fastest `benchmarks/int4_kernels.py --gemv-search` found (CONFIGS_FILE: {GPU
+# name: {"NxK": {"1": [...], "8": [...], "gemv_rows": n}}}, launches by row count); the nearest
+# searched row count at or above a call's, else DEFAULT. "gemv_rows": up to how many rows the
+# GEMV beat MSLK's GEMM there (most_rows). No tuning at load: a switch waits for none.
+# CHUNK: inputs summed before a scale (a divisor of the group; the group when left out);
+# SPLIT_K: shares of the chunks, 0 for one program a chunk.
 CONFIGS_FILE = Path(__file__).with_name("mslk_gemv_configs.json")
 DEFAULT = (128, 64, 4, 4, 2)
-# K splits by groups of 128 inputs: the 7B's 3584 inputs are 28 groups, its down projection's 148.
+# K splits by groups of 128 inputs: the 7B's 3584 inputs are 28 groups, its down projection's
+# 148. The last launches are gemlite's GEMV's shape of work: many outputs over 64 or 128 inputs
+# a program, no loop.
 SEARCHED = [(block_n, block_k, split_k, 4, 2) for block_n in (32, 64, 128, 256)
             for block_k in (32, 64) for split_k in (1, 4, 14)] + [
     (64, 64, 28, 2, 1), (128, 32, 28, 4, 1), (32, 64, 28, 1, 1), (256, 64, 8, 4, 2),
-    (128, 64, 8, 2, 2), (64, 32, 14, 2, 2)]
+    (128, 64, 8, 2, 2), (64, 32, 14, 2, 2)] + [
+    (block_n, block_k, 0, 4, 1, chunk) for block_n in (128, 256, 512)
+    for block_k, chunk in ((32, 64), (64, 64), (64, 128))] + [
+    (512, 32, 0, 8, 1, 64), (256, 32, 0, 2, 1, 64)]
 
 
 @functools.cache
@@ -268,8 +296,8 @@ def most_rows(n: int, k: int, device: torch.device) -> int:
 def gemv(x2: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, *,
          launch: tuple[int, ...] | None = None) -> torch.Tensor:
     """x2 [M, K] (M <= MOST_ROWS) @ the weight [N, K/2] MSLK's copy holds in LAYOUT (module
-    doc).T: [M, N] in x2's dtype. `launch`: (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages)
-    instead of config()'s."""
+    doc).T: [M, N] in fp32 (module doc). `launch`: (BLOCK_N, BLOCK_K, SPLIT_K, num_warps,
+    num_stages[, CHUNK]) instead of config()'s."""
     rows, k = x2.shape
     n, groups = weight.shape[0], scales.shape[0]
     if (rows > MOST_ROWS or weight.shape[1] * 2 != k or scales.shape != (groups, n)
@@ -277,29 +305,32 @@ def gemv(x2: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, zeros: to
         raise ValueError(f"MSLK GEMV: x {tuple(x2.shape)}, weight {tuple(weight.shape)}, "
                          f"scales {tuple(scales.shape)}, zeros {tuple(zeros.shape)} do not fit")
     group = k // groups
-    block_n, block_k, split_k, warps, stages = launch or config(n, k, rows, x2.device)
-    block_k = min(block_k, group)
-    if group % block_k or n % 16 or block_k % 16 or block_n % 16:
+    block_n, block_k, split_k, warps, stages, *chunk = launch or config(n, k, rows, x2.device)
+    chunk = min(chunk[0] if chunk else group, group)
+    block_k = min(block_k, chunk)
+    if group % chunk or chunk % block_k or n % 16 or block_k % 16 or block_n % 16:
         raise ValueError(f"MSLK GEMV: a {n}x{k} weight in groups of {group} does not tile by "
-                         f"{block_n} outputs, {block_k} inputs and 16x16 atoms")
+                         f"{block_n} outputs, {block_k} inputs, chunks of {chunk} and 16x16 "
+                         f"atoms")
+    split_k = split_k or k // chunk
     x2 = x2.contiguous()
-    y = (torch.empty if split_k == 1 else torch.zeros)(rows, n, dtype=x2.dtype,
+    y = (torch.empty if split_k == 1 else torch.zeros)(rows, n, dtype=torch.float32,
                                                        device=x2.device)
     kernel, block_m = (_kernel(), 1) if rows == 1 else (_rows_kernel(), 16)  # tl.dot's least
     kernel[(-(-n // block_n), split_k)](
         x2, weight.view(torch.int32), scales, zeros, y, rows, n, k, x2.stride(0), ONE_BITS,
         GROUP=group, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k,
-        num_warps=warps, num_stages=stages)
+        CHUNK=chunk, num_warps=warps, num_stages=stages)
     return y
 
 
 @torch.library.custom_op("qwen_chat::mslk_gemv", mutates_args=())
 def gemv_op(x2: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
             zeros: torch.Tensor) -> torch.Tensor:
-    """gemv as one op that torch.compile and CUDA graphs take whole."""
+    """gemv as one op that torch.compile and CUDA graphs take whole (fp32: cast by the caller)."""
     return gemv(x2, weight, scales, zeros)
 
 
 @gemv_op.register_fake
 def _(x2, weight, scales, zeros):
-    return x2.new_empty(x2.shape[0], weight.shape[0])
+    return x2.new_empty(x2.shape[0], weight.shape[0], dtype=torch.float32)

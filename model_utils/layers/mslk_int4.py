@@ -86,7 +86,7 @@ def product(x2: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, zeros:
     """x2 [M, K] bf16 @ the dequantized weight.T: [M, N] bf16; up to `gemv_rows` rows (of
     gemv_rows(), for the weight's shape and device) through mslk_gemv."""
     if x2.shape[0] <= gemv_rows:
-        return mslk_gemv.gemv_op(x2, weight, scales, zeros)
+        return mslk_gemv.gemv_op(x2, weight, scales, zeros).to(x2.dtype)
     return torch.ops.mslk.bf16i4bf16_shuffled(x2, weight, scales, zeros)
 
 

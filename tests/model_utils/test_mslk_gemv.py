@@ -42,7 +42,15 @@ def test_a_preshuffle_that_is_no_tiling_of_one_atom_is_refused():
         mslk_layout.read(lambda q, scales: signed_nibbles(q & 7), torch.device("cpu"))
 
 
-# (outputs, inputs, group, rows, (BLOCK_N, BLOCK_K, SPLIT_K, warps, stages), x dtype)
+def test_the_app_packs_the_layout_itself_as_the_table_places_it():
+    q = torch.randint(0, 16, (96, 384), dtype=torch.uint8,
+                      generator=torch.Generator().manual_seed(3))
+    assert torch.equal(mslk_gemv.pack(q), mslk_layout.shuffle(signed_nibbles(q), mslk_gemv.LAYOUT))
+    with pytest.raises(ValueError, match="16x16 atoms"):
+        mslk_gemv.pack(q[:40])
+
+
+# (outputs, inputs, group, rows, (BLOCK_N, BLOCK_K, SPLIT_K, warps, stages[, CHUNK]), x dtype)
 CASES = [
     (48, 256, 64, 1, (32, 64, 1, 4, 2), torch.float32),  # a part block of outputs
     # K split in three shares (their atomic adds in fp16 and fp32: the interpreter has no bf16
@@ -53,6 +61,9 @@ CASES = [
     (64, 256, 64, 1, (64, 64, 1, 4, 2), torch.bfloat16),
     # tensor cores from two rows, in fp16 (the interpreter's bf16 tl.dot is wrong)
     (64, 256, 64, 5, (32, 32, 2, 4, 2), torch.float16),
+    # one program a chunk of half a group (gemlite's shape of work), one row and three
+    (64, 512, 128, 1, (32, 32, 0, 4, 1, 64), torch.float32),
+    (48, 256, 128, 3, (32, 32, 0, 4, 1, 64), torch.float16),
 ]
 
 
@@ -66,7 +77,7 @@ def check_cases() -> None:
         copy = mslk_layout.shuffle(signed_nibbles(q), mslk_gemv.LAYOUT)
         numbers = (scales.t().contiguous(), zeros.t().contiguous())
         y = mslk_gemv.gemv(x2, copy, *numbers, launch=launch)
-        assert y.dtype == dtype and y.shape == (rows, n)
+        assert y.dtype == torch.float32 and y.shape == (rows, n)  # cast by the caller
         error = ((y.float() - expected).norm() / expected.norm()).item()
         assert error < {torch.float32: 1e-5}.get(dtype, 1e-2), (n, k, rows, dtype, error)
         # the same weights in another order are another product: the order is what it reads
