@@ -26,7 +26,8 @@ sys.path.insert(0, str(ROOT))
 
 from model_utils.layers import mslk_gemv  # noqa: E402
 
-LAUNCHES = [(1, 512, 32, 0, 4, 64), (1, 128, 64, 4, 4), (1, 64, 64, 1, 4), (2, 64, 64, 4, 4), (8, 32, 32, 4, 4)]
+LAUNCHES = [(1, 512, 32, 0, 4, 64), (1, 128, 64, 4, 4), (1, 64, 64, 1, 4), (2, 64, 64, 4, 4),
+            (8, 32, 32, 4, 4)]
 
 
 def compile_for_hopper(rows: int, block_n: int, block_k: int, split_k: int, warps: int,
