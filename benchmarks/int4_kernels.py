@@ -122,7 +122,7 @@ def update_gemv_configs(gpu: str, n: int, k: int, entries: dict) -> None:
     configs = json.loads(path.read_text()) if path.exists() else {}
     configs.setdefault(gpu, {}).setdefault(f"{n}x{k}", {}).update(entries)
     path.write_text(json.dumps(configs, indent=1, sort_keys=True) + "\n")
-    mslk_gemv._configs.cache_clear()
+    mslk_gemv._shape_configs.cache_clear()
 
 
 def reference_weight(linear: torch.nn.Linear, group: int) -> torch.Tensor:

@@ -255,12 +255,16 @@ def _rows_kernel():
 # Launches (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages[, CHUNK]) by GPU, weight shape and
 # row count: the fastest `benchmarks/int4_kernels.py --gemv-search` found (CONFIGS_FILE: {GPU
 # name: {"NxK": {"1": [...], "8": [...], "gemv_rows": n}}}, launches by row count); the nearest
-# searched row count at or above a call's, else DEFAULT. "gemv_rows": up to how many rows the
-# GEMV beat MSLK's GEMM there (most_rows). No tuning at load: a switch waits for none.
+# searched row count at or above a call's, else DEFAULT's. "gemv_rows": up to how many rows the
+# GEMV beat MSLK's GEMM there (most_rows). A GPU the file does not name borrows another's
+# entry for the shape (the kernel is the same on every Hopper GPU; the best launch may differ
+# a little). No tuning at load: a switch waits for none.
 # CHUNK: inputs summed before a scale (a divisor of the group; the group when left out);
 # SPLIT_K: shares of the chunks, 0 for one program a chunk.
 CONFIGS_FILE = Path(__file__).with_name("mslk_gemv_configs.json")
-DEFAULT = (128, 64, 4, 4, 2)
+# for a shape searched on no GPU: one program a chunk at one row (the fastest on every 7B shape
+# on an H100), four shares of the groups from two rows
+DEFAULT = {1: (256, 32, 0, 4, 1, 64), MOST_ROWS: (128, 32, 4, 4, 2)}
 # K splits by groups of 128 inputs: the 7B's 3584 inputs are 28 groups, its down projection's
 # 148. The last launches are gemlite's GEMV's shape of work: many outputs over 64 or 128 inputs
 # a program, no loop.
@@ -274,22 +278,27 @@ SEARCHED = [(block_n, block_k, split_k, 4, 2) for block_n in (32, 64, 128, 256)
 
 
 @functools.cache
-def _configs(gpu: str) -> dict:
+def _shape_configs(gpu: str, shape: str) -> dict:
+    """This GPU's entry of CONFIGS_FILE for the shape ("NxK"), else the first other GPU's."""
     found = json.loads(CONFIGS_FILE.read_text()) if CONFIGS_FILE.exists() else {}
-    return found.get(gpu, {})
+    if shape in found.get(gpu, {}):
+        return found[gpu][shape]
+    return next((entries[shape] for _, entries in sorted(found.items()) if shape in entries), {})
 
 
 def config(n: int, k: int, rows: int, device: torch.device) -> tuple[int, ...]:
-    by_rows = _configs(torch.cuda.get_device_name(device)).get(f"{n}x{k}", {})
+    by_rows = _shape_configs(torch.cuda.get_device_name(device), f"{n}x{k}")
     fitting = sorted(int(r) for r in by_rows if r.isdigit() and int(r) >= rows)
-    return tuple(by_rows[str(fitting[0])]) if fitting else DEFAULT
+    if fitting:
+        return tuple(by_rows[str(fitting[0])])
+    return DEFAULT[1 if rows == 1 else MOST_ROWS]
 
 
 def most_rows(n: int, k: int, device: torch.device) -> int:
     """Up to how many rows the GEMV serves an [n, k] weight on this GPU: as measured against
     MSLK's GEMM for the shape, else one row (a decode step of one reply, where MSLK's tiles
     lose the most)."""
-    found = _configs(torch.cuda.get_device_name(device)).get(f"{n}x{k}", {})
+    found = _shape_configs(torch.cuda.get_device_name(device), f"{n}x{k}")
     return int(found.get("gemv_rows", 1))
 
 

@@ -6,6 +6,7 @@ to MSLK's own product on a GPU (tests/gpu/test_weight_kernels.py)."""
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -139,3 +140,19 @@ def compiled_report(rows: int, block_n: int, block_k: int) -> dict:
     from gemv_compiled import report
 
     return report(rows, block_n, block_k, split_k=4, warps=4)
+
+
+def test_the_shipped_launches_tile_their_shapes_and_another_hopper_gpu_borrows_them():
+    shipped = json.loads(mslk_gemv.CONFIGS_FILE.read_text())
+    for gpu, shapes in shipped.items():
+        for shape, by_rows in shapes.items():
+            n, k = (int(v) for v in shape.split("x"))
+            for rows, launch in by_rows.items():
+                if rows.isdigit():  # the launch's tiling, as gemv checks it (group 128)
+                    block_n, block_k, _split, _warps, _stages, *chunk = launch
+                    chunk = chunk[0] if chunk else 128
+                    assert n % 16 == 0 and 128 % chunk == 0 and chunk % block_k == 0, launch
+                    assert block_n % 16 == 0 and block_k % 16 == 0 and k % chunk == 0, launch
+    h100 = "NVIDIA H100 80GB HBM3"
+    assert mslk_gemv._shape_configs("NVIDIA H200", "3584x18944") == shipped[h100]["3584x18944"]
+    assert mslk_gemv._shape_configs("NVIDIA H200", "1x16") == {}
