@@ -16,9 +16,9 @@ torch.profiler summary of one decode step (per kernel). Candidates:
   int4_packing_format="tile_packed_to_4d", group 128) / Int8WeightOnlyConfig, applied to the
   engine's bf16 model before it compiles;
 - gemlite-int8: gemlite's Triton kernels (A16W8_INT8), swapped in the same way (the app's int4-wo
-  runs gemlite's int4 kernels where gemlite is installed; int4-wo-gemlite, int4-wo-tinygemm and
-  int4-wo-mslk, MSLK's CUTLASS kernel, which the app does not pick: the app's int4 layers
-  through that kernel);
+  runs MSLK's CUTLASS kernel with its own GEMV for one row where mslk-cuda loads, else gemlite's
+  int4 kernels where gemlite is installed; int4-wo-mslk, int4-wo-gemlite and int4-wo-tinygemm:
+  the app's int4 layers through that kernel alone);
 - int8-wo-aten: the app's int8-wo with PyTorch's own torch._weight_int8pack_mm kernel;
   int8-wo-hybrid: the same for two rows or more (batches, prefills), the compiled one-row step
   as in int8-wo; int4-wo-head8: int4-wo with lm_head in int8 weight-only (gemlite) as well;

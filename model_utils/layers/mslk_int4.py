@@ -34,7 +34,7 @@ OP = "bf16i4bf16_shuffled"
 
 def unavailable_reason(device: torch.device, compute_dtype: torch.dtype) -> str | None:
     """Why MSLK's int4 kernel cannot serve int4 layers here, or None when it can."""
-    if device.type != "cuda":
+    if device.type != "cuda" or not torch.cuda.is_available():
         return "MSLK's int4 kernel is for CUDA GPUs"
     if compute_dtype != torch.bfloat16:
         return f"MSLK's int4 kernel takes bf16 inputs, not {compute_dtype}"

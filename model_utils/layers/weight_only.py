@@ -11,8 +11,8 @@ torchao's defaults slower than bf16, BENCHMARKS.md). Here:
   each group's range is its min-max or a few clippings of it, whichever rounds it with the
   least squared error (int_quantization.INT4_RANGE_FRACTIONS).
   On a CUDA GPU with bf16 compute the weights are kept in the packed layout of the kernel that
-  multiplies them, gemlite's (gemlite_weights.pack_int4) where gemlite is installed, else
-  tinygemm's, and every forward is one call of that kernel, eager, compiled or captured alike.
+  multiplies them (INT4_KERNELS, the first that runs), and every forward is one call of that
+  kernel, eager, compiled or captured alike.
   Elsewhere (the CPU, other compute dtypes) they are kept two to a byte and dequantized in the
   forward: slow, but the same numbers, which is what the tests compare.
 - int8: symmetric, one bf16 scale per output row: w = q * scale, q in -127..127. The forward is
@@ -52,9 +52,9 @@ log = logging.getLogger(__name__)
 INT4_INNER_K_TILES = 8  # tinygemm's packing: in_features must be a multiple of 16 x this
 TINYGEMM_K_MULTIPLE = 16 * INT4_INNER_K_TILES
 TINYGEMM_N_MULTIPLE = 8
-# How int4 weights are kept and multiplied: MSLK's CUTLASS kernel (Hopper; a benchmark's
-# candidate, int4_kernel does not pick it), gemlite's Triton kernels, PyTorch's tinygemm (slow
-# for batches and prompts), or dequantized in the forward.
+# How int4 weights are kept and multiplied: MSLK's CUTLASS kernel and a GEMV of the app's for a
+# reply's row (Hopper, where mslk-cuda loads: faster than gemlite's at every load, BENCHMARKS.md),
+# gemlite's Triton kernels, PyTorch's tinygemm (slow for batches and prompts), or dequantized.
 INT4_KERNELS = ("mslk", "gemlite", "tinygemm", "dequantize")
 
 
@@ -64,9 +64,7 @@ class Int4WeightOnlyLinear(nn.Module):
     kept in the layout of the kernel that multiplies it (INT4_KERNELS)."""
 
     gemlite_meta = None  # set by gemlite_weights.pack_int4 for the "gemlite" kernel
-    # "gemlite" layers: from this many rows the weight is dequantized to x's dtype (one compiled
-    # kernel) for cuBLAS instead of gemlite's GEMM (a benchmark's candidate sets it)
-    dequant_from_rows = 1 << 30
+    dequant_from_rows = 1 << 30  # gemlite: from so many rows, dequantized + cuBLAS (a candidate)
 
     def __init__(self, linear: nn.Linear, group: int, *, kernel: str):
         super().__init__()
@@ -191,11 +189,14 @@ def quantizable(name: str, linear: nn.Linear, bits: int, group: int | None,
 
 
 def int4_kernel(device: torch.device, compute_dtype: torch.dtype) -> str:
-    """The kernel int4 layers use on this device (INT4_KERNELS)."""
+    """The kernel int4 layers use on this device (INT4_KERNELS): the first that runs here."""
     if device.type != "cuda" or compute_dtype != torch.bfloat16:
         return "dequantize"
-    return "gemlite" if gemlite_weights.unavailable_reason(device, compute_dtype) is None \
-        else "tinygemm"
+    for kernel, unavailable in (("mslk", mslk_int4.unavailable_reason),
+                                ("gemlite", gemlite_weights.unavailable_reason)):
+        if unavailable(device, compute_dtype) is None:
+            return kernel
+    return "tinygemm"
 
 
 def quantize_model(model: nn.Module, bits: int, group: int | None, device: torch.device,
@@ -338,9 +339,8 @@ def _int4_layer(linear: nn.Linear, group: int, kernels: dict, kernel: str) -> nn
 def _next_int4_kernel(failed: str, device: torch.device) -> str:
     if device.type != "cuda":
         return "dequantize"
-    if failed == "mslk" and gemlite_weights.unavailable_reason(device, torch.bfloat16) is None:
-        return "gemlite"
-    return "tinygemm"
+    gemlite_runs = gemlite_weights.unavailable_reason(device, torch.bfloat16) is None
+    return "gemlite" if failed == "mslk" and gemlite_runs else "tinygemm"
 
 
 def load_quantized(path, bits: int, group: int | None, *, device_map: dict, dtype: torch.dtype,

@@ -93,7 +93,9 @@ class Mode:
             return (f"{cost}; compiled CUDA-graph path, fp8 weight-only for replies, fp8 "
                     f"matmul for prompts{note}")
         if self.weight_only_bits == 4:
-            kernel = ", gemlite's int4 kernels" if _gemlite_runs() else ", tinygemm int4 kernel"
+            kernel = (", MSLK's int4 kernels (a GEMV for one reply)" if _mslk_runs()
+                      else ", gemlite's int4 kernels" if _gemlite_runs()
+                      else ", tinygemm int4 kernel")
         else:
             kernel = {8: ", dequantization fused into the matmul"}.get(self.weight_only_bits, "")
         return f"{cost}; compiled CUDA-graph path{kernel}{note}"
@@ -101,6 +103,15 @@ class Mode:
     @property
     def dtype(self) -> torch.dtype:
         return torch_dtype(self.weight_dtype)
+
+
+def _mslk_runs() -> bool:
+    """MSLK's kernels serve int4-wo on this GPU (model_utils.layers.mslk_int4)."""
+    import torch
+
+    from model_utils.layers.mslk_int4 import unavailable_reason
+
+    return unavailable_reason(torch.device("cuda"), torch.bfloat16) is None
 
 
 def _gemlite_runs() -> bool:
@@ -124,8 +135,9 @@ MODES: dict[str, Mode] = {
         # + one bf16 scale and one bf16 zero point per 128 weights
         Mode("int4-wo", "int4 weight-only, group 128", "bf16", group=FAST,
              weight_only_bits=4, group_size=128, bytes_per_param=0.5 + 4 / 128,
-             speed_note="with gemlite faster than bf16 for one reply, slower for many at "
-                        "once and for the first token; without it, fastest for one reply, "
+             speed_note="with MSLK (Hopper) faster than bf16 for one reply and a little for "
+                        "many; with gemlite faster for one reply, slower for many at once "
+                        "and for the first token; without either, fastest for one reply, "
                         "slow for many"),
         # + one bf16 scale per output row (rows of 3584-18944 weights in a 7B model)
         Mode("int8-wo", "int8 weight-only, per-row scales", "bf16", group=FAST,

@@ -82,6 +82,22 @@ def python_objects() -> collections.Counter:
     return collections.Counter(type(o).__name__ for o in gc.get_objects())
 
 
+def where_made() -> collections.Counter:
+    """Stack summaries by the place they were taken (the innermost frame of each: the code
+    that called traceback.extract_stack or the like) and functions by their qualified name:
+    what grows of them names the part of torch (or of the app) that keeps making them."""
+    import traceback
+    import types
+
+    made = collections.Counter()
+    for o in gc.get_objects():
+        if isinstance(o, traceback.StackSummary) and o:
+            made[f"stack {Path(o[-1].filename).name}:{o[-1].lineno} {o[-1].name}"] += 1
+        elif isinstance(o, types.FunctionType):
+            made[f"function {o.__module__}.{o.__qualname__}"] += 1
+    return made
+
+
 def grown(before: collections.Counter, now: collections.Counter, top: int = 6) -> dict:
     return dict(sorted(((name, count - before[name]) for name, count in now.items()
                         if count - before[name] > 50), key=lambda kv: -kv[1])[:top])
@@ -155,13 +171,14 @@ def test_twenty_switch_cycles_give_the_memory_back(mid_model, monkeypatch):
         assert previous() is None, engine.manager.last_unload.model_kept_by
         previous = None
         keep({"cycle": cycle, "mode": "(unloaded)", **counters()})
-        objects = python_objects()
+        objects, made = python_objects(), where_made()
         if cycle == 0:
-            first_objects = objects
+            first_objects, first_made = objects, made
         else:  # growth after the first cycle, which builds what every later one reuses
             objects_grown = grown(first_objects, objects)
             print(json.dumps({"cycle": cycle, "python_objects_grown": objects_grown,
-                              "compiler_objects": {name: objects[name] for name in WATCHED}}),
+                              "compiler_objects": {name: objects[name] for name in WATCHED},
+                              "made_where_grown": grown(first_made, made, top=10)}),
                   flush=True)
 
     # allocated: against before the first load; NVML and RSS: against the first cycle's
