@@ -31,7 +31,7 @@ LAUNCHES = [(1, 512, 32, 0, 4, 64), (1, 128, 64, 4, 4), (1, 64, 64, 1, 4), (2, 6
 
 
 def compile_for_hopper(rows: int, block_n: int, block_k: int, split_k: int, warps: int,
-                       chunk: int = 128):
+                       chunk: int = 128, fma: int = 0):
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -40,9 +40,10 @@ def compile_for_hopper(rows: int, block_n: int, block_k: int, split_k: int, warp
                  "y_ptr": "*fp32", "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32",
                  "one_bits": "i32"}
     # as mslk_gemv.gemv launches: one row on the FMA kernel, more on the tensor-core one
-    kernel, block_m = (mslk_gemv._kernel(), 1) if rows == 1 else (mslk_gemv._rows_kernel(), 16)
+    kernel, block_m = ((mslk_gemv._kernel(), 1 << (rows - 1).bit_length()) if rows == 1 or fma
+                       else (mslk_gemv._rows_kernel(), 16))
     constants = {"GROUP": 128, "BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k,
-                 "SPLIT_K": split_k, "CHUNK": chunk}
+                 "SPLIT_K": split_k or 3584 // chunk, "CHUNK": chunk}  # 0: the 7B's 3584 inputs
     source = ASTSource(fn=kernel, signature={**signature, **dict.fromkeys(
         constants, "constexpr")}, constexprs=constants,
         attrs={(i,): [["tt.divisibility", 16]] for i in range(5)})
@@ -62,8 +63,8 @@ def innermost_loop(lines: list[str], opens: str, closes) -> list[str]:
 
 
 def report(rows: int, block_n: int, block_k: int, split_k: int, warps: int,
-           chunk: int = 128) -> dict:
-    kernel = compile_for_hopper(rows, block_n, block_k, split_k, warps, chunk)
+           chunk: int = 128, fma: int = 0) -> dict:
+    kernel = compile_for_hopper(rows, block_n, block_k, split_k, warps, chunk, fma)
     ttgir = kernel.asm["ttgir"].splitlines()
 
     def deeper_ends(head: str, line: str) -> bool:
@@ -95,7 +96,7 @@ def report(rows: int, block_n: int, block_k: int, split_k: int, warps: int,
         m.group(1).split(".")[0] for line in sass[first:last]
         if (m := re.match(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\d\s+)?([A-Z0-9_.]+)", line)))
     weights = block_n * chunk / (32 * warps)  # per thread and chunk
-    return {"launch": [rows, block_n, block_k, split_k, warps, chunk],
+    return {"launch": [rows, block_n, block_k, split_k, warps, chunk, fma],
             "registers": int(re.search(r"REG:(\d+)", usage).group(1)),
             "spilled_bytes": int(re.search(r"LOCAL:(\d+)", usage).group(1)),
             "inner_loop_conversions": conversions,
@@ -107,7 +108,7 @@ def report(rows: int, block_n: int, block_k: int, split_k: int, warps: int,
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--launch", action="append",
-                        help="rows,BLOCK_N,BLOCK_K,SPLIT_K,warps[,CHUNK] (repeatable)")
+                        help="rows,BLOCK_N,BLOCK_K,SPLIT_K,warps[,CHUNK[,FMA]] (repeatable)")
     args = parser.parse_args()
     launches = ([tuple(int(v) for v in text.split(",")) for text in args.launch]
                 if args.launch else LAUNCHES)

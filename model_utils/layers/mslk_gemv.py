@@ -22,11 +22,13 @@ instruction runs at a quarter of the FMA rate), each weight costs a shift, a mas
 row, and the scale and zero point are applied once per output and chunk of a group. Each program
 computes BLOCK_N outputs over its share of the chunks, BLOCK_K inputs a step (SPLIT_K shares,
 summed by atomic adds into the output when more than one). The output is fp32: added up in
-bf16, as gemlite's GEMV does, the 296 shares of the down projection's inputs at one chunk a
-program were 2 % off the product (each add rounds to the running sum's 8 bits); the caller's
-cast to bf16 is fused by torch.compile into the op that reads it. One row takes the FMA kernel
+bf16, as gemlite's GEMV does, the hundreds of shares of the down projection's inputs at one
+chunk a program missed the load's check (each add rounds to the running sum's 8 bits;
+BENCHMARKS.md); the caller's cast to bf16 is fused by torch.compile into the op that reads it. One row takes the FMA kernel
 (_kernel); two rows and more the tensor-core one (_rows_kernel), which makes the same f and
-multiplies it by tl.dot, so that another row costs no more work per weight.
+multiplies it by tl.dot, so that another row costs no more work per weight, or, where the
+launch says so, the FMA kernel with every row's sums in registers (each weight unpacked once,
+then an FMA a row: for 2-4 rows, where MSLK's tiles are the least filled; the search decides).
 """
 
 from __future__ import annotations
@@ -260,7 +262,8 @@ def _rows_kernel():
 # entry for the shape (the kernel is the same on every Hopper GPU; the best launch may differ
 # a little). No tuning at load: a switch waits for none.
 # CHUNK: inputs summed before a scale (a divisor of the group; the group when left out);
-# SPLIT_K: shares of the chunks, 0 for one program a chunk.
+# SPLIT_K: shares of the chunks, 0 for one program a chunk; a 7th value of 1: a few rows through
+# the FMA kernel, each weight unpacked once for all of them, instead of tensor cores.
 CONFIGS_FILE = Path(__file__).with_name("mslk_gemv_configs.json")
 # for a shape searched on no GPU: one program a chunk at one row (the fastest on every 7B shape
 # on an H100), four shares of the groups from two rows
@@ -274,7 +277,9 @@ SEARCHED = [(block_n, block_k, split_k, 4, 2) for block_n in (32, 64, 128, 256)
     (128, 64, 8, 2, 2), (64, 32, 14, 2, 2)] + [
     (block_n, block_k, 0, 4, 1, chunk) for block_n in (128, 256, 512)
     for block_k, chunk in ((32, 64), (64, 64), (64, 128))] + [
-    (512, 32, 0, 8, 1, 64), (256, 32, 0, 2, 1, 64)]
+    (512, 32, 0, 8, 1, 64), (256, 32, 0, 2, 1, 64)] + [
+    (block_n, block_k, 0, 4, 1, 64, 1) for block_n in (32, 64, 128) for block_k in (32, 64)] + [
+    (64, 32, 4, 4, 2, 128, 1), (128, 32, 14, 4, 2, 128, 1)]
 
 
 @functools.cache
@@ -306,7 +311,7 @@ def gemv(x2: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, zeros: to
          launch: tuple[int, ...] | None = None) -> torch.Tensor:
     """x2 [M, K] (M <= MOST_ROWS) @ the weight [N, K/2] MSLK's copy holds in LAYOUT (module
     doc).T: [M, N] in fp32 (module doc). `launch`: (BLOCK_N, BLOCK_K, SPLIT_K, num_warps,
-    num_stages[, CHUNK]) instead of config()'s."""
+    num_stages[, CHUNK[, FMA]]) instead of config()'s."""
     rows, k = x2.shape
     n, groups = weight.shape[0], scales.shape[0]
     if (rows > MOST_ROWS or weight.shape[1] * 2 != k or scales.shape != (groups, n)
@@ -314,8 +319,9 @@ def gemv(x2: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, zeros: to
         raise ValueError(f"MSLK GEMV: x {tuple(x2.shape)}, weight {tuple(weight.shape)}, "
                          f"scales {tuple(scales.shape)}, zeros {tuple(zeros.shape)} do not fit")
     group = k // groups
-    block_n, block_k, split_k, warps, stages, *chunk = launch or config(n, k, rows, x2.device)
-    chunk = min(chunk[0] if chunk else group, group)
+    block_n, block_k, split_k, warps, stages, *more = launch or config(n, k, rows, x2.device)
+    chunk = min(more[0] if more else group, group)
+    by_fma = rows == 1 or more[1:] == [1]
     block_k = min(block_k, chunk)
     if group % chunk or chunk % block_k or n % 16 or block_k % 16 or block_n % 16:
         raise ValueError(f"MSLK GEMV: a {n}x{k} weight in groups of {group} does not tile by "
@@ -325,7 +331,9 @@ def gemv(x2: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, zeros: to
     x2 = x2.contiguous()
     y = (torch.empty if split_k == 1 else torch.zeros)(rows, n, dtype=torch.float32,
                                                        device=x2.device)
-    kernel, block_m = (_kernel(), 1) if rows == 1 else (_rows_kernel(), 16)  # tl.dot's least
+    # the FMA kernel holds its rows' sums in registers (a power of two of them); tl.dot takes 16
+    kernel, block_m = ((_kernel(), 1 << (rows - 1).bit_length()) if by_fma
+                       else (_rows_kernel(), 16))
     kernel[(-(-n // block_n), split_k)](
         x2, weight.view(torch.int32), scales, zeros, y, rows, n, k, x2.stride(0), ONE_BITS,
         GROUP=group, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k,

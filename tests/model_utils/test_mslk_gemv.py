@@ -51,7 +51,8 @@ def test_the_app_packs_the_layout_itself_as_the_table_places_it():
         mslk_gemv.pack(q[:40])
 
 
-# (outputs, inputs, group, rows, (BLOCK_N, BLOCK_K, SPLIT_K, warps, stages[, CHUNK]), x dtype)
+# (outputs, inputs, group, rows, (BLOCK_N, BLOCK_K, SPLIT_K, warps, stages[, CHUNK[, FMA]]),
+#  x dtype)
 CASES = [
     (48, 256, 64, 1, (32, 64, 1, 4, 2), torch.float32),  # a part block of outputs
     # K split in three shares (their atomic adds in fp16 and fp32: the interpreter has no bf16
@@ -65,6 +66,9 @@ CASES = [
     # one program a chunk of half a group (gemlite's shape of work), one row and three
     (64, 512, 128, 1, (32, 32, 0, 4, 1, 64), torch.float32),
     (48, 256, 128, 3, (32, 32, 0, 4, 1, 64), torch.float16),
+    # a few rows through the FMA kernel (its rows' sums in registers: 3 of 4, 8 of 8)
+    (48, 256, 128, 3, (32, 32, 0, 4, 1, 64, 1), torch.float32),
+    (64, 384, 128, 8, (64, 64, 2, 4, 2, 128, 1), torch.float16),
 ]
 
 
