@@ -241,7 +241,7 @@ def test_mslk_s_layout_is_the_gemv_s_and_the_gemv_agrees_with_mslk_s_own_product
     """The layout read off MSLK's preshuffle here is the one mslk_gemv reads, and the GEMV over
     MSLK's copy gives MSLK's product at 1-8 rows, with the configured launch and with K split
     in several shares, down to one program a chunk of half a group (296 shares of the down
-    projection's inputs, added up in fp32)."""
+    projection's inputs, added up in fp32), and with a few rows through the FMA kernel."""
     if reason := mslk_int4.unavailable_reason(torch.device("cuda"), torch.bfloat16):
         pytest.skip(reason)
     module = Int4WeightOnlyLinear(linear_layer(in_features), 128, kernel="mslk")
@@ -249,7 +249,7 @@ def test_mslk_s_layout_is_the_gemv_s_and_the_gemv_agrees_with_mslk_s_own_product
         "MSLK's int4 layout is not the GEMV's (the log says why)")
     weights = (module.packed, module.mslk_scales, module.mslk_zeros)
     for launch in (None, (64, 128, 4, 4, 2), (32, 32, 1, 4, 2), (128, 64, 8, 8, 2),
-                   (512, 32, 0, 4, 1, 64)):
+                   (512, 32, 0, 4, 1, 64), (64, 32, 0, 4, 1, 64, 1)):
         for rows in (1, 2, 3, 8):
             x = torch.randn(rows, in_features, dtype=torch.bfloat16, device="cuda")
             with torch.inference_mode():
