@@ -24,11 +24,12 @@ computes BLOCK_N outputs over its share of the chunks, BLOCK_K inputs a step (SP
 summed by atomic adds into the output when more than one). The output is fp32: added up in
 bf16, as gemlite's GEMV does, the hundreds of shares of the down projection's inputs at one
 chunk a program missed the load's check (each add rounds to the running sum's 8 bits;
-BENCHMARKS.md); the caller's cast to bf16 is fused by torch.compile into the op that reads it. One row takes the FMA kernel
-(_kernel); two rows and more the tensor-core one (_rows_kernel), which makes the same f and
-multiplies it by tl.dot, so that another row costs no more work per weight, or, where the
-launch says so, the FMA kernel with every row's sums in registers (each weight unpacked once,
-then an FMA a row: for 2-4 rows, where MSLK's tiles are the least filled; the search decides).
+BENCHMARKS.md); the caller's cast to bf16 is fused by torch.compile into the op that reads it.
+One row takes the FMA kernel (_kernel); two rows and more the tensor-core one (_rows_kernel),
+which makes the same f and multiplies it by tl.dot, so that another row costs no more work per
+weight, or, where the launch says so, the FMA kernel with every row's sums in registers (each
+weight unpacked once, then an FMA a row: for 2-4 rows, where MSLK's tiles are the least
+filled; the search decides).
 """
 
 from __future__ import annotations
@@ -52,6 +53,9 @@ def _hopper_atom() -> Layout:
 
 
 LAYOUT = _hopper_atom()
+# 1.0f's bits, passed to the kernel as an argument: as a constant, the compiler kept the mask and
+# this OR as two instructions (a GPU instruction takes one constant), as a value one LOP3 does both.
+ONE_BITS = 0x3F800000
 
 
 def pack(q: torch.Tensor) -> torch.Tensor:
@@ -67,9 +71,7 @@ def pack(q: torch.Tensor) -> torch.Tensor:
     nibbles = (q ^ 8).reshape(n // 16, 2, 8, k // 16, 2, 4, 2)  # an, v_r, t1, ak, v8, t0, v1
     nibbles = nibbles.permute(3, 0, 2, 5, 6, 4, 1).reshape(-1, 2)  # ak, an, t1, t0, v1, v8, v_r
     return (nibbles[:, 0] | nibbles[:, 1] << 4).view(torch.int8).reshape(n, k // 2)
-# 1.0f's bits, passed to the kernel as an argument: as a constant, the compiler kept the mask and
-# this OR as two instructions (a GPU instruction takes one constant), as a value one LOP3 does both.
-ONE_BITS = 0x3F800000
+
 
 
 _as_float = None  # the kernels' jitted helper: Triton finds a kernel's callees among its globals

@@ -91,9 +91,9 @@ def where_made() -> collections.Counter:
 
     made = collections.Counter()
     for o in gc.get_objects():
-        if isinstance(o, traceback.StackSummary) and o:
+        if type(o) is traceback.StackSummary and o:
             made[f"stack {Path(o[-1].filename).name}:{o[-1].lineno} {o[-1].name}"] += 1
-        elif isinstance(o, types.FunctionType):
+        elif type(o) is types.FunctionType:
             made[f"function {o.__module__}.{o.__qualname__}"] += 1
     return made
 
