@@ -10,8 +10,8 @@ Its kernel is chosen by a fixed heuristic, not tuned at a shape's first use as g
 kernels are: nothing to ship or wait for at a load. Its tiles are made for many rows: for a
 decode step's few (up to gemv_rows), mslk_gemv's Triton GEMV reads the same copy instead, where
 the layout mslk_layout reads off MSLK's preshuffle (once per process) is the one it reads.
-A candidate of the benchmarks (benchmarks/int4_kernels.py, quant_candidates' int4-wo-mslk)
-until measured against gemlite's; weight_only.int4_kernel does not pick it.
+Measured faster than gemlite's kernels at every load (BENCHMARKS.md, "The GEMV timed"), so
+weight_only.int4_kernel picks it first wherever it loads.
 
 Imported lazily (mslk loads its CUDA library at import). The wheel on PyPI (1.1.0) is built
 against torch 2.11 and CUDA 13: under another torch its import fails, and unavailable_reason
@@ -141,10 +141,10 @@ def dequantized(weight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
     return out
 
 
-# Row counts a shape's first layer is checked at, at load: rows the GEMV may serve (1, 2, its
-# most), then one in each band of rows that MSLK gives its own tile (its choice goes by the row
+# Row counts a shape's first layer is checked at, at load: rows the GEMV may serve (1, 2, 4, its
+# most: each a searched launch), then one in each band of rows that MSLK gives its own tile (its choice goes by the row
 # count and the output width: up to 16, 32, 64, 128, 256, 512, 1024 rows, and beyond).
-CHECKED_ROWS = (1, 2, mslk_gemv.MOST_ROWS, 32, 64, 128, 256, 512, 1024, 2048)
+CHECKED_ROWS = (1, 2, 4, mslk_gemv.MOST_ROWS, 32, 64, 128, 256, 512, 1024, 2048)
 
 
 def check(layer, weight_rows) -> None:
