@@ -231,6 +231,8 @@ def test_load_message_names_its_figures_and_progress_has_its_own_place(browser, 
     message = page.locator("#model-message")
     # The message once done (the progress line drawn there during the load says "loaded" too).
     message.get_by_text("ready to serve").wait_for()
+    # gradio's progress timer ("0.1s") can linger in the box a moment after the message lands
+    wait_until(lambda: message.inner_text().startswith("Loaded"), "the progress timer to go")
     text = message.inner_text()
     assert text.startswith("Loaded demo model"), text
     assert re.search(r"ready to serve [\d.]+ s after the click", text), text
