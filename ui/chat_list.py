@@ -210,8 +210,8 @@ def _wire_writes(c: dict, chats: ChatList):
     """Every change of what the page shows is written into the chat shown. Returns
     settle(event), for each event that shows a chat."""
 
-    def keep_shown(chat_id, view, conversation, system_prompt, thinking, preset, browser,
-                   newest, query, notice, request: gr.Request):
+    def keep_shown(chat_id, view, opened, conversation, system_prompt, thinking, preset,
+                   browser, newest, query, notice, request: gr.Request):
         """Write what the page shows into the chat shown: on the page's state, never a
         broken copy (the chat panel refuses to send those, and so does this). Not the preset,
         which pick, save and delete write, except into a chat another tab deleted, which
@@ -227,7 +227,12 @@ def _wire_writes(c: dict, chats: ChatList):
             messages = validate_history(conversation or [])
         except REFUSED:
             return nothing
-        if before is None:  # deleted in another tab: this one's writing brings it back
+        if before is None:
+            if not chats.still_shown(chat_id, opened):
+                # Deleted on this page after the write was sent (each event is a request of
+                # its own, and one sent first can arrive second): it stays deleted.
+                return nothing
+            # Deleted in another tab: this one's writing brings it back.
             before = {**new_chat(preset=preset or ""), "id": chat_id}
         chat = {**with_messages(before, messages), "system_prompt": system_prompt or "",
                 "thinking": bool(thinking)}
@@ -248,8 +253,8 @@ def _wire_writes(c: dict, chats: ChatList):
         return (*chats.kept(library), gr.skip() if update["choices"] == listed else update,
                 title, cleared)
 
-    inputs = [c["chat_id"], c["chat_view"], *chats.current, *chats.copies, c["chat_search"],
-              c["chat_list_notice"]]
+    inputs = [c["chat_id"], c["chat_view"], c["chat_opened"], *chats.current, *chats.copies,
+              c["chat_search"], c["chat_list_notice"]]
     outputs = [*chats.copies, c["chat_list"], c["chat_title"], c["chat_list_notice"]]
     # The conversation's content, not its object: see ui/content_change.py. Not the preset
     # picker's: its value may land on a chat opened since the pick or save that set it.

@@ -60,10 +60,19 @@ def titles(page) -> list[str]:
     return [t.strip() for t in page.locator("#chat-list label").all_inner_texts()]
 
 
-def wait_titles(page, expected: list[str]) -> None:
-    page.wait_for_function(
-        """(expected) => JSON.stringify([...document.querySelectorAll('#chat-list label')]
-            .map(l => l.innerText.trim())) === JSON.stringify(expected)""", arg=expected)
+def wait_titles(page, expected: list[str], timeout: float = 30000) -> None:
+    """Waits until the chat list shows `expected`; fails naming what it shows instead."""
+    from playwright.sync_api import TimeoutError as PlaywrightTimeout
+
+    try:
+        page.wait_for_function(
+            """(expected) => JSON.stringify([...document.querySelectorAll('#chat-list label')]
+                .map(l => l.innerText.trim())) === JSON.stringify(expected)""", arg=expected,
+            timeout=timeout)
+    except PlaywrightTimeout:
+        notice = page.locator("#chat-list-notice").inner_text().strip()
+        raise AssertionError(f"the chat list shows {titles(page)} (notice: {notice!r}), "
+                             f"not {expected}") from None
 
 
 def view_landed(page) -> None:

@@ -134,6 +134,29 @@ def start_random_demo(start_app, tmp_path_factory):
     return start
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A failed test against a running app shows the end of the app's log, and one with a
+    browser page leaves a screenshot in test-artifacts/: a failure seen once under load can
+    be read afterwards."""
+    outcome = yield
+    report = outcome.get_result()
+    if report.when != "call" or not report.failed:
+        return
+    funcargs = getattr(item, "funcargs", {})
+    for value in funcargs.values():
+        if isinstance(value, RunningApp):
+            report.sections.append(("the app's log, last 40 lines",
+                                    "\n".join(value.log().splitlines()[-40:])))
+    page = funcargs.get("page")
+    if page is not None and hasattr(page, "screenshot"):
+        ARTIFACTS.mkdir(exist_ok=True)
+        try:
+            page.screenshot(path=str(ARTIFACTS / f"{item.name[:100]}.png"), full_page=True)
+        except Exception as error:  # a closed or hung page: the report has the rest
+            report.sections.append(("screenshot", f"not taken: {error}"))
+
+
 @pytest.fixture(scope="session")
 def artifacts() -> Path:
     ARTIFACTS.mkdir(exist_ok=True)

@@ -1,11 +1,15 @@
 """The chat list in a real browser against the real app, without logins (the chats kept in the
 browser): two chats kept apart across a reload, a preset applied to a chat and remembered with
 its Thinking switch, chats switched while their changes are still being written, search,
-delete with undo, and a preset saved with a switch of chat right behind it.
+delete with undo (and a write arriving after the delete), and a preset saved with a switch of
+chat right behind it.
 
 The tests run in order on one page, each going on from the chats the one before left."""
 
 from __future__ import annotations
+
+import json
+import time
 
 import pytest
 from playwright.sync_api import expect
@@ -226,3 +230,41 @@ def test_leaving_the_preset_picker_keeps_the_settings_changed_since_the_pick(pag
     page.get_by_role("option", name="brisk").click()
     page.wait_for_function("""() => Number(document.querySelector(
         'input[aria-label^="number input for top_k"]').value) === 5""")
+
+
+def test_a_write_that_reaches_the_server_after_a_delete_does_not_bring_the_chat_back(page):
+    """A change typed into the chat shown, then Delete: the browser sends the change's write
+    first, but under load it can reach the server second (each event is its own request).
+    Run after the delete, from a chat this page no longer shows, it is left out: written, it
+    brought the chat back as a new one titled by its first message."""
+    page.locator("#chat-list label", has_text="Modes talk").click()
+    page.locator('#chatbot [data-testid="user"]', has_text=FIRST).wait_for()
+    view_landed(page)
+    chat_id = page.locator("#chat-id textarea, #chat-id input").first.input_value()
+    held = []
+
+    def hold_the_write(route):
+        """Holds back the write of the chat shown (its first input is the chat's id)."""
+        sent = json.loads(route.request.post_data or "{}")
+        if sent.get("data", [None])[:1] == [chat_id] and "Typed as it went." in str(sent):
+            held.append(route)
+        else:
+            route.continue_()
+
+    page.route("**/gradio_api/queue/join*", hold_the_write)
+    page.locator("#system-prompt textarea").fill("Typed as it went.")
+    deadline = time.monotonic() + 30
+    while not held and time.monotonic() < deadline:
+        page.wait_for_timeout(50)  # the write is sent once the settings' own save is back
+    assert held, "the write of the typed system prompt was not sent"
+    page.locator("#chat-delete").click()
+    page.locator("#chat-list-notice", has_text="Deleted “Modes talk”").wait_for()
+    for route in held:  # the write reaches the server now, after the delete
+        route.continue_()
+        route.request.response()
+    page.unroute("**/gradio_api/queue/join*")
+    page.locator("#chat-new").click()  # runs after the write, on the same queue
+    wait_titles(page, ["New chat", SECOND])
+    page.reload()
+    wait_until_ready(page)
+    wait_titles(page, ["New chat", SECOND])
