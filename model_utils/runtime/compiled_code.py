@@ -21,7 +21,10 @@ forget, a ShapeEnv with its fake weights and the guards' stack summaries (RSS th
 every cycle of five compiled modes on a GPU): the ShapeEnv's tracked fakes hold its symbols from C++,
 a cycle the garbage collector cannot see, and its class's method caches hold the ShapeEnv.
 forget_compiled_code breaks both (_release_shape_envs;
-benchmarks/cpu-2026-12-06/compile_forget_growth.py with "dyn" shows the growth and its end)."""
+benchmarks/cpu-2026-12-06/compile_forget_growth.py with "dyn" shows the growth and its end).
+Inductor's registry of the code modules it loaded (PyCodeCache.modules) appends one for every
+graph compiled or read back from its cache, and drops none: with a module's kernels (a GPU
+one's loaded on the device) it outlived every forget. forget_compiled_code empties it."""
 
 from __future__ import annotations
 
@@ -120,9 +123,9 @@ def recompiled() -> None:
 
 def forget_compiled_code() -> int:
     """torch._dynamo.reset(), then detach the finalizers that still hold the discarded guard
-    managers (after a reset every one of them belongs to code that will never run again) and
-    release the tracing states of dynamic-shape compiles. Returns how many finalizers were
-    detached."""
+    managers (after a reset every one of them belongs to code that will never run again),
+    release the tracing states of dynamic-shape compiles and empty inductor's registry of
+    loaded code modules. Returns how many finalizers were detached."""
     from torch._dynamo.convert_frame import compile_lock
     from torch._dynamo.guards import CheckFunctionManager
 
@@ -142,6 +145,7 @@ def forget_compiled_code() -> int:
                 finalizer.detach()
                 detached += 1
         _release_shape_envs()
+        _release_code_modules()
     return detached
 
 
@@ -165,3 +169,18 @@ def _release_shape_envs() -> None:
         clear = getattr(attribute, "cache_clear", None)
         if callable(clear):
             clear()
+
+
+def _release_code_modules() -> None:
+    """Inductor's record of every code module it loaded, kept for its own debugging tools,
+    and their entries in sys.modules (the compiled code that runs holds its module itself):
+    after a reset they hold only the modules of code that will never run again, with their
+    kernels."""
+    import sys
+
+    from torch._inductor.codecache import PyCodeCache
+
+    for module in [*PyCodeCache.modules, *PyCodeCache.modules_no_attr.values()]:
+        if sys.modules.get(module.__name__) is module:
+            del sys.modules[module.__name__]
+    PyCodeCache.cache_clear()

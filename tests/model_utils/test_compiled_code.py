@@ -133,6 +133,26 @@ def test_no_tracing_state_of_a_dynamic_shape_compile_outlives_a_forget(fresh):
     assert after_forgets == after_forgets[:1] * 4, after_forgets
 
 
+def test_no_code_module_inductor_loaded_outlives_a_forget(fresh):
+    """Inductor appends the module of every graph it compiles (or reads from its cache) to a
+    registry it never empties: with the module's kernels (on a GPU, loaded on the device), a
+    switch's compiled code stayed in the process after every forget. Compiled here through
+    inductor on the CPU (its C++ kernels)."""
+    from torch._inductor.codecache import PyCodeCache
+
+    weight = torch.randn(8, 8)
+    step = torch.compile(lambda x: torch.relu(x @ weight) + 1, backend="inductor", dynamic=False)
+    x = torch.ones(2, 8)
+    assert torch.allclose(step(x), torch.relu(x @ weight) + 1)
+    modules = [weakref.ref(m) for m in PyCodeCache.modules]
+    assert modules, "inductor's compile loaded no code module"
+    del step
+    compiled_code.forget_compiled_code()
+    gc.collect()
+    assert PyCodeCache.modules == []
+    assert all(module() is None for module in modules)
+
+
 def test_a_forget_empties_the_fake_tensor_dispatch_cache(fresh):
     """That cache is class-wide and keyed by the symbolic sizes of every compile: kept across
     resets, it held each forgotten compile's symbols for the life of the process."""
