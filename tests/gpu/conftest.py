@@ -155,6 +155,34 @@ CONTAINERS = {"list", "dict", "tuple", "set", "frozenset", "cell", "function", "
               "FrameSummary", "StackSummary", "deque", "mappingproxy"}
 
 
+def holder_chain(target, depth: int = 10) -> str:
+    """One referrer chain up from `target`: the first referrer at each step, a dict named by
+    the key it holds the step below under. Where an object that no module reaches hangs; a
+    chain that ends at once is held from C++ alone. Plain loops: a comprehension's closure
+    would be a referrer of its own."""
+    import types
+
+    steps, obj, skip = [type(target).__qualname__], target, {id(target)}
+    for _ in range(depth):
+        refs = []
+        for ref in gc.get_referrers(obj):
+            if id(ref) not in skip and not isinstance(ref, types.FrameType):
+                refs.append(ref)
+        skip.add(id(refs))
+        if not refs:
+            break
+        owner, key = refs[0], None
+        del refs
+        if isinstance(owner, dict):
+            for k, v in owner.items():
+                if v is obj:
+                    key = k
+        steps.append(type(owner).__qualname__ + (f"[{key!r}]" if isinstance(key, str) else ""))
+        skip.add(id(owner))
+        obj = owner
+    return " <- ".join(steps)
+
+
 def owner_types(target, depth: int = 12, most: int = 20000) -> list[str]:
     """The classes of the first objects up the referrer chains of `target` that are not plain
     containers, nearest first: who owns an object that no module reaches (held from C++, say a

@@ -38,7 +38,7 @@ from model_utils.loading.placement import Placement
 from model_utils.memory import take_snapshot
 from model_utils.runtime.generation_settings import GenerationSettings
 
-from .conftest import gpu_marks, owner_types, path_from_modules
+from .conftest import gpu_marks, holder_chain, owner_types, path_from_modules
 
 pytestmark = gpu_marks()
 
@@ -72,7 +72,7 @@ SHAPE = {"hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 2
 # says what keeps the grown stack summaries.
 WATCHED = ("ShapeEnv", "FakeTensorMode", "FakeTensor", "SymNode", "CheckFunctionManager",
            "GuardManagerWrapper", "OutputGraph", "CompiledFxGraph", "GraphModule", "Tracer",
-           "TrackedFake", "SLoc", "ShapeGuard")
+           "TrackedFake", "SLoc", "ShapeGuard", "Guard", "CachingAutotuner", "module")
 
 
 def python_objects() -> collections.Counter:
@@ -146,6 +146,8 @@ def test_twenty_switch_cycles_give_the_memory_back(mid_model, monkeypatch):
                           for key, value in row.items()}), flush=True)
 
     print(json.dumps({"before_mb": before}), flush=True)
+    from torch._inductor.codecache import PyCodeCache  # its registry, counted every cycle
+
     for cycle in range(CYCLES):
         for mode in MODES:
             start = time.perf_counter()
@@ -178,6 +180,7 @@ def test_twenty_switch_cycles_give_the_memory_back(mid_model, monkeypatch):
             objects_grown = grown(first_objects, objects)
             print(json.dumps({"cycle": cycle, "python_objects_grown": objects_grown,
                               "compiler_objects": {name: objects[name] for name in WATCHED},
+                              "inductor_code_modules": len(PyCodeCache.modules),
                               "made_where_grown": grown(first_made, made, top=10)}),
                   flush=True)
 
@@ -226,7 +229,10 @@ def older_paths(grown_types: dict, kinds: int = 3) -> dict[str, list[str]]:
             obj = picked.pop()
             path = path_from_modules(obj)
             if path.startswith("not reachable"):  # held from C++: name its nearest owners
-                path += f"; its nearest owners: {owner_types(obj)}"
+                path += f"; its nearest owners: {owner_types(obj)}; {holder_chain(obj)}"
+                if isinstance(obj, list) and obj and hasattr(obj[0], "lineno"):  # a stack
+                    path += "; its frames: " + " > ".join(
+                        f"{Path(f.filename).name}:{f.lineno}" for f in obj)
             paths[name].append(path)
             del obj
     return paths
