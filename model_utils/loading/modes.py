@@ -93,7 +93,7 @@ class Mode:
             return (f"{cost}; compiled CUDA-graph path, fp8 weight-only for replies, fp8 "
                     f"matmul for prompts{note}")
         if self.weight_only_bits == 4:
-            kernel = (", MSLK's int4 kernels (a GEMV for one reply)" if _mslk_runs()
+            kernel = (", MSLK's int4 kernels (a GEMV for a few replies)" if _mslk_runs()
                       else ", gemlite's int4 kernels" if _gemlite_runs()
                       else ", tinygemm int4 kernel")
         else:

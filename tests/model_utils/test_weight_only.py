@@ -208,7 +208,7 @@ def test_the_dropdown_lists_the_modes_by_section_with_their_cost_on_the_device(m
         assert labels["nf4-dq"].startswith("nf4-dq · nf4 4-bit + double quant · ")
         assert labels["nf4"].startswith("nf4 4-bit · ") and labels["bf16"].startswith("bf16 · ")
         assert "0.53 B/param" in labels["int4-wo"] and "1.00 B/param" in labels["int8-wo"]
-    for mslk, gemlite, int4_kernel in ((True, True, "MSLK's int4 kernels (a GEMV for one reply)"),
+    for mslk, gemlite, int4_kernel in ((True, True, "MSLK's int4 kernels (a GEMV for a few replies)"),
                                        (False, True, "gemlite's int4 kernels"),
                                        (False, False, "tinygemm int4 kernel")):
         monkeypatch.setattr(modes, "_mslk_runs", lambda mslk=mslk: mslk)
