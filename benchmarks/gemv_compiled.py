@@ -37,8 +37,8 @@ def compile_for_hopper(rows: int, block_n: int, block_k: int, split_k: int, warp
     from triton.compiler import ASTSource
 
     signature = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*bf16", "z_ptr": "*bf16",
-                 "y_ptr": "*fp32", "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32",
-                 "one_bits": "i32"}
+                 "y_ptr": "*bf16", "space_ptr": "*fp32", "count_ptr": "*i32", "M": "i32",
+                 "N": "i32", "K": "i32", "stride_xm": "i32", "one_bits": "i32"}
     # as mslk_gemv.gemv launches: one row on the FMA kernel, more on the tensor-core one
     kernel, block_m = ((mslk_gemv._kernel(), 1 << (rows - 1).bit_length()) if rows == 1 or fma
                        else (mslk_gemv._rows_kernel(), 16))
@@ -46,7 +46,7 @@ def compile_for_hopper(rows: int, block_n: int, block_k: int, split_k: int, warp
                  "SPLIT_K": split_k or 3584 // chunk, "CHUNK": chunk}  # 0: the 7B's 3584 inputs
     source = ASTSource(fn=kernel, signature={**signature, **dict.fromkeys(
         constants, "constexpr")}, constexprs=constants,
-        attrs={(i,): [["tt.divisibility", 16]] for i in range(5)})
+        attrs={(i,): [["tt.divisibility", 16]] for i in range(7)})
     return triton.compile(source, target=GPUTarget("cuda", 90, 32),
                           options={"num_warps": warps, "num_stages": 2})
 

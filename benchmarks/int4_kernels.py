@@ -69,11 +69,16 @@ DEQUANT_FROM_ROWS = 64  # rows from which dequantizing for cuBLAS is timed: prom
 
 
 def gemv_product(shuffled, x2, launch=None):
-    """The GEMV as the engine calls it (one custom op, its fp32 output: the cast to bf16 is
-    fused into the next op in a compiled step), or with another launch."""
+    """The GEMV as the engine calls it (the layer's op, its workspace kept across calls), or
+    with another launch."""
     if launch is None:
-        return mslk_gemv.gemv_op(x2, *shuffled)
+        space = _spaces.setdefault(shuffled[0].shape[0], mslk_gemv.workspace(
+            mslk_gemv.MOST_ROWS, shuffled[0].shape[0], shuffled[0].device))
+        return mslk_int4.product(x2, *shuffled, mslk_gemv.MOST_ROWS, *space)
     return mslk_gemv.gemv(x2, *shuffled, launch=launch)
+
+
+_spaces: dict = {}  # a GEMV workspace per output width, as each layer keeps its own
 
 
 def gemv_search(sets: list, k: int, reference: torch.Tensor) -> dict:

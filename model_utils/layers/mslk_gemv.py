@@ -20,11 +20,13 @@ The numbers (mslk_int4): nibble q ^ 8 (q - 8 as 4-bit two's complement), scales 
 f = 1 + q / 16: a nibble becomes f by OR-ing it into the mantissa of 1.0 (a conversion
 instruction runs at a quarter of the FMA rate), each weight costs a shift, a mask and one FMA a
 row, and the scale and zero point are applied once per output and chunk of a group. Each program
-computes BLOCK_N outputs over its share of the chunks, BLOCK_K inputs a step (SPLIT_K shares,
-summed by atomic adds into the output when more than one). The output is fp32: added up in
+computes BLOCK_N outputs over its share of the chunks, BLOCK_K inputs a step (SPLIT_K shares).
+More than one share are summed by atomic adds into an fp32 workspace, and the program that adds
+the last share of its outputs (a count per block of outputs says which) writes them into the
+output in x's dtype and leaves the workspace and count zeroed for the next call: added up in
 bf16, as gemlite's GEMV does, the hundreds of shares of the down projection's inputs at one
 chunk a program missed the load's check (each add rounds to the running sum's 8 bits;
-BENCHMARKS.md); the caller's cast to bf16 is fused by torch.compile into the op that reads it.
+BENCHMARKS.md), and an fp32 output cost a zeroing kernel before each product and a cast after.
 One row takes the FMA kernel (_kernel); two rows and more the tensor-core one (_rows_kernel),
 which makes the same f and multiplies it by tl.dot, so that another row costs no more work per
 weight, or, where the launch says so, the FMA kernel with every row's sums in registers (each
@@ -74,12 +76,13 @@ def pack(q: torch.Tensor) -> torch.Tensor:
 
 
 
-_as_float = None  # the kernels' jitted helper: Triton finds a kernel's callees among its globals
+# the kernels' jitted helpers: Triton finds a kernel's callees among its globals
+_as_float = _last_share = _collect = None
 
 
 def _define_helpers() -> None:
     """Triton is imported here, not with the module: the app imports this module off a GPU."""
-    global _as_float
+    global _as_float, _last_share, _collect
     if _as_float is not None:
         return
     import triton
@@ -95,7 +98,27 @@ def _define_helpers() -> None:
             bits = (word >> (4 * P - 19)) & 0x780000
         return (bits | one_bits).to(tl.float32, bitcast=True)
 
-    _as_float = as_float
+    @triton.jit
+    def last_share(count_at, SPLIT_K: tl.constexpr):
+        """After a program added its share of its outputs into the fp32 workspace: whether it
+        was the last of the SPLIT_K to (the count of shares in, reset by the last)."""
+        tl.debug_barrier()  # every thread's adds issued before the count is raised
+        done = tl.atomic_add(count_at, 1, sem="acq_rel")
+        if done == SPLIT_K - 1:
+            tl.atomic_xchg(count_at, 0)
+        return done == SPLIT_K - 1
+
+    @triton.jit
+    def collect(space_at, out_at, ok):
+        """The last share's program: the summed outputs out of the workspace (left zeroed
+        for the next call) into the output, in its dtype."""
+        # read where the adds were made (L2), past this program's own cache
+        total = tl.atomic_add(space_at, tl.zeros(space_at.shape, tl.float32), mask=ok,
+                              sem="relaxed")
+        tl.store(out_at, total.to(out_at.dtype.element_ty), mask=ok)
+        tl.store(space_at, tl.zeros(space_at.shape, tl.float32), mask=ok)
+
+    _as_float, _last_share, _collect = as_float, last_share, collect
 
 
 @functools.cache
@@ -106,7 +129,8 @@ def _kernel():
     _define_helpers()
 
     @triton.jit
-    def gemv(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, M, N, K, stride_xm, one_bits, GROUP: tl.constexpr,
+    def gemv(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, space_ptr, count_ptr, M, N, K, stride_xm,
+             one_bits, GROUP: tl.constexpr,
              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
              SPLIT_K: tl.constexpr, CHUNK: tl.constexpr):
         R8: tl.constexpr = BLOCK_N // 2  # (atom, t1) pairs: each word row serves two outputs
@@ -175,14 +199,17 @@ def _kernel():
                    + xs * (z0 - 24.0 * s0)[None, :])
             y1 += (tl.sum(tl.sum(a1, axis=3), axis=1) * (16.0 * s1)[None, :]
                    + xs * (z1 - 24.0 * s1)[None, :])
-        where = y_ptr + m[:, None] * N + row0[None, :]
+        at = m[:, None] * N + row0[None, :]
         store_ok = (m < M)[:, None] & ok[None, :]
         if SPLIT_K == 1:
-            tl.store(where, y0.to(y_ptr.dtype.element_ty), mask=store_ok)
-            tl.store(where + 8, y1.to(y_ptr.dtype.element_ty), mask=store_ok)
-        else:  # into the fp32 output, zeroed by the caller
-            tl.atomic_add(where, y0, mask=store_ok, sem="relaxed")
-            tl.atomic_add(where + 8, y1, mask=store_ok, sem="relaxed")
+            tl.store(y_ptr + at, y0.to(y_ptr.dtype.element_ty), mask=store_ok)
+            tl.store(y_ptr + at + 8, y1.to(y_ptr.dtype.element_ty), mask=store_ok)
+        else:  # the shares summed in fp32 (module doc), the last one's program writes them
+            tl.atomic_add(space_ptr + at, y0, mask=store_ok, sem="relaxed")
+            tl.atomic_add(space_ptr + at + 8, y1, mask=store_ok, sem="relaxed")
+            if _last_share(count_ptr + tl.program_id(0), SPLIT_K):
+                _collect(space_ptr + at, y_ptr + at, store_ok)
+                _collect(space_ptr + at + 8, y_ptr + at + 8, store_ok)
 
     return gemv
 
@@ -199,8 +226,8 @@ def _rows_kernel():
     _define_helpers()
 
     @triton.jit
-    def rows(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, M, N, K, stride_xm, one_bits,
-             GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    def rows(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, space_ptr, count_ptr, M, N, K, stride_xm,
+             one_bits, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
              BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, CHUNK: tl.constexpr):
         R8: tl.constexpr = BLOCK_N // 2
         KB: tl.constexpr = BLOCK_K // 16
@@ -246,12 +273,14 @@ def _rows_kernel():
             z = tl.load(z_ptr + group * N + row, mask=row_ok, other=0.0).to(tl.float32)
             y += (acc * (16.0 * s)[None, :]
                   + tl.sum(x_sum, axis=1)[:, None] * (z - 24.0 * s)[None, :])
-        where = y_ptr + m[:, None] * N + row[None, :]
+        at = m[:, None] * N + row[None, :]
         store_ok = m_ok & row_ok[None, :]
         if SPLIT_K == 1:
-            tl.store(where, y.to(y_ptr.dtype.element_ty), mask=store_ok)
+            tl.store(y_ptr + at, y.to(y_ptr.dtype.element_ty), mask=store_ok)
         else:
-            tl.atomic_add(where, y, mask=store_ok, sem="relaxed")
+            tl.atomic_add(space_ptr + at, y, mask=store_ok, sem="relaxed")
+            if _last_share(count_ptr + tl.program_id(0), SPLIT_K):
+                _collect(space_ptr + at, y_ptr + at, store_ok)
 
     return rows
 
@@ -309,15 +338,26 @@ def most_rows(n: int, k: int, device: torch.device) -> int:
     return int(found.get("gemv_rows", 1))
 
 
+def workspace(rows: int, n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """What a product of up to `rows` rows by an [n, K] weight sums its shares in: (fp32
+    [rows, n], a count per block of outputs), zeroed, and zeroed again by every product that
+    used it. One per layer: two products running at once must not share one."""
+    return (torch.zeros(rows, n, dtype=torch.float32, device=device),
+            torch.zeros(max(n // 16, 1), dtype=torch.int32, device=device))
+
+
 def gemv(x2: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, *,
-         launch: tuple[int, ...] | None = None) -> torch.Tensor:
+         launch: tuple[int, ...] | None = None,
+         space: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """x2 [M, K] (M <= MOST_ROWS) @ the weight [N, K/2] MSLK's copy holds in LAYOUT (module
-    doc).T: [M, N] in fp32 (module doc). `launch`: (BLOCK_N, BLOCK_K, SPLIT_K, num_warps,
-    num_stages[, CHUNK[, FMA]]) instead of config()'s."""
+    doc).T: [M, N] in x2's dtype. `launch`: (BLOCK_N, BLOCK_K, SPLIT_K, num_warps,
+    num_stages[, CHUNK[, FMA]]) instead of config()'s; `space`: the layer's workspace() (a
+    new one when left out)."""
     rows, k = x2.shape
     n, groups = weight.shape[0], scales.shape[0]
     if (rows > MOST_ROWS or weight.shape[1] * 2 != k or scales.shape != (groups, n)
-            or zeros.shape != (groups, n) or k % groups):
+            or zeros.shape != (groups, n) or k % groups
+            or (space is not None and space[0].shape[0] < rows)):
         raise ValueError(f"MSLK GEMV: x {tuple(x2.shape)}, weight {tuple(weight.shape)}, "
                          f"scales {tuple(scales.shape)}, zeros {tuple(zeros.shape)} do not fit")
     group = k // groups
@@ -331,25 +371,13 @@ def gemv(x2: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, zeros: to
                          f"atoms")
     split_k = split_k or k // chunk
     x2 = x2.contiguous()
-    y = (torch.empty if split_k == 1 else torch.zeros)(rows, n, dtype=torch.float32,
-                                                       device=x2.device)
+    y = torch.empty(rows, n, dtype=x2.dtype, device=x2.device)
+    sums, counts = space or workspace(rows, n, x2.device)
     # the FMA kernel holds its rows' sums in registers (a power of two of them); tl.dot takes 16
     kernel, block_m = ((_kernel(), 1 << (rows - 1).bit_length()) if by_fma
                        else (_rows_kernel(), 16))
     kernel[(-(-n // block_n), split_k)](
-        x2, weight.view(torch.int32), scales, zeros, y, rows, n, k, x2.stride(0), ONE_BITS,
-        GROUP=group, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k,
-        CHUNK=chunk, num_warps=warps, num_stages=stages)
+        x2, weight.view(torch.int32), scales, zeros, y, sums, counts, rows, n, k, x2.stride(0),
+        ONE_BITS, GROUP=group, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        SPLIT_K=split_k, CHUNK=chunk, num_warps=warps, num_stages=stages)
     return y
-
-
-@torch.library.custom_op("qwen_chat::mslk_gemv", mutates_args=())
-def gemv_op(x2: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
-            zeros: torch.Tensor) -> torch.Tensor:
-    """gemv as one op that torch.compile and CUDA graphs take whole (fp32: cast by the caller)."""
-    return gemv(x2, weight, scales, zeros)
-
-
-@gemv_op.register_fake
-def _(x2, weight, scales, zeros):
-    return x2.new_empty(x2.shape[0], weight.shape[0], dtype=torch.float32)

@@ -81,13 +81,40 @@ def signed_nibbles(q: torch.Tensor) -> torch.Tensor:
     return (nibbles[:, ::2] | (nibbles[:, 1::2] << 4)).contiguous().view(torch.int8)
 
 
+@torch.library.custom_op("qwen_chat::mslk_int4_product", mutates_args=())
 def product(x2: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-            gemv_rows: int = 0) -> torch.Tensor:
+            gemv_rows: int = 0, sums: torch.Tensor | None = None,
+            counts: torch.Tensor | None = None) -> torch.Tensor:
     """x2 [M, K] bf16 @ the dequantized weight.T: [M, N] bf16; up to `gemv_rows` rows (of
-    gemv_rows(), for the weight's shape and device) through mslk_gemv."""
+    gemv_rows(), for the weight's shape and device) through mslk_gemv, in the layer's workspace
+    (`sums`, `counts`: left as they were found). One op, the choice made inside: traced, a
+    choice by the row count is a guard on it, and a step compiled for any row count from two
+    was compiled again for each range of rows the GEMV's crossovers cut."""
     if x2.shape[0] <= gemv_rows:
-        return mslk_gemv.gemv_op(x2, weight, scales, zeros).to(x2.dtype)
+        space = None if sums is None or counts is None else (sums, counts)
+        return mslk_gemv.gemv(x2, weight, scales, zeros, space=space)
     return torch.ops.mslk.bf16i4bf16_shuffled(x2, weight, scales, zeros)
+
+
+@product.register_fake
+def _(x2, weight, scales, zeros, gemv_rows=0, sums=None, counts=None):
+    return x2.new_empty(x2.shape[0], weight.shape[0])
+
+
+def keep_gemv(layer, packed: torch.Tensor) -> None:
+    """The rows the layer's GEMV serves (layer.mslk_gemv_rows) and, if any, its workspace."""
+    layer.mslk_gemv_rows = gemv_rows(packed)
+    if layer.mslk_gemv_rows:
+        sums, counts = mslk_gemv.workspace(layer.mslk_gemv_rows, packed.shape[0], packed.device)
+        layer.register_buffer("mslk_gemv_sums", sums, persistent=False)
+        layer.register_buffer("mslk_gemv_counts", counts, persistent=False)
+
+
+def layer_product(layer, x2: torch.Tensor) -> torch.Tensor:
+    """product() with the layer's copy, its GEMV's rows and workspace (keep_gemv)."""
+    return product(x2, layer.packed, layer.mslk_scales, layer.mslk_zeros, layer.mslk_gemv_rows,
+                   getattr(layer, "mslk_gemv_sums", None),
+                   getattr(layer, "mslk_gemv_counts", None))
 
 
 def gemv_rows(weight: torch.Tensor) -> int:
@@ -160,7 +187,6 @@ def check(layer, weight_rows) -> None:
         for rows in CHECKED_ROWS:
             x2 = torch.randn(rows, layer.in_features, dtype=torch.bfloat16, device=device,
                              generator=torch.Generator(device=device).manual_seed(rows))
-            got = product(x2, layer.packed, layer.mslk_scales, layer.mslk_zeros,
-                          layer.mslk_gemv_rows)
+            got = layer_product(layer, x2)
             if (failure := off_product(got[:, outputs].float(), x2.float() @ weight.T)):
                 raise failure

@@ -79,7 +79,7 @@ class Int4WeightOnlyLinear(nn.Module):
             self.register_buffer("packed", packed)
             self.register_buffer("mslk_scales", scales)
             self.register_buffer("mslk_zeros", zeros)
-            self.mslk_gemv_rows = mslk_int4.gemv_rows(packed)  # rows its GEMV serves
+            mslk_int4.keep_gemv(self, packed)  # the rows its GEMV serves, its workspace
         elif kernel == "gemlite":
             self.register_buffer("packed", gemlite_weights.pack_int4(self, q, scales, zeros,
                                                                      group))
@@ -103,8 +103,7 @@ class Int4WeightOnlyLinear(nn.Module):
             return F.linear(x, self.dequantized(x.dtype), self.bias)
         x2 = x.reshape(-1, self.in_features).contiguous()
         if self.kernel == "mslk":
-            y = mslk_int4.product(x2, self.packed, self.mslk_scales, self.mslk_zeros,
-                                  self.mslk_gemv_rows)
+            y = mslk_int4.layer_product(self, x2)
         elif self.kernel == "gemlite" and x2.shape[0] >= self.dequant_from_rows:
             y = x2 @ gemlite_weights.dequantized_int4(self, x2.dtype)
         elif self.kernel == "gemlite":

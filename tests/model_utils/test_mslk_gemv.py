@@ -55,9 +55,9 @@ def test_the_app_packs_the_layout_itself_as_the_table_places_it():
 #  x dtype)
 CASES = [
     (48, 256, 64, 1, (32, 64, 1, 4, 2), torch.float32),  # a part block of outputs
-    # K split in three shares (their atomic adds in fp16 and fp32: the interpreter has no bf16
-    # atomics; the GPU tests split in bf16)
+    # K split in three shares, summed in the fp32 workspace, written in x's dtype
     (64, 384, 128, 1, (64, 128, 3, 4, 2), torch.float16),
+    (64, 384, 128, 2, (64, 128, 3, 4, 2, 128, 1), torch.bfloat16),
     (32, 256, 128, 3, (32, 32, 1, 4, 2), torch.float32),  # four steps a group
     (64, 512, 64, 8, (32, 64, 2, 4, 2), torch.float32),
     (64, 256, 64, 1, (64, 64, 1, 4, 2), torch.bfloat16),
@@ -81,10 +81,14 @@ def check_cases() -> None:
         expected = x2.float() @ dequantize_int4(q, scales, zeros, torch.float32).T
         copy = mslk_layout.shuffle(signed_nibbles(q), mslk_gemv.LAYOUT)
         numbers = (scales.t().contiguous(), zeros.t().contiguous())
-        y = mslk_gemv.gemv(x2, copy, *numbers, launch=launch)
-        assert y.dtype == torch.float32 and y.shape == (rows, n)  # cast by the caller
+        space = mslk_gemv.workspace(rows, n, x2.device)
+        y = mslk_gemv.gemv(x2, copy, *numbers, launch=launch, space=space)
+        assert y.dtype == dtype and y.shape == (rows, n)
         error = ((y.float() - expected).norm() / expected.norm()).item()
         assert error < {torch.float32: 1e-5}.get(dtype, 1e-2), (n, k, rows, dtype, error)
+        # the workspace is left as found, and serves the next product
+        assert not space[0].any() and not space[1].any(), (n, k, rows, launch)
+        assert torch.equal(mslk_gemv.gemv(x2, copy, *numbers, launch=launch, space=space), y)
         # the same weights in another order are another product: the order is what it reads
         other = mslk_layout.shuffle(signed_nibbles(q), random_layout(16, 16, True, seed=k))
         wrong = mslk_gemv.gemv(x2, other, *numbers, launch=launch)
