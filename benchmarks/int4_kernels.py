@@ -69,16 +69,17 @@ DEQUANT_FROM_ROWS = 64  # rows from which dequantizing for cuBLAS is timed: prom
 
 
 def gemv_product(shuffled, x2, launch=None):
-    """The GEMV as the engine calls it (the layer's op, its workspace kept across calls), or
-    with another launch."""
+    """The GEMV as the engine calls it (the layer's op), or with another launch; either way
+    with a workspace kept across calls, as each layer keeps its own."""
+    n = shuffled[0].shape[0]
+    if n not in _spaces:
+        _spaces[n] = mslk_gemv.workspace(mslk_gemv.MOST_ROWS, n, shuffled[0].device)
     if launch is None:
-        space = _spaces.setdefault(shuffled[0].shape[0], mslk_gemv.workspace(
-            mslk_gemv.MOST_ROWS, shuffled[0].shape[0], shuffled[0].device))
-        return mslk_int4.product(x2, *shuffled, mslk_gemv.MOST_ROWS, *space)
-    return mslk_gemv.gemv(x2, *shuffled, launch=launch)
+        return mslk_int4.product(x2, *shuffled, mslk_gemv.MOST_ROWS, *_spaces[n])
+    return mslk_gemv.gemv(x2, *shuffled, launch=launch, space=_spaces[n])
 
 
-_spaces: dict = {}  # a GEMV workspace per output width, as each layer keeps its own
+_spaces: dict = {}  # a GEMV workspace per output width
 
 
 def gemv_search(sets: list, k: int, reference: torch.Tensor) -> dict:
