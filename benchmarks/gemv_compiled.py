@@ -40,8 +40,9 @@ def compile_for_hopper(rows: int, block_n: int, block_k: int, split_k: int, warp
                  "y_ptr": "*bf16", "space_ptr": "*fp32", "count_ptr": "*i32", "M": "i32",
                  "N": "i32", "K": "i32", "stride_xm": "i32", "one_bits": "i32"}
     # as mslk_gemv.gemv launches: one row on the FMA kernel, more on the tensor-core one
-    kernel, block_m = ((mslk_gemv._kernel(), 1 << (rows - 1).bit_length()) if rows == 1 or fma
-                       else (mslk_gemv._rows_kernel(), 16))
+    pow2 = 1 << (rows - 1).bit_length()
+    kernel, block_m = ((mslk_gemv._kernel(), pow2) if rows == 1 or fma
+                       else (mslk_gemv._rows_kernel(), max(16, pow2)))
     constants = {"GROUP": 128, "BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k,
                  "SPLIT_K": split_k or 3584 // chunk, "CHUNK": chunk}  # 0: the 7B's 3584 inputs
     source = ASTSource(fn=kernel, signature={**signature, **dict.fromkeys(

@@ -4,8 +4,8 @@ with the configs it holds) and MSLK's CUTLASS mixed-input GEMMs (pip `mslk-cuda`
 compiling at install), `bf16i4bf16_shuffled` (weights pre-shuffled once at load) and
 `bf16i4bf16_rowwise` (plain packing), from 64 rows gemlite's copy dequantized to bf16 then cuBLAS
 (`dequant_cublas`, prompts' alternative), and the app's Triton GEMV over MSLK's shuffled copy for
-up to 8 rows (mslk_gemv, through the layout read off MSLK's preshuffle; `--gemv-search` times its
-launches per shape at 1, 2, 4 and 8 rows first and writes the fastest into
+up to 32 rows (mslk_gemv, through the layout read off MSLK's preshuffle; `--gemv-search` times its
+launches per shape at 1, 2, 4, 8, 16 and 32 rows first and writes the fastest into
 model_utils/layers/mslk_gemv_configs.json, which the timings then use, and after the timings up to
 how many rows it beat MSLK's GEMM, which int4 layers on MSLK's kernel then use). All read the app's
 numbers unchanged: MSLK's bf16 form is w = q_signed * scale + zero with q_signed = q - 8, the app's
@@ -83,18 +83,18 @@ _spaces: dict = {}  # a GEMV workspace per output width
 
 
 def gemv_search(sets: list, k: int, reference: torch.Tensor) -> dict:
-    """{rows: [(launch, µs)]} for every launch of mslk_gemv.SEARCHED at 1, 2, 4 and
-    mslk_gemv.MOST_ROWS rows (the copies in `sets` cycled as in the timings); a launch whose product
-    the load's check would refuse (against `reference`, the first copy's weight) is kept with
-    why instead of its time, so that it is never chosen."""
+    """{rows: [(launch, µs)]} for every launch of mslk_gemv.SEARCHED at 1, 2, 4, 8, 16 and 32
+    rows (up to mslk_gemv.MOST_ROWS; the copies in `sets` cycled as in the timings); a launch
+    whose product the load's check would refuse (against `reference`, the first copy's weight)
+    is kept with why instead of its time, so that it is never chosen."""
     timed = {}  # a count between those takes the next one's launch (config)
-    for rows in sorted({1, 2, 4, mslk_gemv.MOST_ROWS}):
+    for rows in (1, 2, 4, 8, 16, 32):
         x2 = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
         expected = x2.float() @ reference.T
         timed[rows] = []
         for launch in mslk_gemv.SEARCHED:
-            if rows == 1 and launch[6:] == (1,):  # one row takes the FMA kernel anyway
-                continue
+            if launch[6:] == (1,) and (rows == 1 or rows > mslk_gemv.FMA_ROWS):
+                continue  # one row takes the FMA kernel anyway; more than its rows, never
             try:
                 wrong = off_product(sets[0]["mslk_gemv"](x2, launch=launch).float(), expected)
                 us = (f"WrongProduct: {wrong}" if wrong else

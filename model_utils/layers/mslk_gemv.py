@@ -30,7 +30,7 @@ BENCHMARKS.md), and an fp32 output cost a zeroing kernel before each product and
 One row takes the FMA kernel (_kernel); two rows and more the tensor-core one (_rows_kernel),
 which makes the same f and multiplies it by tl.dot, so that another row costs no more work per
 weight, or, where the launch says so, the FMA kernel with every row's sums in registers (each
-weight unpacked once, then an FMA a row: for 2-4 rows, where MSLK's tiles are the least
+weight unpacked once, then an FMA a row: for up to FMA_ROWS, where MSLK's tiles are the least
 filled; the search decides).
 """
 
@@ -44,7 +44,8 @@ import torch
 
 from .mslk_layout import Layout
 
-MOST_ROWS = 8  # MSLK's GEMM, made for many rows, serves more
+MOST_ROWS = 32  # MSLK's GEMM, made for many rows, serves more (a search decides up to where)
+FMA_ROWS = 8  # the FMA kernel holds every row's sums in registers: a few rows at most
 
 
 def _hopper_atom() -> Layout:
@@ -363,7 +364,7 @@ def gemv(x2: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, zeros: to
     group = k // groups
     block_n, block_k, split_k, warps, stages, *more = launch or config(n, k, rows, x2.device)
     chunk = min(more[0] if more else group, group)
-    by_fma = rows == 1 or more[1:] == [1]
+    by_fma = rows == 1 or (more[1:] == [1] and rows <= FMA_ROWS)
     block_k = min(block_k, chunk)
     if group % chunk or chunk % block_k or n % 16 or block_k % 16 or block_n % 16:
         raise ValueError(f"MSLK GEMV: a {n}x{k} weight in groups of {group} does not tile by "
@@ -373,9 +374,10 @@ def gemv(x2: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, zeros: to
     x2 = x2.contiguous()
     y = torch.empty(rows, n, dtype=x2.dtype, device=x2.device)
     sums, counts = space or workspace(rows, n, x2.device)
-    # the FMA kernel holds its rows' sums in registers (a power of two of them); tl.dot takes 16
+    # the FMA kernel holds its rows' sums in registers (a power of two of them); tl.dot takes
+    # 16 rows and more
     kernel, block_m = ((_kernel(), 1 << (rows - 1).bit_length()) if by_fma
-                       else (_rows_kernel(), 16))
+                       else (_rows_kernel(), max(16, 1 << (rows - 1).bit_length())))
     kernel[(-(-n // block_n), split_k)](
         x2, weight.view(torch.int32), scales, zeros, y, sums, counts, rows, n, k, x2.stride(0),
         ONE_BITS, GROUP=group, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,

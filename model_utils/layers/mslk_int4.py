@@ -168,10 +168,11 @@ def dequantized(weight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
     return out
 
 
-# Row counts a shape's first layer is checked at, at load: rows the GEMV may serve (1, 2, 4, its
-# most: each a searched launch), then one in each band of rows that MSLK gives its own tile (its choice goes by the row
-# count and the output width: up to 16, 32, 64, 128, 256, 512, 1024 rows, and beyond).
-CHECKED_ROWS = (1, 2, 4, mslk_gemv.MOST_ROWS, 32, 64, 128, 256, 512, 1024, 2048)
+# Row counts a shape's first layer is checked at, at load: rows the GEMV may serve (1, 2, 4, 8,
+# 16, 32: each a searched launch), then one in each band of rows that MSLK gives its own tile
+# (its choice goes by the row count and the output width: up to 16, 32, 64, 128, 256, 512, 1024
+# rows, and beyond).
+CHECKED_ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
 
 
 def check(layer, weight_rows) -> None:

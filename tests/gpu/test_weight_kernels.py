@@ -239,24 +239,30 @@ def test_mslk_reads_back_the_int4_weights_it_holds():
 @pytest.mark.parametrize("in_features", [3584, 18944])  # the 7B's attention output, its down
 def test_mslk_s_layout_is_the_gemv_s_and_the_gemv_agrees_with_mslk_s_own_product(in_features):
     """The layout read off MSLK's preshuffle here is the one mslk_gemv reads, and the GEMV over
-    MSLK's copy gives MSLK's product at 1-8 rows, with the configured launch and with K split
+    MSLK's copy gives MSLK's product at 1-32 rows, with the configured launch and with K split
     in several shares, down to one program a chunk of half a group (296 shares of the down
-    projection's inputs, added up in fp32), and with a few rows through the FMA kernel."""
+    projection's inputs, summed in the fp32 workspace, the last share's program writing them),
+    and with a few rows through the FMA kernel; one workspace serves every product, left zeroed
+    by each. The layer's own product (the GEMV or MSLK's GEMM, chosen inside one op) too."""
     if reason := mslk_int4.unavailable_reason(torch.device("cuda"), torch.bfloat16):
         pytest.skip(reason)
     module = Int4WeightOnlyLinear(linear_layer(in_features), 128, kernel="mslk")
     assert mslk_int4.gemv_reads_layout(module.packed.device), (
         "MSLK's int4 layout is not the GEMV's (the log says why)")
     weights = (module.packed, module.mslk_scales, module.mslk_zeros)
+    space = mslk_gemv.workspace(mslk_gemv.MOST_ROWS, module.out_features, module.packed.device)
     for launch in (None, (64, 128, 4, 4, 2), (32, 32, 1, 4, 2), (128, 64, 8, 8, 2),
                    (512, 32, 0, 4, 1, 64), (64, 32, 0, 4, 1, 64, 1)):
-        for rows in (1, 2, 3, 8):
+        for rows in (1, 2, 3, 8, 20, 32):
             x = torch.randn(rows, in_features, dtype=torch.bfloat16, device="cuda")
             with torch.inference_mode():
-                ours = mslk_gemv.gemv(x, *weights, launch=launch).float()
+                ours = mslk_gemv.gemv(x, *weights, launch=launch, space=space).float()
                 theirs = torch.ops.mslk.bf16i4bf16_shuffled(x, *weights).float()
+                layers = mslk_int4.layer_product(module, x).float()
             error = ((ours - theirs).norm() / theirs.norm()).item()
             assert error < 1e-2, (launch, rows, error)
+            assert ((layers - theirs).norm() / theirs.norm()).item() < 1e-2, (rows, error)
+            assert not space[0].any() and not space[1].any(), (launch, rows)
 
 
 def test_mslk_s_preshuffle_is_read_as_one_permuted_atom():

@@ -69,6 +69,9 @@ CASES = [
     # a few rows through the FMA kernel (its rows' sums in registers: 3 of 4, 8 of 8)
     (48, 256, 128, 3, (32, 32, 0, 4, 1, 64, 1), torch.float32),
     (64, 384, 128, 8, (64, 64, 2, 4, 2, 128, 1), torch.float16),
+    # more rows than tl.dot's 16 (32 a block) on the tensor-core kernel, an FMA launch too
+    (64, 256, 64, 20, (32, 32, 2, 4, 2), torch.float16),
+    (48, 256, 128, 32, (32, 32, 0, 4, 1, 64, 1), torch.float16),
 ]
 
 
@@ -108,7 +111,10 @@ def test_shapes_that_do_not_fit_are_refused_plainly():
     with pytest.raises(ValueError, match="do not fit"):
         mslk_gemv.gemv(torch.zeros(2, 256), weight, scales, scales)
     with pytest.raises(ValueError, match="do not fit"):
-        mslk_gemv.gemv(torch.zeros(9, 128), weight, scales, scales)
+        mslk_gemv.gemv(torch.zeros(mslk_gemv.MOST_ROWS + 1, 128), weight, scales, scales)
+    with pytest.raises(ValueError, match="do not fit"):  # a workspace for fewer rows
+        mslk_gemv.gemv(torch.zeros(3, 128), weight, scales, scales,
+                       space=mslk_gemv.workspace(2, 32, torch.device("cpu")))
     with pytest.raises(ValueError, match="does not tile"):
         mslk_gemv.gemv(torch.zeros(1, 128), torch.zeros(24, 64, dtype=torch.int8),
                        torch.zeros(1, 24), torch.zeros(1, 24), launch=(32, 64, 1, 4, 2))
