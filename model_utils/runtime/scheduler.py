@@ -176,7 +176,8 @@ class Scheduler:
                                                 fit_together=self.runner.fit_padded_together):
                 self._prefill_isolated(chunk, padded)
         except BaseException as error:  # out of the queue, in no row: no stream may hang
-            self._fail_unplaced(group, error)
+            for request in self._unplaced(group):  # the loop logs the failure, once
+                self._finish(request, "error", error)
             raise
 
     def _fits_padded(self, request: Request) -> bool:
@@ -256,8 +257,7 @@ class Scheduler:
         Step n + 1 is launched before step n's tokens are read. When the rows must change,
         the step in flight is read too (a row that finished one step earlier wastes it) and
         the finished rows leave. A step that needs more blocks than are free is not launched
-        ahead: with no step in flight, rows are preempted until it has them.
-        """
+        ahead: with no step in flight, rows are preempted until it has them."""
         self._grow_or_preempt()
         launched = self._launch()
         while True:

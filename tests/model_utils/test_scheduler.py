@@ -315,9 +315,11 @@ def drained(stream, timeout_s: float = 10.0) -> dict:
     return result
 
 
-def test_a_failure_between_admission_and_prefill_ends_those_replies_and_the_next_goes_on():
+def test_a_failure_between_admission_and_prefill_ends_those_replies_and_the_next_goes_on(
+        caplog):
     """A bug escaping admission after requests left the queue, before any had a row, left
-    their streams open for ever: the loop's own failure handling knows only rows and queue."""
+    their streams open for ever: the loop's own failure handling knows only rows and queue.
+    The failure is logged once, by the loop (it was logged as a failed prefill first)."""
     runner = ListRunner(padded=True)
     real = runner.fit_padded_together
 
@@ -331,6 +333,8 @@ def test_a_failure_between_admission_and_prefill_ends_those_replies_and_the_next
     for stream, stats in streams:
         assert isinstance(drained(stream).get("error"), RuntimeError)
         assert stats.finish_reason == "error"
+    logged = [r for r in caplog.records if r.exc_info and "grouping failed" in str(r.exc_info[1])]
+    assert [r.getMessage() for r in logged] == ["batch loop failed"]
     runner.fit_padded_together = real
     later = h.submit(3, 5)
     h.run()
