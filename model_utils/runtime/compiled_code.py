@@ -24,7 +24,12 @@ forget_compiled_code breaks both (_release_shape_envs;
 benchmarks/cpu-2026-12-06/compile_forget_growth.py with "dyn" shows the growth and its end).
 Inductor's registry of the code modules it loaded (PyCodeCache.modules) appends one for every
 graph compiled or read back from its cache, and drops none: with a module's kernels (a GPU
-one's loaded on the device) it outlived every forget. forget_compiled_code empties it."""
+one's loaded on the device) it outlived every forget. forget_compiled_code empties it.
+And on torch 2.11 every compile's "diff guard" copy of its guard tree (dynamo builds one at
+each compile and recompile, read only under the skip_guard_eval_unsafe stance, which the app
+never takes) is a C++ object nothing frees: it kept guards of every forgotten compile, with
+their stacks and code strings, for the life of the process. Compiles here build none
+(_build_no_diff_guards)."""
 
 from __future__ import annotations
 
@@ -65,6 +70,7 @@ def reuse_or_make_room(kind: str) -> bool:
     is still held (the step will find it), False when it is compiled anew; past KEPT_KINDS
     kinds, everything compiled before is forgotten first."""
     global _forget_at_next_load
+    _build_no_diff_guards()
     with _lock:
         if _forget_at_next_load or (kind not in _kept and len(_kept) >= KEPT_KINDS):
             forget_compiled_code()
@@ -184,3 +190,21 @@ def _release_code_modules() -> None:
         if sys.modules.get(module.__name__) is module:
             del sys.modules[module.__name__]
     PyCodeCache.cache_clear()
+
+
+@functools.cache
+def _build_no_diff_guards() -> None:
+    """Dynamo's guard wrapper builds, at every compile and recompile, a copy of its guard tree
+    that holds only the guards that failed so far (its "diff guard root"), which only the
+    skip_guard_eval_unsafe stance runs. torch 2.11's copy is a C++ root that nothing frees,
+    holding the guards it shares with the tree it was copied from: every forgotten compile's
+    global-state and input guards stayed, each with the stack it was made at. Without the copy
+    the stance would find no guards to run (as for a wrapper torch deleted itself); the app
+    never takes it."""
+    from torch._dynamo.guards import GuardManagerWrapper
+
+    def no_diff_guard_root(wrapper) -> None:
+        wrapper.diff_guard_root = None
+
+    if hasattr(GuardManagerWrapper, "populate_diff_guard_manager"):
+        GuardManagerWrapper.populate_diff_guard_manager = no_diff_guard_root

@@ -8,6 +8,8 @@ as on a GPU, without a C++ compiler."""
 from __future__ import annotations
 
 import gc
+import traceback
+import types
 import weakref
 
 import pytest
@@ -151,6 +153,41 @@ def test_no_code_module_inductor_loaded_outlives_a_forget(fresh):
     gc.collect()
     assert PyCodeCache.modules == []
     assert all(module() is None for module in modules)
+
+
+def test_no_guard_of_a_forgotten_compile_outlives_the_forget(fresh):
+    """Dynamo's guards live in C++ and keep the stack each was made at: a stack summary that
+    only C++ holds after a forget belongs to a guard of forgotten code. On torch 2.11 the copy
+    of each compile's guard tree that dynamo made for the skip_guard_eval_unsafe stance was never
+    freed, and with it five such guards a compile of this model (its global state and input
+    guards): more with every load of a switching app."""
+
+    class Stack(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(4))
+
+        def forward(self, x):
+            for layer in self.layers:
+                x = layer(x)
+            return x
+
+    def held_by_cpp_alone() -> int:
+        gc.collect()
+        summaries = [o for o in gc.get_objects() if type(o) is traceback.StackSummary]
+        return sum(all(r is summaries or isinstance(r, types.FrameType)
+                       for r in gc.get_referrers(summary)) for summary in summaries)
+
+    after_forgets = []
+    for _ in range(3):
+        compiled_code.reuse_or_make_room("a test's kind")  # as each load does before compiling
+        model = Stack()
+        step = torch.compile(model.forward, backend="eager")
+        step(torch.ones(2, 8))
+        del step, model
+        compiled_code.forget_compiled_code()
+        after_forgets.append(held_by_cpp_alone())
+    assert after_forgets == after_forgets[:1] * 3, after_forgets
 
 
 def test_a_forget_empties_the_fake_tensor_dispatch_cache(fresh):
