@@ -160,6 +160,8 @@ def main() -> int:
     parser.add_argument("--config", default=str(ROOT / "benchmarks/configs/"
                                                 "qwen2.5-7b-instruct.config.json"))
     parser.add_argument("--rows", default="1,2,4,8,16,32,64,128,1024")
+    parser.add_argument("--layers", default="",
+                        help="some of the shapes only, e.g. down or qkv,o (default: every one)")
     parser.add_argument("--group", type=int, default=128)
     parser.add_argument("--out", default="int4-kernels.json")
     parser.add_argument("--gemv-search", action="store_true",
@@ -177,6 +179,11 @@ def main() -> int:
     else:
         mslk_version, layout_found = f"not used: {mslk_problem}", None
     shapes = linear_shapes(json.loads(Path(args.config).read_text()))
+    if args.layers:
+        chosen = args.layers.split(",")
+        if unknown := set(chosen) - set(shapes):
+            raise SystemExit(f"--layers: no shape {sorted(unknown)}; the shapes: {list(shapes)}")
+        shapes = {name: shapes[name] for name in chosen}
     meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
             "mslk": mslk_version, "mslk_layout": layout_found, "config": Path(args.config).name,
             "group": args.group}
