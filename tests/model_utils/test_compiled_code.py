@@ -155,6 +155,28 @@ def test_no_code_module_inductor_loaded_outlives_a_forget(fresh):
     assert all(module() is None for module in modules)
 
 
+class LinearStack(torch.nn.Module):
+    """Four linear layers in a row: a small model to compile and forget."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(4))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def stack_summaries() -> tuple[int, int]:
+    """(live stack summaries, those only C++ holds: a guard's, dynamo's guards being C++)."""
+    gc.collect()
+    summaries = [o for o in gc.get_objects() if type(o) is traceback.StackSummary]
+    alone = sum(all(r is summaries or isinstance(r, types.FrameType)
+                    for r in gc.get_referrers(summary)) for summary in summaries)
+    return len(summaries), alone
+
+
 def test_no_guard_of_a_forgotten_compile_outlives_the_forget(fresh):
     """Dynamo's guards live in C++ and keep the stack each was made at: a stack summary that
     only C++ holds after a forget belongs to a guard of forgotten code. On torch 2.11 the copy
@@ -162,31 +184,15 @@ def test_no_guard_of_a_forgotten_compile_outlives_the_forget(fresh):
     freed, and with it five such guards a compile of this model (its global state and input
     guards): more with every load of a switching app."""
 
-    class Stack(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.layers = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(4))
-
-        def forward(self, x):
-            for layer in self.layers:
-                x = layer(x)
-            return x
-
-    def held_by_cpp_alone() -> int:
-        gc.collect()
-        summaries = [o for o in gc.get_objects() if type(o) is traceback.StackSummary]
-        return sum(all(r is summaries or isinstance(r, types.FrameType)
-                       for r in gc.get_referrers(summary)) for summary in summaries)
-
     after_forgets = []
     for _ in range(3):
         compiled_code.reuse_or_make_room("a test's kind")  # as each load does before compiling
-        model = Stack()
+        model = LinearStack()
         step = torch.compile(model.forward, backend="eager")
         step(torch.ones(2, 8))
         del step, model
         compiled_code.forget_compiled_code()
-        after_forgets.append(held_by_cpp_alone())
+        after_forgets.append(stack_summaries()[1])
     assert after_forgets == after_forgets[:1] * 3, after_forgets
 
 
