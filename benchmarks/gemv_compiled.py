@@ -24,32 +24,40 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from model_utils.layers import mslk_gemv  # noqa: E402
+import torch  # noqa: E402
+
+from model_utils.layers import mslk_gemv, mslk_rows  # noqa: E402
 
 LAUNCHES = [(1, 512, 32, 0, 4, 64), (1, 128, 64, 4, 4), (1, 64, 64, 1, 4), (2, 64, 64, 4, 4),
             (8, 32, 32, 4, 4)]
 
 
 def compile_for_hopper(rows: int, block_n: int, block_k: int, split_k: int, warps: int,
-                       chunk: int = 128, fma: int = 0):
+                       chunk: int = 128, fma: int = 0, swapped: bool = False, stages: int = 2):
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    signature = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*bf16", "z_ptr": "*bf16",
-                 "y_ptr": "*bf16", "space_ptr": "*fp32", "count_ptr": "*i32", "M": "i32",
-                 "N": "i32", "K": "i32", "stride_xm": "i32", "one_bits": "i32"}
-    # as mslk_gemv.gemv launches: one row on the FMA kernel, more on the tensor-core one
+    signature = {"x_ptr": "*bf16", "w_ptr": "*u8" if swapped else "*i32", "s_ptr": "*bf16",
+                 "z_ptr": "*bf16", "y_ptr": "*bf16", "space_ptr": "*fp32", "count_ptr": "*i32",
+                 "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32", "one_bits": "i32"}
+    # as mslk_gemv.gemv launches: one row on the FMA kernel, more on the tensor-core one;
+    # `swapped`: mslk_rows' kernel (the weights tl.dot's first operand)
     pow2 = 1 << (rows - 1).bit_length()
-    kernel, block_m = ((mslk_gemv._kernel(), pow2) if rows == 1 or fma
+    kernel, block_m = ((mslk_gemv._kernel(), pow2) if (rows == 1 or fma) and not swapped
                        else (mslk_gemv._rows_kernel(), max(16, pow2)))
     constants = {"GROUP": 128, "BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k,
                  "SPLIT_K": split_k or 3584 // chunk, "CHUNK": chunk}  # 0: the 7B's 3584 inputs
+    if swapped:
+        kernel = mslk_rows._kernel()
+        del signature["one_bits"]
+        magic, offset = mslk_rows.MAGIC[torch.bfloat16]
+        constants.update(MAGIC_BITS=magic, OFFSET=offset, ASM=True)
     source = ASTSource(fn=kernel, signature={**signature, **dict.fromkeys(
         constants, "constexpr")}, constexprs=constants,
         attrs={(i,): [["tt.divisibility", 16]] for i in range(7)})
     return triton.compile(source, target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": warps, "num_stages": 2})
+                          options={"num_warps": warps, "num_stages": stages})
 
 
 def innermost_loop(lines: list[str], opens: str, closes) -> list[str]:
@@ -64,16 +72,20 @@ def innermost_loop(lines: list[str], opens: str, closes) -> list[str]:
 
 
 def report(rows: int, block_n: int, block_k: int, split_k: int, warps: int,
-           chunk: int = 128, fma: int = 0) -> dict:
-    kernel = compile_for_hopper(rows, block_n, block_k, split_k, warps, chunk, fma)
+           chunk: int = 128, fma: int = 0, swapped: bool = False, stages: int = 2) -> dict:
+    kernel = compile_for_hopper(rows, block_n, block_k, split_k, warps, chunk, fma, swapped,
+                                stages)
     ttgir = kernel.asm["ttgir"].splitlines()
 
     def deeper_ends(head: str, line: str) -> bool:
         indent = len(head) - len(head.lstrip())
         return bool(line.strip()) and len(line) - len(line.lstrip()) <= indent
 
-    conversions = sum("ttg.convert_layout" in line
-                      for line in innermost_loop(ttgir, "scf.for", deeper_ends))
+    loop = innermost_loop(ttgir, "scf.for", deeper_ends)
+    conversions = sum("ttg.convert_layout" in line for line in loop)
+    # a conversion into a tensor-core operand moves the weights themselves between threads
+    to_operand = sum("ttg.convert_layout" in line and "-> tensor" in line
+                     and "#ttg.dot_op" in line.split("-> tensor")[1] for line in loop)
     bin_dir = Path(__import__("triton").__file__).parent / "backends" / "nvidia" / "bin"
     with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
         cubin.write(kernel.asm["cubin"])
@@ -91,7 +103,8 @@ def report(rows: int, block_n: int, block_k: int, split_k: int, warps: int,
              if (m := re.search(r"BRA `\((\.L_x_\d+)\)", line))
              and labels.get(m.group(1), i) < i]
     loops = [span for span in loops
-             if any("FFMA" in line or "HMMA" in line for line in sass[span[0]:span[1]])]
+             if any(op in line for op in ("FFMA", "HMMA", "HGMMA")
+                    for line in sass[span[0]:span[1]])]
     first, last = min(loops, key=lambda span: span[1] - span[0]) if loops else (0, len(sass))
     opcodes = collections.Counter(
         m.group(1).split(".")[0] for line in sass[first:last]
@@ -101,6 +114,9 @@ def report(rows: int, block_n: int, block_k: int, split_k: int, warps: int,
             "registers": int(re.search(r"REG:(\d+)", usage).group(1)),
             "spilled_bytes": int(re.search(r"LOCAL:(\d+)", usage).group(1)),
             "inner_loop_conversions": conversions,
+            "operand_conversions": to_operand,
+            "tensor_cores": "HGMMA" if any("HGMMA" in line for line in sass) else (
+                "HMMA" if any("HMMA" in line for line in sass) else "none"),
             "loop_instructions": sum(opcodes.values()),
             "per_weight": round(sum(opcodes.values()) / weights, 2),
             "mix": dict(opcodes.most_common(6))}
@@ -110,11 +126,15 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--launch", action="append",
                         help="rows,BLOCK_N,BLOCK_K,SPLIT_K,warps[,CHUNK[,FMA]] (repeatable)")
+    parser.add_argument("--swapped", action="store_true",
+                        help="mslk_rows' kernel (its launches rows,BLOCK_N,BLOCK_K,SPLIT_K,"
+                             "warps)")
     args = parser.parse_args()
     launches = ([tuple(int(v) for v in text.split(",")) for text in args.launch]
                 if args.launch else LAUNCHES)
     for launch in launches:
-        print(report(*launch), flush=True)
+        print(report(*launch, swapped=True, stages=3) if args.swapped else report(*launch),
+              flush=True)
     return 0
 
 

@@ -7,7 +7,9 @@ compiling at install), `bf16i4bf16_shuffled` (weights pre-shuffled once at load)
 up to 32 rows (mslk_gemv, through the layout read off MSLK's preshuffle; `--gemv-search` times its
 launches per shape at 1, 2, 4, 8, 16 and 32 rows first and writes the fastest into
 model_utils/layers/mslk_gemv_configs.json, which the timings then use, and after the timings up to
-how many rows it beat MSLK's GEMM, which int4 layers on MSLK's kernel then use). All read the app's
+how many rows it beat MSLK's GEMM, which int4 layers on MSLK's kernel then use), and mslk_rows'
+tensor-core kernel over the same copy from 2 rows (`--rows-search`: the same search and crossover
+for its launches, written under "rows_kernel" and "rows_kernel_rows"). All read the app's
 numbers unchanged: MSLK's bf16 form is w = q_signed * scale + zero with q_signed = q - 8, the app's
 own (int_quantization).
 
@@ -38,7 +40,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from gemlite_search import copies_for, linear_shapes, replay_us  # noqa: E402
 
-from model_utils.layers import gemlite_weights, mslk_gemv, mslk_int4  # noqa: E402
+from model_utils.layers import gemlite_weights, mslk_gemv, mslk_int4, mslk_rows  # noqa: E402
 from model_utils.layers.gemlite_checks import off_product  # noqa: E402
 from model_utils.layers.int_quantization import dequantize_int4, quantize_int4  # noqa: E402
 from model_utils.layers.weight_only import Int4WeightOnlyLinear  # noqa: E402
@@ -62,6 +64,7 @@ def kernels_for(linear: torch.nn.Linear, group: int, mslk: bool) -> dict:
         found["mslk_rowwise"] = lambda x2: torch.ops.mslk.bf16i4bf16_rowwise(x2, *plain)
         if mslk_int4.gemv_reads_layout(linear.weight.device):
             found["mslk_gemv"] = functools.partial(gemv_product, shuffled)
+            found["mslk_rows"] = functools.partial(rows_product, shuffled)
     return found
 
 
@@ -77,6 +80,14 @@ def gemv_product(shuffled, x2, launch=None):
     if launch is None:
         return mslk_int4.product(x2, *shuffled, mslk_gemv.MOST_ROWS, *_spaces[n])
     return mslk_gemv.gemv(x2, *shuffled, launch=launch, space=_spaces[n])
+
+
+def rows_product(shuffled, x2, launch=None):
+    """mslk_rows' tensor-core kernel over MSLK's copy, in a kept workspace as gemv_product."""
+    n = shuffled[0].shape[0]
+    if n not in _spaces:
+        _spaces[n] = mslk_gemv.workspace(mslk_gemv.MOST_ROWS, n, shuffled[0].device)
+    return mslk_rows.product(x2, *shuffled, launch=launch, space=_spaces[n])
 
 
 _spaces: dict = {}  # a GEMV workspace per output width
@@ -106,19 +117,46 @@ def gemv_search(sets: list, k: int, reference: torch.Tensor) -> dict:
     return timed
 
 
+def rows_search(sets: list, k: int, reference: torch.Tensor) -> dict:
+    """gemv_search for mslk_rows' launches (mslk_rows.SEARCHED) from 2 rows."""
+    timed = {}
+    for rows in (2, 4, 8, 16, 32):
+        x2 = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+        expected = x2.float() @ reference.T
+        timed[rows] = []
+        for launch in mslk_rows.SEARCHED:
+            try:
+                wrong = off_product(sets[0]["mslk_rows"](x2, launch=launch).float(), expected)
+                us = (f"WrongProduct: {wrong}" if wrong else
+                      round(replay_us([functools.partial(s["mslk_rows"], x2, launch=launch)
+                                       for s in sets]), 1))
+            except Exception as error:  # noqa: BLE001 - a launch Triton cannot build
+                us = f"{type(error).__name__}: {str(error)[:120]}"
+            timed[rows].append((list(launch), us))
+    return timed
+
+
+def fastest(timed: dict) -> dict:
+    """{rows: the launch of the shortest time} (a count where every launch failed: none)."""
+    return {str(rows): min(ok, key=lambda t: t[1])[0] for rows, runs in timed.items()
+            if (ok := [t for t in runs if not isinstance(t[1], str)])}
+
+
 def write_gemv_configs(gpu: str, n: int, k: int, timed: dict) -> dict:
     """The fastest launch at each row count into mslk_gemv.CONFIGS_FILE for this GPU."""
-    best = {str(rows): min((t for t in runs if not isinstance(t[1], str)), key=lambda t: t[1])[0]
-            for rows, runs in timed.items()}
+    best = fastest(timed)
     update_gemv_configs(gpu, n, k, best)
     return best
 
 
-def gemv_crossover(rows_timed: list[dict]) -> int:
-    """Up to how many rows the GEMV beat MSLK's GEMM at every count timed for one shape."""
+def gemv_crossover(rows_timed: list[dict], kernel: str = "mslk_gemv") -> int:
+    """Up to how many rows `kernel` beat MSLK's GEMM at every count timed for one shape (from
+    two rows for mslk_rows, which serves none alone)."""
     served = 0
     for row in sorted(rows_timed, key=lambda r: r["rows"]):
-        gemv, gemm = row.get("mslk_gemv_us"), row.get("mslk_shuffled_us")
+        if kernel == "mslk_rows" and row["rows"] == 1:
+            continue
+        gemv, gemm = row.get(f"{kernel}_us"), row.get("mslk_shuffled_us")
         if not (isinstance(gemv, float) and isinstance(gemm, float) and gemv < gemm):
             break
         served = row["rows"]
@@ -167,6 +205,9 @@ def main() -> int:
     parser.add_argument("--gemv-search", action="store_true",
                         help="time mslk_gemv's launches per shape and row count first and write "
                              "the fastest into model_utils/layers/mslk_gemv_configs.json")
+    parser.add_argument("--rows-search", action="store_true",
+                        help="the same for mslk_rows' tensor-core kernel (from 2 rows), and up "
+                             "to how many rows it beat MSLK's GEMM")
     args = parser.parse_args()
     if problem := gemlite_weights.unavailable_reason(torch.device("cuda"), torch.bfloat16):
         raise SystemExit(problem)
@@ -206,6 +247,12 @@ def main() -> int:
             best = write_gemv_configs(meta["gpu"], n, k, timed)
             meta.setdefault("gemv_search", {})[name] = {"timed": timed, "best": best}
             print(f"{name}: gemv launches {timed}; fastest {best}", flush=True)
+        if "mslk_rows" in kernels and args.rows_search:
+            timed = rows_search(sets, k, reference)
+            best = fastest(timed)
+            update_gemv_configs(meta["gpu"], n, k, {"rows_kernel": best})
+            meta.setdefault("rows_search", {})[name] = {"timed": timed, "best": best}
+            print(f"{name}: rows kernel launches {timed}; fastest {best}", flush=True)
         for kernel in kernels:
             if kernel not in compiled:
                 compiled[kernel] = compiles(kernels[kernel], k)
@@ -216,7 +263,7 @@ def main() -> int:
                    "bf16_us": round(replay_us([functools.partial(F.linear, x2, linear.weight)
                                                for linear in linears]), 1)}
             for kernel in kernels:
-                if (kernel == "mslk_gemv" and rows > mslk_gemv.MOST_ROWS
+                if (kernel in ("mslk_gemv", "mslk_rows") and rows > mslk_gemv.MOST_ROWS
                         or kernel == "dequant_cublas" and rows < DEQUANT_FROM_ROWS):
                     continue
                 try:
@@ -233,6 +280,10 @@ def main() -> int:
             served = gemv_crossover([r for r in results if r["layer"] == name])
             update_gemv_configs(meta["gpu"], n, k, {"gemv_rows": served})
             print(f"{name}: the GEMV serves up to {served} rows", flush=True)
+        if "mslk_rows" in kernels and args.rows_search:
+            served = gemv_crossover([r for r in results if r["layer"] == name], "mslk_rows")
+            update_gemv_configs(meta["gpu"], n, k, {"rows_kernel_rows": served})
+            print(f"{name}: the rows kernel serves up to {served} rows", flush=True)
         del linears, sets, kernels, reference
         torch.cuda.empty_cache()
     if "mslk_shuffled" in compiled:

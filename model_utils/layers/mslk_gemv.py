@@ -89,6 +89,10 @@ def _define_helpers() -> None:
     import triton
     import triton.language as tl
 
+    # Triton's interpreter looks for triton.language among a jitted function's module globals
+    # when another module's kernel calls it (mslk_rows calls last_share and collect)
+    globals()["tl"] = tl
+
     @triton.jit
     def as_float(word, P: tl.constexpr, one_bits):
         """Nibble P of each word (q, 0..15) as the float 1 + q / 16: moved to the mantissa's

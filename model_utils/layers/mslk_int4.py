@@ -8,8 +8,9 @@ the weights pre-shuffled once at load into the order its Hopper tensor-core kern
 and it serves every row count from one copy, a decode step's few rows and a prompt's thousand.
 Its kernel is chosen by a fixed heuristic, not tuned at a shape's first use as gemlite's Triton
 kernels are: nothing to ship or wait for at a load. Its tiles are made for many rows: for a
-decode step's few (up to gemv_rows), mslk_gemv's Triton GEMV reads the same copy instead, where
-the layout mslk_layout reads off MSLK's preshuffle (once per process) is the one it reads.
+decode step's few (up to gemv_rows), mslk_gemv's Triton GEMV reads the same copy instead, and
+for a few more (up to tensor_core_rows) mslk_rows' tensor-core kernel, where the layout
+mslk_layout reads off MSLK's preshuffle (once per process) is the one they read.
 Measured faster than gemlite's kernels at every load (BENCHMARKS.md, "The GEMV timed"), so
 weight_only.int4_kernel picks it first wherever it loads.
 
@@ -25,7 +26,7 @@ import logging
 
 import torch
 
-from . import mslk_gemv, mslk_layout
+from . import mslk_gemv, mslk_layout, mslk_rows
 
 log = logging.getLogger(__name__)
 
@@ -84,37 +85,43 @@ def signed_nibbles(q: torch.Tensor) -> torch.Tensor:
 @torch.library.custom_op("qwen_chat::mslk_int4_product", mutates_args=())
 def product(x2: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
             gemv_rows: int = 0, sums: torch.Tensor | None = None,
-            counts: torch.Tensor | None = None) -> torch.Tensor:
+            counts: torch.Tensor | None = None, tensor_core_rows: int = 0) -> torch.Tensor:
     """x2 [M, K] bf16 @ the dequantized weight.T: [M, N] bf16; up to `gemv_rows` rows (of
-    gemv_rows(), for the weight's shape and device) through mslk_gemv, in the layer's workspace
-    (`sums`, `counts`: left as they were found). One op, the choice made inside: traced, a
-    choice by the row count is a guard on it, and a step compiled for any row count from two
-    was compiled again for each range of rows the GEMV's crossovers cut."""
+    gemv_rows(), for the weight's shape and device) through mslk_gemv, then up to
+    `tensor_core_rows` (tensor_core_rows()) through mslk_rows, in the layer's workspace
+    (`sums`, `counts`: left as they were found), more through MSLK's GEMM. One op, the choice
+    made inside: traced, a choice by the row count is a guard on it, and a step compiled for
+    any row count from two was compiled again for each range of rows the crossovers cut."""
+    space = None if sums is None or counts is None else (sums, counts)
     if x2.shape[0] <= gemv_rows:
-        space = None if sums is None or counts is None else (sums, counts)
         return mslk_gemv.gemv(x2, weight, scales, zeros, space=space)
+    if x2.shape[0] <= tensor_core_rows:
+        return mslk_rows.product(x2, weight, scales, zeros, space=space)
     return torch.ops.mslk.bf16i4bf16_shuffled(x2, weight, scales, zeros)
 
 
 @product.register_fake
-def _(x2, weight, scales, zeros, gemv_rows=0, sums=None, counts=None):
+def _(x2, weight, scales, zeros, gemv_rows=0, sums=None, counts=None, tensor_core_rows=0):
     return x2.new_empty(x2.shape[0], weight.shape[0])
 
 
 def keep_gemv(layer, packed: torch.Tensor) -> None:
-    """The rows the layer's GEMV serves (layer.mslk_gemv_rows) and, if any, its workspace."""
+    """The rows the layer's GEMV and its tensor-core kernel serve (layer.mslk_gemv_rows,
+    layer.mslk_tensor_core_rows) and, if any, their workspace."""
     layer.mslk_gemv_rows = gemv_rows(packed)
-    if layer.mslk_gemv_rows:
-        sums, counts = mslk_gemv.workspace(layer.mslk_gemv_rows, packed.shape[0], packed.device)
+    layer.mslk_tensor_core_rows = tensor_core_rows(packed)
+    if served := max(layer.mslk_gemv_rows, layer.mslk_tensor_core_rows):
+        sums, counts = mslk_gemv.workspace(served, packed.shape[0], packed.device)
         layer.register_buffer("mslk_gemv_sums", sums, persistent=False)
         layer.register_buffer("mslk_gemv_counts", counts, persistent=False)
 
 
 def layer_product(layer, x2: torch.Tensor) -> torch.Tensor:
-    """product() with the layer's copy, its GEMV's rows and workspace (keep_gemv)."""
+    """product() with the layer's copy, its kernels' rows and workspace (keep_gemv)."""
     return product(x2, layer.packed, layer.mslk_scales, layer.mslk_zeros, layer.mslk_gemv_rows,
                    getattr(layer, "mslk_gemv_sums", None),
-                   getattr(layer, "mslk_gemv_counts", None))
+                   getattr(layer, "mslk_gemv_counts", None),
+                   getattr(layer, "mslk_tensor_core_rows", 0))
 
 
 def gemv_rows(weight: torch.Tensor) -> int:
@@ -124,6 +131,14 @@ def gemv_rows(weight: torch.Tensor) -> int:
     if not gemv_reads_layout(weight.device):
         return 0
     return mslk_gemv.most_rows(weight.shape[0], weight.shape[1] * 2, weight.device)
+
+
+def tensor_core_rows(weight: torch.Tensor) -> int:
+    """Up to how many rows mslk_rows multiplies MSLK's copy `weight` (its measured crossover
+    with MSLK's GEMM, mslk_rows.most_rows; 0 where unmeasured or the layout is not its)."""
+    if not gemv_reads_layout(weight.device):
+        return 0
+    return mslk_rows.most_rows(weight.shape[0], weight.shape[1] * 2, weight.device)
 
 
 @functools.cache

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from model_utils.bench.logprob_check import dequantized_weight
-from model_utils.layers import gemlite_checks, gemlite_weights, mslk_gemv, mslk_int4
+from model_utils.layers import gemlite_checks, gemlite_weights, mslk_gemv, mslk_int4, mslk_rows
 from model_utils.layers.fp8_weights import Fp8Linear
 from model_utils.layers.weight_only import Int4WeightOnlyLinear, Int8WeightOnlyLinear
 
@@ -262,6 +262,28 @@ def test_mslk_s_layout_is_the_gemv_s_and_the_gemv_agrees_with_mslk_s_own_product
             error = ((ours - theirs).norm() / theirs.norm()).item()
             assert error < 1e-2, (launch, rows, error)
             assert ((layers - theirs).norm() / theirs.norm()).item() < 1e-2, (rows, error)
+            assert not space[0].any() and not space[1].any(), (launch, rows)
+
+
+@pytest.mark.parametrize("in_features", [3584, 18944])
+def test_the_rows_kernel_agrees_with_mslk_s_own_product(in_features):
+    """mslk_rows (tensor cores with the weights, converted by inline asm, as the first operand)
+    gives MSLK's product at 2-32 rows, in one share and in several, and leaves the workspace
+    zeroed."""
+    if reason := mslk_int4.unavailable_reason(torch.device("cuda"), torch.bfloat16):
+        pytest.skip(reason)
+    module = Int4WeightOnlyLinear(linear_layer(in_features), 128, kernel="mslk")
+    assert mslk_int4.gemv_reads_layout(module.packed.device)
+    weights = (module.packed, module.mslk_scales, module.mslk_zeros)
+    space = mslk_gemv.workspace(mslk_gemv.MOST_ROWS, module.out_features, module.packed.device)
+    for launch in (None, (64, 64, 1, 4, 3), (128, 128, 4, 4, 3), (256, 64, 0, 8, 3)):
+        for rows in (2, 3, 8, 16, 20, 32):
+            x = torch.randn(rows, in_features, dtype=torch.bfloat16, device="cuda")
+            with torch.inference_mode():
+                ours = mslk_rows.product(x, *weights, launch=launch, space=space).float()
+                theirs = torch.ops.mslk.bf16i4bf16_shuffled(x, *weights).float()
+            error = ((ours - theirs).norm() / theirs.norm()).item()
+            assert error < 1e-2, (launch, rows, error)
             assert not space[0].any() and not space[1].any(), (launch, rows)
 
 
