@@ -32,7 +32,8 @@
 #            per linear shape and row count (INT4_ROWS, default 1,2,4,8,16,32,64,128,1024;
 #            INT4_ARGS=--gemv-search: mslk_gemv's launches searched first, the fastest written
 #            into model_utils/layers/mslk_gemv_configs.json, which later steps use, and $OUT;
-#            INT4_ARGS="--layers down": some shapes only)
+#            INT4_ARGS="--layers down": some shapes only; INT4_ARGS=--rows-search: the same
+#            search for mslk_rows' tensor-core kernel from 2 rows, and its crossover)
 # Run from the repository root on the GPU machine, the wheels the image lacks in folders named
 # .whl* (e.g. .whl/: transformers, tokenizers; .whl-gemlite/: gemlite; .whl-bnb/:
 # bitsandbytes; one version of each package across them):
