@@ -8,8 +8,10 @@ up to 32 rows (mslk_gemv, through the layout read off MSLK's preshuffle; `--gemv
 launches per shape at 1, 2, 4, 8, 16 and 32 rows first and writes the fastest into
 model_utils/layers/mslk_gemv_configs.json, which the timings then use, and after the timings up to
 how many rows it beat MSLK's GEMM, which int4 layers on MSLK's kernel then use), and mslk_rows'
-tensor-core kernel over the same copy from 2 rows (`--rows-search`: the same search and crossover
-for its launches, written under "rows_kernel" and "rows_kernel_rows"). All read the app's
+tensor-core kernel over the same copy from 2 rows (`--rows-search`: the same search for its launches,
+written under "rows_kernel", and after the timings which rows each kernel serves: the GEMV up to
+where it beat both others ("gemv_rows"), this kernel from there up to where it beat MSLK's GEMM
+("rows_kernel_rows")). All read the app's
 numbers unchanged: MSLK's bf16 form is w = q_signed * scale + zero with q_signed = q - 8, the app's
 own (int_quantization).
 
@@ -149,18 +151,29 @@ def write_gemv_configs(gpu: str, n: int, k: int, timed: dict) -> dict:
     return best
 
 
-def gemv_crossover(rows_timed: list[dict], kernel: str = "mslk_gemv") -> int:
-    """Up to how many rows `kernel` beat MSLK's GEMM at every count timed for one shape (from
-    two rows for mslk_rows, which serves none alone)."""
+def gemv_crossover(rows_timed: list[dict], kernel: str = "mslk_gemv",
+                   rivals: tuple[str, ...] = ("mslk_shuffled",)) -> int:
+    """Up to how many rows `kernel` beat every one of `rivals` at every count timed for one
+    shape (of the counts in rows_timed, from the smallest)."""
     served = 0
     for row in sorted(rows_timed, key=lambda r: r["rows"]):
-        if kernel == "mslk_rows" and row["rows"] == 1:
-            continue
-        gemv, gemm = row.get(f"{kernel}_us"), row.get("mslk_shuffled_us")
-        if not (isinstance(gemv, float) and isinstance(gemm, float) and gemv < gemm):
+        ours = row.get(f"{kernel}_us")
+        theirs = [row.get(f"{rival}_us") for rival in rivals]
+        if not (isinstance(ours, float) and all(isinstance(t, float) and ours < t
+                                                 for t in theirs)):
             break
         served = row["rows"]
     return served
+
+
+def rows_kernel_split(rows_timed: list[dict]) -> dict:
+    """The row counts each of a shape's three products serves, from its timings: the GEMV up
+    to where it beat both others, then the tensor-core kernel up to where it beat MSLK's GEMM
+    (0: the next one takes over), MSLK's GEMM above."""
+    gemv_rows = gemv_crossover(rows_timed, "mslk_gemv", ("mslk_shuffled", "mslk_rows"))
+    above = [r for r in rows_timed if r["rows"] > gemv_rows]
+    return {"gemv_rows": gemv_rows,
+            "rows_kernel_rows": gemv_crossover(above, "mslk_rows") or 0}
 
 
 def update_gemv_configs(gpu: str, n: int, k: int, entries: dict) -> None:
@@ -281,9 +294,10 @@ def main() -> int:
             update_gemv_configs(meta["gpu"], n, k, {"gemv_rows": served})
             print(f"{name}: the GEMV serves up to {served} rows", flush=True)
         if "mslk_rows" in kernels and args.rows_search:
-            served = gemv_crossover([r for r in results if r["layer"] == name], "mslk_rows")
-            update_gemv_configs(meta["gpu"], n, k, {"rows_kernel_rows": served})
-            print(f"{name}: the rows kernel serves up to {served} rows", flush=True)
+            split = rows_kernel_split([r for r in results if r["layer"] == name])
+            update_gemv_configs(meta["gpu"], n, k, split)
+            print(f"{name}: the GEMV serves up to {split['gemv_rows']} rows, the tensor-core "
+                  f"kernel up to {split['rows_kernel_rows']}", flush=True)
         del linears, sets, kernels, reference
         torch.cuda.empty_cache()
     if "mslk_shuffled" in compiled:
