@@ -26,14 +26,15 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from model_utils.layers import mslk_gemv, mslk_rows  # noqa: E402
+from model_utils.layers import int8_rows, mslk_gemv, mslk_rows  # noqa: E402
 
 LAUNCHES = [(1, 512, 32, 0, 4, 64), (1, 128, 64, 4, 4), (1, 64, 64, 1, 4), (2, 64, 64, 4, 4),
             (8, 32, 32, 4, 4)]
 
 
 def compile_for_hopper(rows: int, block_n: int, block_k: int, split_k: int, warps: int,
-                       chunk: int = 128, fma: int = 0, swapped: bool = False, stages: int = 2):
+                       chunk: int = 128, fma: int = 0, swapped: bool | str = False,
+                       stages: int = 2):
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -48,7 +49,13 @@ def compile_for_hopper(rows: int, block_n: int, block_k: int, split_k: int, warp
                        else (mslk_gemv._rows_kernel(), max(16, pow2)))
     constants = {"GROUP": 128, "BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k,
                  "SPLIT_K": split_k or 3584 // chunk, "CHUNK": chunk}  # 0: the 7B's 3584 inputs
-    if swapped:
+    if swapped == "int8":  # int8_rows' kernel: no zero points, no groups
+        kernel = int8_rows._kernel()
+        signature = {name: kind for name, kind in signature.items()
+                     if name not in ("z_ptr", "one_bits")} | {"w_ptr": "*i8"}
+        constants = {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k,
+                     "SPLIT_K": split_k or 1, "OFFSET_SUM": float(int8_rows.OFFSET), "ASM": True}
+    elif swapped:
         kernel = mslk_rows._kernel()
         del signature["one_bits"]
         magic, offset = mslk_rows.MAGIC[torch.bfloat16]
@@ -57,7 +64,8 @@ def compile_for_hopper(rows: int, block_n: int, block_k: int, split_k: int, warp
         constants, "constexpr")}, constexprs=constants,
         # pointers, N, K and the row stride: multiples of 16, as Triton specializes them at a
         # launch (the 7B's shapes)
-        attrs={(i,): [["tt.divisibility", 16]] for i in (0, 1, 2, 3, 4, 5, 6, 8, 9, 10)})
+        attrs={(i,): [["tt.divisibility", 16]] for i, name in enumerate(signature)
+               if name.endswith("_ptr") or name in ("N", "K", "stride_xm")})
     return triton.compile(source, target=GPUTarget("cuda", 90, 32),
                           options={"num_warps": warps, "num_stages": stages})
 
@@ -74,7 +82,8 @@ def innermost_loop(lines: list[str], opens: str, closes) -> list[str]:
 
 
 def report(rows: int, block_n: int, block_k: int, split_k: int, warps: int,
-           chunk: int = 128, fma: int = 0, swapped: bool = False, stages: int = 2) -> dict:
+           chunk: int = 128, fma: int = 0, swapped: bool | str = False,
+           stages: int = 2) -> dict:
     kernel = compile_for_hopper(rows, block_n, block_k, split_k, warps, chunk, fma, swapped,
                                 stages)
     ttgir = kernel.asm["ttgir"].splitlines()
@@ -131,12 +140,18 @@ def main() -> int:
     parser.add_argument("--swapped", action="store_true",
                         help="mslk_rows' kernel (its launches rows,BLOCK_N,BLOCK_K,SPLIT_K,"
                              "warps)")
+    parser.add_argument("--int8", action="store_true",
+                        help="int8_rows' kernel over int8-wo's fragment-ordered copy (the "
+                             "same launches)")
     args = parser.parse_args()
     launches = ([tuple(int(v) for v in text.split(",")) for text in args.launch]
                 if args.launch else LAUNCHES)
     for launch in launches:
-        print(report(*launch, swapped=True, stages=3) if args.swapped else report(*launch),
-              flush=True)
+        if args.int8:  # a loop iteration is one step of BLOCK_K inputs: the weights counted
+            print(report(*launch[:5], chunk=launch[2], swapped="int8", stages=3), flush=True)
+        else:
+            print(report(*launch, swapped=True, stages=3) if args.swapped else report(*launch),
+                  flush=True)
     return 0
 
 

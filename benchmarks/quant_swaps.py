@@ -212,6 +212,38 @@ def int4_dequantized_for_prompts(rows: int):
     return swap
 
 
+def int8_fragment_order(model):
+    """The app's int8-wo with its copy kept in the tensor cores' fragment order
+    (model_utils/layers/int8_rows.py), reply rows (up to 32) through int8_rows' kernel over it
+    and prompts through the copy put back in order, scaled to bf16, and cuBLAS: one copy, as
+    the mode keeps one."""
+    import torch.nn.functional as F
+
+    from model_utils.layers import int8_rows, mslk_gemv
+    from model_utils.layers.weight_only import Int8WeightOnlyLinear
+
+    def forward(self, x):
+        x2 = x.reshape(-1, self.in_features)
+        if x2.shape[0] <= int8_rows.MOST_ROWS:
+            y = int8_rows.layer_product(x2, self.qweight, self.scales, self.rows_sums,
+                                        self.rows_counts)
+        else:
+            weight = int8_rows.unpack(self.qweight).to(x.dtype) * self.scales.to(x.dtype)[:, None]
+            y = F.linear(x2, weight)
+        y = y.reshape(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
+
+    for module in model.modules():
+        if isinstance(module, Int8WeightOnlyLinear):
+            module.qweight = int8_rows.pack(module.qweight)
+            sums, counts = mslk_gemv.workspace(int8_rows.MOST_ROWS, module.out_features,
+                                               module.qweight.device)
+            module.register_buffer("rows_sums", sums, persistent=False)
+            module.register_buffer("rows_counts", counts, persistent=False)
+            module.gemlite_meta = None
+            module.forward = types.MethodType(forward, module)
+
+
 # What torchao's README advises for its weight-only layers under torch.compile (gpt-fast's
 # settings); given to the torchao and gemlite candidates' compiled step.
 LIBRARY_INDUCTOR_OPTIONS = {"coordinate_descent_tuning": True,
@@ -233,6 +265,7 @@ SWAPS = {"torchao-int4": (torchao_int4, "torchao", True, "bf16"),
                                      "int4-wo"),
          "int8-wo-head8": (int8_head_gemlite, "gemlite", True, "int8-wo"),
          "int8-wo-gemlite-prompts": (gemlite_for_prompts_too, "gemlite", True, "int8-wo"),
+         "int8-wo-rows": (int8_fragment_order, "triton", True, "int8-wo"),
          "fp8-wo-below-8": (fp8_weight_only_below(8), "torch", False, "fp8"),
          "gemlite-fp8": (gemlite_fp8, "gemlite", True, "fp8"),
          "gemlite-fp8-head": (gemlite_fp8_head, "gemlite", True, "fp8"),

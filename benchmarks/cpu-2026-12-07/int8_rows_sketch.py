@@ -11,8 +11,9 @@ instructions a weight, most of them PRMTs, address arithmetic and byte loads: in
 layout a thread's four values (inputs 2 t0, 2 t0 + 1, 2 t0 + 8, 2 t0 + 9 of a row) lie in two
 places, so they are loaded in pieces and assembled. A copy kept in the fragment's order (each
 thread's four bytes in one word, as MSLK's atom does for int4; mslk_rows: 3.6-5.3 a weight)
-would take one load and one PRMT a word, but the prompts' path and gemlite read the [N, K] copy:
-that is a change of int8-wo's layout for every row count, left for a GPU session to weigh.
+would take one load a word, but the prompts' path and gemlite read the [N, K] copy: that is a
+change of int8-wo's layout for every row count. model_utils/layers/int8_rows.py keeps that order
+(4.2-5.0 instructions a weight, int8-rows-compiled.log), as the int8-wo-rows candidate.
 
 How it computes: bf16 holds 128 + u exactly for a 4-bit u, not for a byte, so each weight q
 (-127..127) is split in two numbers the tensor cores take: q = 16 h + l with h = q >> 4 (-8..7)

@@ -13,8 +13,16 @@ import torch
 from torch import nn
 
 from model_utils.bench.logprob_check import dequantized_weight
-from model_utils.layers import gemlite_checks, gemlite_weights, mslk_gemv, mslk_int4, mslk_rows
+from model_utils.layers import (
+    gemlite_checks,
+    gemlite_weights,
+    int8_rows,
+    mslk_gemv,
+    mslk_int4,
+    mslk_rows,
+)
 from model_utils.layers.fp8_weights import Fp8Linear
+from model_utils.layers.int_quantization import quantize_int8
 from model_utils.layers.weight_only import Int4WeightOnlyLinear, Int8WeightOnlyLinear
 
 from .conftest import gpu_marks
@@ -283,6 +291,25 @@ def test_the_rows_kernel_agrees_with_mslk_s_own_product(in_features):
                 ours = mslk_rows.product(x, *weights, launch=launch, space=space).float()
                 theirs = torch.ops.mslk.bf16i4bf16_shuffled(x, *weights).float()
             error = ((ours - theirs).norm() / theirs.norm()).item()
+            assert error < 1e-2, (launch, rows, error)
+            assert not space[0].any() and not space[1].any(), (launch, rows)
+
+
+@pytest.mark.parametrize("in_features", [3584, 18944])
+def test_the_int8_rows_kernel_gives_the_dequantized_product(in_features):
+    """int8_rows over int8-wo's fragment-ordered copy (its inline asm) against x @ the
+    dequantized weight at 1-32 rows, in one share and in several; the workspace left zeroed."""
+    q, scales = quantize_int8(linear_layer(in_features).weight)
+    packed = int8_rows.pack(q)
+    weight = q.float() * scales.float()[:, None]
+    space = mslk_gemv.workspace(mslk_gemv.MOST_ROWS, q.shape[0], q.device)
+    for launch in (None, (64, 64, 1, 4, 3), (128, 128, 8, 4, 3), (256, 64, 2, 8, 3)):
+        for rows in (1, 2, 8, 16, 20, 32):
+            x = torch.randn(rows, in_features, dtype=torch.bfloat16, device="cuda")
+            with torch.inference_mode():
+                ours = int8_rows.product(x, packed, scales, launch=launch, space=space).float()
+            expected = x.float() @ weight.T
+            error = ((ours - expected).norm() / expected.norm()).item()
             assert error < 1e-2, (launch, rows, error)
             assert not space[0].any() and not space[1].any(), (launch, rows)
 
