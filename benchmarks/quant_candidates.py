@@ -25,8 +25,7 @@ torch.profiler summary of one decode step (per kernel). Candidates:
   int4-wo-g64: the app's int4 layers in groups of 64 instead of 128; int4-wo-dequant-prompts:
   int4-wo with 256 rows or more (prompts) multiplied by each weight dequantized to bf16 and
   cuBLAS instead of gemlite's GEMM; int8-wo-rows: int8-wo's copy in the tensor cores'
-  fragment order, up to 32 rows through the app's int8_rows kernel, prompts through the copy
-  put back in order and cuBLAS;
+  fragment order, every row count through the app's int8_rows kernel over it;
   fp8-wo-below-8: the app's fp8 with steps of fewer than 8 rows multiplied weight-only;
   gemlite-fp8 / gemlite-fp8-dynamic: gemlite's A16W8_FP8 (weight-only) / A8W8_fp8_dynamic on
   the app's fp8 numbers.

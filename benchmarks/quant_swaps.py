@@ -214,24 +214,20 @@ def int4_dequantized_for_prompts(rows: int):
 
 def int8_fragment_order(model):
     """The app's int8-wo with its copy kept in the tensor cores' fragment order
-    (model_utils/layers/int8_rows.py), reply rows (up to 32) through int8_rows' kernel over it
-    and prompts through the copy put back in order, scaled to bf16, and cuBLAS: one copy, as
-    the mode keeps one."""
-    import torch.nn.functional as F
-
+    (model_utils/layers/int8_rows.py), every row count through int8_rows' kernel over it (a
+    reply step's rows in one block, K in shares; a prompt's in blocks of 64): one copy, as the
+    mode keeps one."""
     from model_utils.layers import int8_rows, mslk_gemv
     from model_utils.layers.weight_only import Int8WeightOnlyLinear
 
     def forward(self, x):
         x2 = x.reshape(-1, self.in_features)
-        if x2.shape[0] <= int8_rows.MOST_ROWS:
-            y = int8_rows.layer_product(x2, self.qweight, self.scales, self.rows_sums,
-                                        self.rows_counts)
-        else:
-            weight = int8_rows.unpack(self.qweight).to(x.dtype) * self.scales.to(x.dtype)[:, None]
-            y = F.linear(x2, weight)
-        y = y.reshape(*x.shape[:-1], self.out_features)
+        y = int8_rows.layer_product(x2, self.qweight, self.scales, self.rows_sums,
+                                    self.rows_counts).reshape(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
+
+    def dequantized(self, dtype):  # what the checks read: the copy put back in order
+        return int8_rows.unpack(self.qweight).to(dtype) * self.scales.to(dtype).unsqueeze(-1)
 
     for module in model.modules():
         if isinstance(module, Int8WeightOnlyLinear):
@@ -242,6 +238,7 @@ def int8_fragment_order(model):
             module.register_buffer("rows_counts", counts, persistent=False)
             module.gemlite_meta = None
             module.forward = types.MethodType(forward, module)
+            module.dequantized = types.MethodType(dequantized, module)
 
 
 # What torchao's README advises for its weight-only layers under torch.compile (gpt-fast's

@@ -29,8 +29,11 @@ import torch
 from . import mslk_gemv
 
 OFFSET = 16 * 136 + 128  # what the two numbers carry, summed over q = 16 h + l
-MOST_ROWS = mslk_gemv.MOST_ROWS
+MOST_ROWS = mslk_gemv.MOST_ROWS  # a reply step's rows: one block of rows, K split in shares
 DEFAULT = (128, 64, 4, 4, 3)  # BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages
+# more rows (a prompt's) in blocks of PROMPT_BLOCK_M, each program the whole K (no shares)
+PROMPT_BLOCK_M = 64
+PROMPT_LAUNCH = (64, 64, 1, 4, 3)
 
 
 def pack(q: torch.Tensor) -> torch.Tensor:
@@ -132,7 +135,7 @@ def _kernel():
               + t0[None, None, None, None, :, None] * 4 + byte[None, None, None, None, None, :])
         ok = (an * 16 < N)[:, None, None, None, None, None]
         step_bytes = KB * (N // 16) * 256
-        m = tl.arange(0, BLOCK_M)
+        m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
         xt_at = tl.arange(0, BLOCK_K)[:, None] + m[None, :] * stride_xm
         m_ok = (m < M)[None, :]
         row = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -176,33 +179,34 @@ def _kernel():
 def product(x2: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, *,
             launch: tuple[int, ...] | None = None,
             space: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-    """x2 [M, K] (M <= MOST_ROWS) @ (unpack(packed) * scales[:, None]).T: [M, N] in x2's
-    dtype; `launch` (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages) instead of DEFAULT;
-    `space` a mslk_gemv.workspace() (a new one when left out)."""
+    """x2 [M, K] @ (unpack(packed) * scales[:, None]).T: [M, N] in x2's dtype. Up to MOST_ROWS
+    rows one block of rows, K in shares summed in `space` (a mslk_gemv.workspace(), a new one
+    when left out); more in blocks of PROMPT_BLOCK_M rows, one program the whole K. `launch`
+    (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages) instead of DEFAULT or PROMPT_LAUNCH."""
     rows, k = x2.shape
     n = packed.shape[0]
+    few = rows <= MOST_ROWS
     # bf16 on a GPU (the asm's numbers); fp16 too off one (Triton's interpreter, whose bf16
     # tl.dot is wrong)
     dtypes = (torch.bfloat16,) if x2.is_cuda else (torch.bfloat16, torch.float16)
-    if (rows > MOST_ROWS or x2.dtype not in dtypes or packed.dtype != torch.int8
-            or packed.shape != (n, k) or scales.shape != (n,)
-            or (space is not None and space[0].shape[0] < rows)):
+    if (x2.dtype not in dtypes or packed.dtype != torch.int8 or packed.shape != (n, k)
+            or scales.shape != (n,) or (few and space is not None and space[0].shape[0] < rows)):
         raise ValueError(f"int8 rows kernel: x {tuple(x2.shape)} {x2.dtype}, weight "
                          f"{tuple(packed.shape)} {packed.dtype}, scales {tuple(scales.shape)} "
                          f"do not fit")
-    block_n, block_k, split_k, warps, stages = launch or DEFAULT
+    block_n, block_k, split_k, warps, stages = launch or (DEFAULT if few else PROMPT_LAUNCH)
     if n % 16 or k % block_k or block_k % 16 or block_n % 16:
         raise ValueError(f"int8 rows kernel: a {n}x{k} weight does not tile by {block_n} "
                          f"outputs and {block_k} inputs")
-    split_k = min(split_k, k // block_k)
+    block_m = max(16, 1 << (rows - 1).bit_length()) if few else PROMPT_BLOCK_M
+    split_k = min(split_k, k // block_k) if few else 1  # the shares' count is per output block
     x2 = x2.contiguous()
     y = torch.empty(rows, n, dtype=x2.dtype, device=x2.device)
-    sums, counts = space or mslk_gemv.workspace(rows, n, x2.device)
-    _kernel()[(-(-n // block_n), split_k)](
+    sums, counts = (space or mslk_gemv.workspace(rows, n, x2.device)) if split_k > 1 else (y, y)
+    _kernel()[(-(-n // block_n), split_k, -(-rows // block_m))](
         x2, packed, scales, y, sums, counts, rows, n, k, x2.stride(0),
-        BLOCK_M=max(16, 1 << (rows - 1).bit_length()), BLOCK_N=block_n, BLOCK_K=block_k,
-        SPLIT_K=split_k, OFFSET_SUM=float(OFFSET), ASM=x2.is_cuda, num_warps=warps,
-        num_stages=stages)
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k,
+        OFFSET_SUM=float(OFFSET), ASM=x2.is_cuda, num_warps=warps, num_stages=stages)
     return y
 
 

@@ -44,6 +44,7 @@ CASES = [
     (64, 256, 3, (64, 64, 1, 4, 2)),
     (48, 384, 8, (32, 64, 3, 4, 2)),  # a part block of outputs, three shares summed
     (32, 256, 20, (32, 32, 2, 4, 2)),  # 32 rows a block
+    (32, 128, 70, None),  # a prompt's rows: blocks of 64, the last a part
 ]
 
 
@@ -55,7 +56,7 @@ def check_cases() -> None:
         assert q.min() < -64 and q.max() > 64  # both signs, every kind of high nibble
         x2 = torch.randn(rows, k, generator=generator).half()
         expected = x2.float() @ (q.float() * scales.float()[:, None]).T
-        space = mslk_gemv.workspace(rows, n, x2.device)
+        space = mslk_gemv.workspace(min(rows, int8_rows.MOST_ROWS), n, x2.device)
         y = int8_rows.product(x2, int8_rows.pack(q), scales.half(), launch=launch, space=space)
         assert y.dtype == torch.float16 and y.shape == (rows, n)
         error = ((y.float() - expected).norm() / expected.norm()).item()
@@ -77,6 +78,9 @@ def test_shapes_that_do_not_fit_are_refused_plainly():
     weight, scales = torch.zeros(32, 128, dtype=torch.int8), torch.zeros(32)
     with pytest.raises(ValueError, match="do not fit"):
         int8_rows.product(torch.zeros(2, 128), weight, scales)  # fp32 x
+    with pytest.raises(ValueError, match="do not fit"):  # a workspace for fewer rows
+        int8_rows.product(torch.zeros(3, 128, dtype=torch.half), weight, scales,
+                          space=mslk_gemv.workspace(2, 32, torch.device("cpu")))
     with pytest.raises(ValueError, match="does not tile"):
         int8_rows.product(torch.zeros(2, 96, dtype=torch.half), torch.zeros(32, 96,
                           dtype=torch.int8), scales, launch=(32, 64, 1, 4, 2))
