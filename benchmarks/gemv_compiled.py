@@ -34,7 +34,7 @@ LAUNCHES = [(1, 512, 32, 0, 4, 64), (1, 128, 64, 4, 4), (1, 64, 64, 1, 4), (2, 6
 
 def compile_for_hopper(rows: int, block_n: int, block_k: int, split_k: int, warps: int,
                        chunk: int = 128, fma: int = 0, swapped: bool | str = False,
-                       stages: int = 2):
+                       stages: int = 2, int8_kernel=None):
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -50,7 +50,7 @@ def compile_for_hopper(rows: int, block_n: int, block_k: int, split_k: int, warp
     constants = {"GROUP": 128, "BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k,
                  "SPLIT_K": split_k or 3584 // chunk, "CHUNK": chunk}  # 0: the 7B's 3584 inputs
     if swapped == "int8":  # int8_rows' kernel: no zero points, no groups
-        kernel = int8_rows._kernel()
+        kernel = int8_kernel or int8_rows._kernel()  # another of its signature: a sketch's
         signature = {name: kind for name, kind in signature.items()
                      if name not in ("z_ptr", "one_bits")} | {"w_ptr": "*i8"}
         constants = {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k,
@@ -83,9 +83,9 @@ def innermost_loop(lines: list[str], opens: str, closes) -> list[str]:
 
 def report(rows: int, block_n: int, block_k: int, split_k: int, warps: int,
            chunk: int = 128, fma: int = 0, swapped: bool | str = False,
-           stages: int = 2) -> dict:
+           stages: int = 2, int8_kernel=None) -> dict:
     kernel = compile_for_hopper(rows, block_n, block_k, split_k, warps, chunk, fma, swapped,
-                                stages)
+                                stages, int8_kernel)
     ttgir = kernel.asm["ttgir"].splitlines()
 
     def deeper_ends(head: str, line: str) -> bool:

@@ -95,42 +95,26 @@ def rows_product(shuffled, x2, launch=None):
 _spaces: dict = {}  # a GEMV workspace per output width
 
 
-def gemv_search(sets: list, k: int, reference: torch.Tensor) -> dict:
-    """{rows: [(launch, µs)]} for every launch of mslk_gemv.SEARCHED at 1, 2, 4, 8, 16 and 32
-    rows (up to mslk_gemv.MOST_ROWS; the copies in `sets` cycled as in the timings); a launch
-    whose product the load's check would refuse (against `reference`, the first copy's weight)
-    is kept with why instead of its time, so that it is never chosen."""
+def launch_search(sets: list, k: int, reference: torch.Tensor, kernel: str = "mslk_gemv",
+                  row_counts=(1, 2, 4, 8, 16, 32)) -> dict:
+    """{rows: [(launch, µs)]} for every launch `kernel` searches (mslk_gemv.SEARCHED, or
+    mslk_rows.SEARCHED) at `row_counts` (up to mslk_gemv.MOST_ROWS; the copies in `sets` cycled
+    as in the timings); a launch whose product the load's check would refuse (against
+    `reference`, the first copy's weight) is kept with why instead of its time, so that it is
+    never chosen."""
+    launches = mslk_rows.SEARCHED if kernel == "mslk_rows" else mslk_gemv.SEARCHED
     timed = {}  # a count between those takes the next one's launch (config)
-    for rows in (1, 2, 4, 8, 16, 32):
+    for rows in row_counts:
         x2 = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
         expected = x2.float() @ reference.T
         timed[rows] = []
-        for launch in mslk_gemv.SEARCHED:
+        for launch in launches:
             if launch[6:] == (1,) and (rows == 1 or rows > mslk_gemv.FMA_ROWS):
                 continue  # one row takes the FMA kernel anyway; more than its rows, never
             try:
-                wrong = off_product(sets[0]["mslk_gemv"](x2, launch=launch).float(), expected)
+                wrong = off_product(sets[0][kernel](x2, launch=launch).float(), expected)
                 us = (f"WrongProduct: {wrong}" if wrong else
-                      round(replay_us([functools.partial(s["mslk_gemv"], x2, launch=launch)
-                                       for s in sets]), 1))
-            except Exception as error:  # noqa: BLE001 - a launch Triton cannot build
-                us = f"{type(error).__name__}: {str(error)[:120]}"
-            timed[rows].append((list(launch), us))
-    return timed
-
-
-def rows_search(sets: list, k: int, reference: torch.Tensor) -> dict:
-    """gemv_search for mslk_rows' launches (mslk_rows.SEARCHED) from 2 rows."""
-    timed = {}
-    for rows in (2, 4, 8, 16, 32):
-        x2 = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
-        expected = x2.float() @ reference.T
-        timed[rows] = []
-        for launch in mslk_rows.SEARCHED:
-            try:
-                wrong = off_product(sets[0]["mslk_rows"](x2, launch=launch).float(), expected)
-                us = (f"WrongProduct: {wrong}" if wrong else
-                      round(replay_us([functools.partial(s["mslk_rows"], x2, launch=launch)
+                      round(replay_us([functools.partial(s[kernel], x2, launch=launch)
                                        for s in sets]), 1))
             except Exception as error:  # noqa: BLE001 - a launch Triton cannot build
                 us = f"{type(error).__name__}: {str(error)[:120]}"
@@ -256,12 +240,12 @@ def main() -> int:
               flush=True)
         kernels = sets[0]
         if "mslk_gemv" in kernels and args.gemv_search:
-            timed = gemv_search(sets, k, reference)
+            timed = launch_search(sets, k, reference)
             best = write_gemv_configs(meta["gpu"], n, k, timed)
             meta.setdefault("gemv_search", {})[name] = {"timed": timed, "best": best}
             print(f"{name}: gemv launches {timed}; fastest {best}", flush=True)
         if "mslk_rows" in kernels and args.rows_search:
-            timed = rows_search(sets, k, reference)
+            timed = launch_search(sets, k, reference, "mslk_rows", (2, 4, 8, 16, 32))
             best = fastest(timed)
             update_gemv_configs(meta["gpu"], n, k, {"rows_kernel": best})
             meta.setdefault("rows_search", {})[name] = {"timed": timed, "best": best}

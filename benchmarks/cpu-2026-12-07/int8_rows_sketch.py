@@ -6,11 +6,11 @@ model_utils/layers/mslk_rows.py does for int4. Here, no GPU needed:
     TRITON_INTERPRET=1 python benchmarks/cpu-2026-12-07/int8_rows_sketch.py --check  # numbers
 
 What it found (int8-rows-sketch.log): the numbers are right (the interpreter, against the
-dequantized product) and the weights reach the wgmma with no layout conversion, but at 8.5-9.8
+dequantized product) and the weights reach the wgmma with no layout conversion, but at 9.8-10.1
 instructions a weight, most of them PRMTs, address arithmetic and byte loads: in the [N, K]
 layout a thread's four values (inputs 2 t0, 2 t0 + 1, 2 t0 + 8, 2 t0 + 9 of a row) lie in two
 places, so they are loaded in pieces and assembled. A copy kept in the fragment's order (each
-thread's four bytes in one word, as MSLK's atom does for int4; mslk_rows: 3.6-5.3 a weight)
+thread's four bytes in one word, as MSLK's atom does for int4; mslk_rows: 3.3-4.1 a weight)
 would take one load a word, but the prompts' path and gemlite read the [N, K] copy: that is a
 change of int8-wo's layout for every row count. model_utils/layers/int8_rows.py keeps that order
 (4.2-5.0 instructions a weight, int8-rows-compiled.log), as the int8-wo-rows candidate.
@@ -25,12 +25,8 @@ scale at the end (Sum x by the tensor cores from a tile of ones).
 """
 
 import argparse
-import collections
 import functools
-import re
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -212,49 +208,13 @@ def check() -> None:
 
 
 def counts(rows: int, block_n: int, block_k: int, split_k: int, warps: int) -> dict:
-    """Compiled for a Hopper GPU: registers, spills, conversions into the wgmma's operand and
-    the innermost loop's instructions per weight (benchmarks/gemv_compiled.py's way)."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
+    """Compiled for a Hopper GPU: benchmarks/gemv_compiled.py's counts for this kernel (a loop
+    iteration is one step of BLOCK_K inputs)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from gemv_compiled import report
 
-    signature = {"x_ptr": "*bf16", "w_ptr": "*i8", "s_ptr": "*bf16", "y_ptr": "*bf16",
-                 "space_ptr": "*fp32", "count_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32",
-                 "stride_xm": "i32"}
-    constants = {"BLOCK_M": max(16, 1 << (rows - 1).bit_length()), "BLOCK_N": block_n,
-                 "BLOCK_K": block_k, "SPLIT_K": split_k, "OFFSET_SUM": float(OFFSET), "ASM": True}
-    source = ASTSource(fn=_kernel(), signature={**signature, **dict.fromkeys(
-        constants, "constexpr")}, constexprs=constants,
-        attrs={(i,): [["tt.divisibility", 16]] for i in (0, 1, 2, 3, 4, 5, 8)})
-    kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32),
-                            options={"num_warps": warps, "num_stages": 3})
-    ttgir = kernel.asm["ttgir"].splitlines()
-    bin_dir = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
-        cubin.write(kernel.asm["cubin"])
-        cubin.flush()
-        usage = subprocess.run([bin_dir / "cuobjdump", "--dump-resource-usage", cubin.name],
-                               capture_output=True, text=True).stdout
-        sass = subprocess.run([bin_dir / "nvdisasm", "-c", cubin.name],
-                              capture_output=True, text=True).stdout.splitlines()
-    labels = {m.group(1): i for i, line in enumerate(sass)
-              if (m := re.match(r"^(\.L_x_\d+):", line))}
-    loops = [(labels[m.group(1)], i) for i, line in enumerate(sass)
-             if (m := re.search(r"BRA `\((\.L_x_\d+)\)", line))
-             and labels.get(m.group(1), i) < i]
-    first, last = min((span for span in loops
-                       if any("GMMA" in line for line in sass[span[0]:span[1]])),
-                      key=lambda span: span[1] - span[0])
-    opcodes = collections.Counter(
-        m.group(1).split(".")[0] for line in sass[first:last]
-        if (m := re.match(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\d\s+)?([A-Z0-9_.]+)", line)))
-    return {"launch": [rows, block_n, block_k, split_k, warps],
-            "registers": int(re.search(r"REG:(\d+)", usage).group(1)),
-            "spilled_bytes": int(re.search(r"LOCAL:(\d+)", usage).group(1)),
-            "operand_conversions": sum("convert_layout" in line and "#ttg.dot_op" in
-                                       line.split("-> tensor")[-1] for line in ttgir),
-            "per_weight": round(sum(opcodes.values()) / (block_n * block_k / (32 * warps)), 2),
-            "mix": dict(opcodes.most_common(6))}
+    return report(rows, block_n, block_k, split_k, warps, chunk=block_k, swapped="int8",
+                  stages=3, int8_kernel=_kernel())
 
 
 if __name__ == "__main__":
