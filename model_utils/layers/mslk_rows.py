@@ -185,6 +185,13 @@ def most_rows(n: int, k: int, device: torch.device) -> int:
     return int(found.get("rows_kernel_rows", 0))
 
 
+def least_block_m(warps: int) -> int:
+    """The fewest rows a launch of `warps` warps computes: 16, the tensor cores' least; 32 for
+    8 warps, where at 16 Triton 3.6's code read past its shared buffer (an illegal address,
+    found by compute-sanitizer on an H100; every 8-warp launch ran clean at 32)."""
+    return 32 if warps > 4 else 16
+
+
 def product(x2: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
             *, launch: tuple[int, ...] | None = None,
             space: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
@@ -212,7 +219,8 @@ def product(x2: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, zeros:
     magic, offset = MAGIC[x2.dtype]
     _kernel()[(-(-n // block_n), split_k)](
         x2, weight.view(torch.uint8), scales, zeros, y, sums, counts, rows, n, k, x2.stride(0),
-        GROUP=group, BLOCK_M=max(16, 1 << (rows - 1).bit_length()), BLOCK_N=block_n,
+        GROUP=group, BLOCK_M=max(least_block_m(warps), 1 << (rows - 1).bit_length()),
+        BLOCK_N=block_n,
         BLOCK_K=block_k, SPLIT_K=split_k, CHUNK=group, MAGIC_BITS=magic, OFFSET=offset,
         ASM=x2.is_cuda, num_warps=warps, num_stages=stages)
     return y
