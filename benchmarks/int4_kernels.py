@@ -116,6 +116,11 @@ def launch_search(sets: list, k: int, reference: torch.Tensor, kernel: str = "ms
                 us = (f"WrongProduct: {wrong}" if wrong else
                       round(replay_us([functools.partial(s[kernel], x2, launch=launch)
                                        for s in sets]), 1))
+            except torch.AcceleratorError as error:
+                # a fault (an illegal address) leaves the process's CUDA context unusable:
+                # say which launch did it rather than fail at the next allocation
+                raise SystemExit(f"{kernel} launch {launch} at {rows} rows faulted: "
+                                 f"{str(error).splitlines()[0]}") from error
             except Exception as error:  # noqa: BLE001 - a launch Triton cannot build
                 us = f"{type(error).__name__}: {str(error)[:120]}"
             timed[rows].append((list(launch), us))
