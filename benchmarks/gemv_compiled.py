@@ -57,6 +57,7 @@ def compile_for_hopper(rows: int, block_n: int, block_k: int, split_k: int, warp
                      "SPLIT_K": split_k or 1, "OFFSET_SUM": float(int8_rows.OFFSET), "ASM": True}
     elif swapped:
         kernel = mslk_rows._kernel()
+        constants["BLOCK_M"] = max(mslk_rows.least_block_m(warps), pow2)
         del signature["one_bits"]
         magic, offset = mslk_rows.MAGIC[torch.bfloat16]
         constants.update(MAGIC_BITS=magic, OFFSET=offset, ASM=True)

@@ -124,17 +124,22 @@ def _kernel():
         y = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
         for chunk in range(first, last):
             group = chunk * CHUNK // GROUP
+            # the group's scales and zero points asked for first, so that their latency can
+            # pass under the chunk's products rather than follow them
+            s = tl.load(s_ptr + group * N + row, mask=row_ok, other=0.0).to(tl.float32)
+            z = tl.load(z_ptr + group * N + row, mask=row_ok, other=0.0).to(tl.float32)
             acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-            x_sum = tl.zeros([64, BLOCK_M], dtype=tl.float32)
+            x_sum = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
             for step in tl.static_range(CHUNK // BLOCK_K):
                 k0 = chunk * CHUNK + step * BLOCK_K
                 b = tl.load(w_ptr + (k0 // BLOCK_K) * step_bytes + at, mask=ok, other=0,
                             eviction_policy="evict_first")
                 xt = tl.load(x_ptr + k0 + xt_at, mask=m_ok, other=0.0)
-                # Sum x (for the zero points) by the tensor cores too, 64 rows of ones (their
-                # least), each row the same sums: the adds and shuffles of summing x in each
-                # thread cost more instructions than the weights' own conversion
-                x_sum = tl.dot(tl.full([64, BLOCK_K], 1.0, xt.dtype), xt, x_sum)
+                # Sum x (for the zero points) by the tensor cores too, a row of ones for each
+                # output, so that the sums land in acc's layout: summing x in each thread (adds
+                # and shuffles), or 64 rows of ones and a max over them (a reduction across
+                # warps through shared memory, with barriers, every chunk) compiled to more
+                x_sum = tl.dot(tl.full([BLOCK_N, BLOCK_K], 1.0, xt.dtype), xt, x_sum)
                 if ASM:
                     r0, r1 = _nibbles_asm(b, MAGIC_BITS)
                 else:
@@ -144,9 +149,7 @@ def _kernel():
                 w = tl.join(r0, r1).reshape(NA, KB, 8, 4, 2, 2, 2)
                 w = tl.permute(w, (0, 4, 2, 1, 6, 3, 5)).reshape(BLOCK_N, BLOCK_K)
                 acc = tl.dot(w, xt, acc)
-            s = tl.load(s_ptr + group * N + row, mask=row_ok, other=0.0).to(tl.float32)
-            z = tl.load(z_ptr + group * N + row, mask=row_ok, other=0.0).to(tl.float32)
-            y += acc * s[:, None] + tl.max(x_sum, axis=0)[None, :] * (z - OFFSET * s)[:, None]
+            y += acc * s[:, None] + x_sum * (z - OFFSET * s)[:, None]
         at_y = m[None, :] * N + row[:, None]
         store_ok = m_ok & row_ok[:, None]
         if SPLIT_K == 1:
