@@ -26,7 +26,7 @@ import functools
 
 import torch
 
-from . import mslk_gemv
+from . import mslk_gemv, mslk_rows
 
 OFFSET = 16 * 136 + 128  # what the two numbers carry, summed over q = 16 h + l
 MOST_ROWS = mslk_gemv.MOST_ROWS  # a reply step's rows: one block of rows, K split in shares
@@ -198,7 +198,9 @@ def product(x2: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, *,
     if n % 16 or k % block_k or block_k % 16 or block_n % 16:
         raise ValueError(f"int8 rows kernel: a {n}x{k} weight does not tile by {block_n} "
                          f"outputs and {block_k} inputs")
-    block_m = max(16, 1 << (rows - 1).bit_length()) if few else PROMPT_BLOCK_M
+    # 8 warps: at least 32 rows, as mslk_rows (Triton's code for fewer faulted there)
+    block_m = (max(mslk_rows.least_block_m(warps), 1 << (rows - 1).bit_length()) if few
+               else PROMPT_BLOCK_M)
     split_k = min(split_k, k // block_k) if few else 1  # the shares' count is per output block
     x2 = x2.contiguous()
     y = torch.empty(rows, n, dtype=x2.dtype, device=x2.device)
