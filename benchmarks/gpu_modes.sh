@@ -34,12 +34,17 @@
 #            into model_utils/layers/mslk_gemv_configs.json, which later steps use, and $OUT;
 #            INT4_ARGS="--layers down": some shapes only; INT4_ARGS=--rows-search: the same
 #            search for mslk_rows' tensor-core kernel from 2 rows, and its crossover)
+#   profile  benchmarks/kernel_profile.py under Nsight Compute where the machine has ncu: one
+#            kernel's product (PROFILE_KERNEL: mslk_rows, mslk_gemv, mslk, int8_rows or bf16;
+#            PROFILE_SHAPE N x K, default gate_up's 37888x3584; PROFILE_ROWS, default 8;
+#            PROFILE_ARGS, e.g. "--launch 64,64,1,4,3"): occupancy, memory throughput and
+#            what the warps stalled on, into $OUT/profile.log
 # Run from the repository root on the GPU machine, the wheels the image lacks in folders named
 # .whl* (e.g. .whl/: transformers, tokenizers; .whl-gemlite/: gemlite; .whl-bnb/:
 # bitsandbytes; one version of each package across them):
 #   STEPS="kernels quant" OUT=$OUT benchmarks/gpu_modes.sh
 # Each step has its own time limit (KERNELS_S, TESTS_S, QUANT_S, SWITCH_S, QUALITY_S,
-# SEARCH_S, MEMORY_S, INT4_KERNELS_S) and writes into
+# SEARCH_S, MEMORY_S, INT4_KERNELS_S, PROFILE_S) and writes into
 # $OUT as it goes.
 set -u
 cd "$(dirname "$0")/.."
@@ -112,6 +117,23 @@ for step in $STEPS; do
           ${INT4_ARGS:-} >"$OUT/int4-kernels.log" 2>&1
       say "int4kernels: exit $?"
       cp model_utils/layers/mslk_gemv_configs.json "$OUT/" 2>/dev/null;;
+    profile)
+      say "profile: one kernel's product under Nsight Compute"
+      NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)
+      args="--kernel ${PROFILE_KERNEL:-mslk_rows} --shape ${PROFILE_SHAPE:-37888x3584} \
+            --rows ${PROFILE_ROWS:-8} ${PROFILE_ARGS:-}"
+      if [ -z "$NCU" ]; then
+        say "profile: no ncu on this machine; the product's time only"
+        timeout "${PROFILE_S:-300}" $PY benchmarks/kernel_profile.py $args \
+            >"$OUT/profile.log" 2>&1
+      else
+        timeout "${PROFILE_S:-300}" "$NCU" --nvtx --nvtx-include "profiled/" \
+            --section SpeedOfLight --section Occupancy --section LaunchStats \
+            --section MemoryWorkloadAnalysis --section SchedulerStats \
+            --section WarpStateStats --section SourceCounters \
+            $PY benchmarks/kernel_profile.py $args >"$OUT/profile.log" 2>&1
+      fi
+      say "profile: exit $? ($(grep '"us"' "$OUT/profile.log" | tail -1))";;
     search)
       say "search: gemlite's split-K configs, wider, Qwen2.5-7B shape"
       timeout "${SEARCH_S:-540}" $PY benchmarks/gemlite_search.py \
