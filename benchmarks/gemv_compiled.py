@@ -131,6 +131,8 @@ def report(rows: int, block_n: int, block_k: int, split_k: int, warps: int,
                 "HMMA" if any("HMMA" in line for line in sass) else "none"),
             "loop_instructions": sum(opcodes.values()),
             "per_weight": round(sum(opcodes.values()) / weights, 2),
+            # values moved between a warp's threads in the loop (a reduction's shuffles)
+            "shuffles": opcodes["SHFL"],
             "mix": dict(opcodes.most_common(6))}
 
 

@@ -81,3 +81,16 @@ def test_the_weights_reach_the_tensor_cores_without_moving_between_threads(rows,
     assert found["tensor_cores"] == "HGMMA", found
     assert found["operand_conversions"] == 0, found
     assert found["spilled_bytes"] == 0, found
+
+
+def test_x_s_sums_need_no_reduction_inside_the_loop():
+    """At the launch the H100 search chose for every shape (64 outputs, 64 inputs a step, 4
+    warps), the zero points' sums of x come out of the tensor cores in the accumulator's layout:
+    no shuffle and no layout conversion in the compiled loop."""
+    pytest.importorskip("triton.backends.nvidia")
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    from gemv_compiled import report
+
+    for rows in (2, 32):
+        found = report(rows, 64, 64, split_k=14, warps=4, swapped=True, stages=3)
+        assert found["shuffles"] == 0 and found["inner_loop_conversions"] == 0, found
