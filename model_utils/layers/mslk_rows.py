@@ -163,13 +163,16 @@ def _kernel():
 
 
 # Launches (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages), SPLIT_K 0 for a share a group;
-# the fastest found per shape and row count by `benchmarks/int4_kernels.py --gemv-search` lives
+# the fastest found per shape and row count by `benchmarks/int4_kernels.py --rows-search` lives
 # in mslk_gemv's CONFIGS_FILE under "rows_kernel" ({rows: launch}), and up to how many rows this
-# kernel beat MSLK's GEMM under "rows_kernel_rows".
-DEFAULT = (128, 64, 4, 4, 3)
+# kernel beat MSLK's GEMM under "rows_kernel_rows". DEFAULT, for a shape not searched, is the
+# tile every shape's search chose on an H100 (BENCHMARKS.md); the list searches around it too.
+DEFAULT = (64, 64, 4, 4, 3)
 SEARCHED = [(block_n, block_k, split_k, warps, 3)
             for block_n, warps in ((64, 4), (128, 4), (256, 8))
             for block_k in (64, 128) for split_k in (1, 4, 14)] + [
+    (64, 64, split_k, 4, stages) for split_k in (1, 4, 14) for stages in (2, 4)] + [
+    (64, 64, 2, 4, 3), (64, 64, 7, 4, 3),
     (128, 64, 2, 4, 3), (128, 64, 7, 4, 3), (256, 64, 2, 8, 3), (64, 128, 0, 4, 3),
     (128, 128, 0, 4, 3), (128, 64, 4, 4, 2), (128, 64, 4, 4, 4), (256, 64, 4, 8, 4)]
 
