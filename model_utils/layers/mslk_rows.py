@@ -139,6 +139,7 @@ def _kernel():
                 # output, so that the sums land in acc's layout: summing x in each thread (adds
                 # and shuffles), or 64 rows of ones and a max over them (a reduction across
                 # warps through shared memory, with barriers, every chunk) compiled to more
+                # instructions
                 x_sum = tl.dot(tl.full([BLOCK_N, BLOCK_K], 1.0, xt.dtype), xt, x_sum)
                 if ASM:
                     r0, r1 = _nibbles_asm(b, MAGIC_BITS)
@@ -226,7 +227,7 @@ def product(x2: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, zeros:
     _kernel()[(-(-n // block_n), split_k)](
         x2, weight.view(torch.uint8), scales, zeros, y, sums, counts, rows, n, k, x2.stride(0),
         GROUP=group, BLOCK_M=max(least_block_m(warps), 1 << (rows - 1).bit_length()),
-        BLOCK_N=block_n,
-        BLOCK_K=block_k, SPLIT_K=split_k, CHUNK=group, MAGIC_BITS=magic, OFFSET=offset,
+        BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, CHUNK=group, MAGIC_BITS=magic,
+        OFFSET=offset,
         ASM=x2.is_cuda, num_warps=warps, num_stages=stages)
     return y
