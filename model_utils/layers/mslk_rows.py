@@ -228,6 +228,5 @@ def product(x2: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, zeros:
         x2, weight.view(torch.uint8), scales, zeros, y, sums, counts, rows, n, k, x2.stride(0),
         GROUP=group, BLOCK_M=max(least_block_m(warps), 1 << (rows - 1).bit_length()),
         BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, CHUNK=group, MAGIC_BITS=magic,
-        OFFSET=offset,
-        ASM=x2.is_cuda, num_warps=warps, num_stages=stages)
+        OFFSET=offset, ASM=x2.is_cuda, num_warps=warps, num_stages=stages)
     return y
